@@ -1,0 +1,493 @@
+"""
+ModernBERT, written out by hand (Warner et al., 2024), for the CLM-detour recipe.
+
+Read top to bottom: config -> attention backends -> RoPE -> Block -> encoder ->
+MLM head -> Hugging Face checkpoint read/write.
+
+The whole model runs on *unpadded* tokens: a flat (T,) tensor of token ids from
+B sequences laid end to end, with `cu_seqlens` (int32, B+1) marking where each
+sequence starts. No FLOP is spent on padding. The one switch `causal` turns the
+bidirectional encoder into a causal language model: every layer gets a causal
+mask and local layers see (64 left, 0 right) tokens instead of (64, 64).
+Nothing else changes, which is what makes the CLM detour possible.
+"""
+
+import inspect
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# -----------------------------------------------------------------------------
+# Config: field names follow Hugging Face's ModernBERT config.json
+
+
+@dataclass
+class ModernBertConfig:
+    vocab_size: int = 50368
+    hidden_size: int = 768
+    intermediate_size: int = 1152  # width of one GeGLU branch; Wi maps H -> 2 * this
+    num_hidden_layers: int = 22
+    num_attention_heads: int = 12
+    local_attention: int = 128  # local layers see +- local_attention // 2 tokens
+    global_attn_every_n_layers: int = 3  # layer i is global iff i % n == 0
+    global_rope_theta: float = 160000.0
+    local_rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    norm_eps: float = 1e-5
+    initializer_range: float = 0.02
+    initializer_cutoff_factor: float = 2.0
+    pad_token_id: int = 50283
+    cls_token_id: int = 50281
+    sep_token_id: int = 50282
+    bos_token_id: int = 50281
+    eos_token_id: int = 50282
+    # Dropout. Hugging Face applies `attention_dropout` both to the attention
+    # probabilities and after Wo; ModernBERT's pretraining used 0.1 after Wo only,
+    # which `attn_out_dropout` expresses (None: same as attention_dropout).
+    embedding_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    attn_out_dropout: float | None = None
+    mlp_dropout: float = 0.0
+    classifier_dropout: float = 0.0
+    classifier_pooling: str = "mean"  # "mean" over tokens or "cls"
+    # "auto" picks flash-attn, then torch varlen_attn (CUDA), then SDPA.
+    # The environment variable MODERNBERT_ATTN overrides it.
+    attn_backend: str = "auto"
+
+    @property
+    def head_dim(self):
+        return self.hidden_size // self.num_attention_heads
+
+    def is_global(self, layer):
+        return layer % self.global_attn_every_n_layers == 0
+
+    @classmethod
+    def base(cls, **kw):
+        return cls(**kw)  # the defaults are ModernBERT-base: 22 x 768 x 12, branch 1152
+
+    @classmethod
+    def large(cls, **kw):
+        return cls(**{**dict(hidden_size=1024, intermediate_size=2624, num_hidden_layers=28,
+                             num_attention_heads=16), **kw})
+
+    @classmethod
+    def from_hf_dict(cls, d):
+        """Read a Hugging Face config.json, old style or transformers-5 style."""
+        if d.get("model_type", "modernbert") != "modernbert":
+            raise ValueError(f"config.json has model_type={d['model_type']!r}; this code only reads ModernBERT "
+                             "checkpoints (model_type 'modernbert')")
+        for key, want in [("hidden_activation", "gelu"), ("norm_bias", False), ("attention_bias", False),
+                          ("mlp_bias", False), ("decoder_bias", True), ("classifier_bias", False),
+                          ("classifier_activation", "gelu")]:
+            if key in d and d[key] != want:
+                raise ValueError(f"config.json has {key}={d[key]!r}; ModernBERT as written here needs {want!r}")
+        names = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        layer_types = d.get("layer_types")
+        if layer_types:  # transformers 5: an explicit list; we need it to be periodic
+            n = next((i for i, t in enumerate(layer_types[1:], 1) if t == "full_attention"), len(layer_types))
+            expect = ["full_attention" if i % n == 0 else "sliding_attention" for i in range(len(layer_types))]
+            if layer_types != expect:
+                raise ValueError(f"config.json layer_types is not 'global every n layers': {layer_types}")
+            kw["global_attn_every_n_layers"] = n
+        rope = d.get("rope_parameters") or {}
+        for hf_type, ours in [("full_attention", "global_rope_theta"), ("sliding_attention", "local_rope_theta")]:
+            params = rope.get(hf_type) or {}
+            if params.get("rope_type", "default") != "default":
+                raise ValueError(f"config.json rope_parameters[{hf_type!r}] uses rope_type "
+                                 f"{params['rope_type']!r}; only 'default' RoPE is supported")
+            if "rope_theta" in params:
+                kw[ours] = params["rope_theta"]
+        # Some converted checkpoints carry local_rope_theta -1 (or null): "same as global".
+        if kw.get("local_rope_theta") in (None, -1):
+            kw["local_rope_theta"] = kw.get("global_rope_theta", cls.global_rope_theta)
+        for k in ("pad_token_id", "cls_token_id", "sep_token_id", "bos_token_id", "eos_token_id"):
+            if kw.get(k) is None:
+                kw.pop(k, None)
+        return cls(**kw)
+
+    def to_hf_dict(self):
+        """config.json that transformers 4.48+ and 5 both read (old keys and new keys)."""
+        d = {k: v for k, v in asdict(self).items() if k != "attn_backend"}
+        n = self.num_hidden_layers
+        d.update(
+            architectures=["ModernBertForMaskedLM"], model_type="modernbert", hidden_activation="gelu",
+            norm_bias=False, attention_bias=False, mlp_bias=False, decoder_bias=True, classifier_bias=False,
+            classifier_activation="gelu", tie_word_embeddings=True, sparse_prediction=False,
+            layer_types=["full_attention" if self.is_global(i) else "sliding_attention" for i in range(n)],
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": self.global_rope_theta},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": self.local_rope_theta}},
+        )
+        return d
+
+
+# -----------------------------------------------------------------------------
+# Attention backends. All take q, k, v of shape (T, nh, hd) on unpadded tokens and
+# a window (left, right) in tokens (-1 = unlimited), and return (T, nh, hd).
+
+try:
+    from flash_attn import flash_attn_varlen_func
+except ImportError:
+    flash_attn_varlen_func = None
+try:
+    from torch.nn.attention.varlen import varlen_attn
+    # Early versions of varlen_attn have no sliding window; ModernBERT needs one.
+    if "window_size" not in inspect.signature(varlen_attn).parameters:
+        varlen_attn = None
+except ImportError:
+    varlen_attn = None
+
+BACKENDS = ("flash", "varlen", "sdpa")
+
+
+def pick_backend(requested, device, dropout_p):
+    """The backend this forward will use: MODERNBERT_ATTN, else the config, else the fastest available."""
+    name = os.environ.get("MODERNBERT_ATTN") or requested
+    if name == "auto":
+        if device.type == "cuda" and flash_attn_varlen_func is not None:
+            return "flash"
+        if device.type == "cuda" and varlen_attn is not None and dropout_p == 0.0:
+            return "varlen"
+        return "sdpa"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of auto, {', '.join(BACKENDS)}")
+    if name == "flash" and (flash_attn_varlen_func is None or device.type != "cuda"):
+        raise RuntimeError("attention backend 'flash' needs CUDA and `pip install flash-attn --no-build-isolation`")
+    if name == "varlen" and (varlen_attn is None or device.type != "cuda"):
+        raise RuntimeError("attention backend 'varlen' needs CUDA and a PyTorch whose "
+                           "torch.nn.attention.varlen.varlen_attn has window_size (2.10+)")
+    if name == "varlen" and dropout_p > 0:
+        raise RuntimeError("attention backend 'varlen' has no attention-probability dropout; "
+                           "set attention_dropout=0 (use attn_out_dropout) or pick another backend")
+    return name
+
+
+class Packing:
+    """Everything about the layout of an unpadded batch that every layer shares.
+
+    Built once per forward: positions for RoPE (restarting at 0 in each sequence),
+    and for the SDPA backend the scatter index into a re-padded (B, S) view and
+    the boolean masks (only attention is re-padded; every other op stays flat).
+    """
+
+    def __init__(self, T, cu_seqlens, max_seqlen, causal, half_window, backend):
+        self.cu_seqlens, self.max_seqlen, self.causal, self.backend = cu_seqlens, max_seqlen, causal, backend
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # (B,)
+        starts = torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=T)  # (T,)
+        self.positions = torch.arange(T, device=cu_seqlens.device) - starts  # (T,)
+        self.windows = {True: (-1, -1), False: (half_window, half_window)}  # keyed by is_global
+        if causal:
+            self.windows = {g: (left, 0) for g, (left, _) in self.windows.items()}
+        if backend == "sdpa":
+            B, S = lengths.numel(), max_seqlen
+            seq_id = torch.repeat_interleave(torch.arange(B, device=cu_seqlens.device), lengths, output_size=T)
+            self.pad_index = seq_id * S + self.positions  # (T,) row in the flattened (B*S) view
+            idx = torch.arange(S, device=cu_seqlens.device)
+            valid = idx[None, :] < lengths[:, None]  # (B, S)
+            offset = idx[None, :] - idx[:, None]  # (S, S): key position - query position
+            self.masks = {}
+            for is_global, (left, right) in self.windows.items():
+                ok = valid[:, None, :].expand(B, S, S)  # keys must be real tokens
+                if left >= 0:
+                    ok = ok & (offset >= -left)
+                if right >= 0:
+                    ok = ok & (offset <= right)
+                # Padded query rows would see no key at all (softmax of nothing = NaN);
+                # let them see everything: their outputs are thrown away.
+                ok = ok | ~valid[:, :, None]
+                self.masks[is_global] = ok[:, None]  # (B, 1, S, S)
+
+
+def attention(q, k, v, packing, is_global, dropout_p):
+    """Scaled dot-product attention over the sequences of an unpadded batch."""
+    left, right = packing.windows[is_global]
+    cu, S = packing.cu_seqlens, packing.max_seqlen
+    if packing.backend == "flash":
+        return flash_attn_varlen_func(q, k, v, cu, cu, S, S, dropout_p=dropout_p, causal=packing.causal,
+                                      window_size=(left, right))
+    if packing.backend == "varlen":
+        return varlen_attn(q, k, v, cu, cu, S, S, window_size=(left, right))
+    # SDPA: scatter into a zero-padded (B, S) view, attend with a boolean mask, gather back.
+    T, nh, hd = q.shape
+    B = cu.numel() - 1
+
+    def pad(x):  # (T, nh, hd) -> (B, nh, S, hd)
+        out = x.new_zeros(B * S, nh, hd).index_copy(0, packing.pad_index, x)
+        return out.view(B, S, nh, hd).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=packing.masks[is_global],
+                                         dropout_p=dropout_p)
+    return out.transpose(1, 2).reshape(B * S, nh, hd)[packing.pad_index]  # (T, nh, hd)
+
+
+# -----------------------------------------------------------------------------
+# Rotary position embedding (rotate-half / NeoX style, on the full head dim)
+
+
+def rope_cos_sin(positions, head_dim, theta):
+    """cos and sin tables, (T, head_dim), with angles computed in float32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    angles = positions.float()[:, None] * inv_freq[None, :]  # (T, hd/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (T, hd)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """x: (T, nh, hd). Rotate pairs (i, i + hd/2) by the position's angle, in float32."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+
+
+# -----------------------------------------------------------------------------
+# The transformer
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer):
+        super().__init__()
+        self.nh, self.hd = config.num_attention_heads, config.head_dim
+        self.is_global = config.is_global(layer)
+        self.Wqkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=False)
+        self.Wo = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.dropout_p = config.attention_dropout
+        out_p = config.attention_dropout if config.attn_out_dropout is None else config.attn_out_dropout
+        self.out_drop = nn.Dropout(out_p)
+
+    def forward(self, x, packing, rope):
+        T = x.shape[0]
+        qkv = self.Wqkv(x).view(T, 3, self.nh, self.hd)  # rows laid out [Q heads | K heads | V heads]
+        q, k, v = qkv.unbind(dim=1)  # each (T, nh, hd)
+        cos, sin = rope[self.is_global]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = attention(q, k, v, packing, self.is_global, self.dropout_p if self.training else 0.0)
+        return self.out_drop(self.Wo(y.reshape(T, self.nh * self.hd)))
+
+
+class MLP(nn.Module):
+    """GeGLU: Wo(gelu(a) * g) where a, g = Wi(x).chunk(2)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.Wi = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.drop = nn.Dropout(config.mlp_dropout)
+        self.Wo = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        a, g = self.Wi(x).chunk(2, dim=-1)
+        return self.Wo(self.drop(F.gelu(a) * g))
+
+
+class Block(nn.Module):
+    """Pre-norm: x += Attn(LN(x)); x += MLP(LN(x)). Layer 0 has no attention norm
+    because the embedding LayerNorm just ran."""
+
+    def __init__(self, config, layer):
+        super().__init__()
+        norm = lambda: nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=False)  # noqa: E731
+        self.attn_norm = norm() if layer > 0 else nn.Identity()
+        self.attn = Attention(config, layer)
+        self.mlp_norm = norm()
+        self.mlp = MLP(config)
+
+    def forward(self, x, packing, rope):
+        x = x + self.attn(self.attn_norm(x), packing, rope)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Embeddings(nn.Module):
+    """LayerNorm(token embedding): ModernBERT has no position embedding (RoPE does that)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=False)
+        self.drop = nn.Dropout(config.embedding_dropout)
+
+    def forward(self, tokens):
+        return self.drop(self.norm(self.tok_embeddings(tokens)))
+
+
+class ModernBertModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.embeddings = Embeddings(config)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
+        self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=False)
+
+    def forward(self, tokens, cu_seqlens, max_seqlen, causal=False, return_layers=False):
+        """tokens (T,) -> hidden states (T, H) after the final norm.
+
+        With return_layers=True also returns the list of the L layer outputs, each
+        (T, H), before the final norm (what cka.py compares).
+        """
+        c = self.config
+        backend = pick_backend(c.attn_backend, tokens.device, c.attention_dropout if self.training else 0.0)
+        packing = Packing(tokens.shape[0], cu_seqlens, max_seqlen, causal, c.local_attention // 2, backend)
+        rope = {True: rope_cos_sin(packing.positions, c.head_dim, c.global_rope_theta),
+                False: rope_cos_sin(packing.positions, c.head_dim, c.local_rope_theta)}
+        x = self.embeddings(tokens)
+        layers = []
+        for block in self.layers:
+            x = block(x, packing, rope)
+            layers.append(x)
+        x = self.final_norm(x)
+        return (x, layers) if return_layers else x
+
+
+class PredictionHead(nn.Module):
+    """dense -> GELU -> LayerNorm; shared by the MLM/CLM head and the classifiers."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=False)
+
+    def forward(self, x):
+        return self.norm(F.gelu(self.dense(x)))
+
+
+def unpad(input_ids, attention_mask):
+    """(B, S) padded batch -> flat tokens (T,), cu_seqlens (B+1,), max_seqlen, and
+    the (T,) indices of the kept tokens in the flattened (B*S) batch."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
+    keep = attention_mask.bool().flatten().nonzero().squeeze(1)  # (T,)
+    lengths = attention_mask.bool().sum(dim=1, dtype=torch.int32)  # (B,)
+    cu_seqlens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    return input_ids.flatten()[keep], cu_seqlens, int(lengths.max()), keep
+
+
+def repad(x, keep, B, S):
+    """Flat rows (T, ...) back to (B, S, ...); padded positions are zero."""
+    out = x.new_zeros(B * S, *x.shape[1:]).index_copy(0, keep, x)
+    return out.view(B, S, *x.shape[1:])
+
+
+class ModernBertForMaskedLM(nn.Module):
+    """Encoder + LM head (dense, GELU, LayerNorm, decoder tied to the embeddings).
+
+    The same head serves MLM and CLM: only which rows are predicted, and whether
+    the mask is causal, differ between the two objectives.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = ModernBertModel(config)
+        self.head = PredictionHead(config)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=True)
+        self.apply(self._init_weights)
+        self.decoder.weight = self.model.embeddings.tok_embeddings.weight  # tied: one tensor
+
+    def _init_weights(self, module):
+        """ModernBERT's init: truncated normal cut at 2 std; 0.02 in, 0.02/sqrt(2L) for the output projections."""
+        c = self.config
+        std_in, std_out = c.initializer_range, c.initializer_range / math.sqrt(2.0 * c.num_hidden_layers)
+
+        def trunc(w, std):
+            cut = c.initializer_cutoff_factor * std
+            nn.init.trunc_normal_(w, mean=0.0, std=std, a=-cut, b=cut)
+
+        if isinstance(module, Embeddings):
+            trunc(module.tok_embeddings.weight, std_in)
+        elif isinstance(module, Attention):
+            trunc(module.Wqkv.weight, std_in)
+            trunc(module.Wo.weight, std_out)
+        elif isinstance(module, MLP):
+            trunc(module.Wi.weight, std_in)
+            trunc(module.Wo.weight, std_out)
+        elif isinstance(module, PredictionHead):
+            trunc(module.dense.weight, std_out)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+        elif module is self.decoder:
+            nn.init.zeros_(module.bias)
+
+    def num_params(self):
+        """Parameter count with the tied decoder weight counted once (as transformers reports)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def logits(self, hidden):
+        """(N, H) -> (N, V). Apply to selected rows only for sparse prediction."""
+        return self.decoder(self.head(hidden))
+
+    def forward_unpadded(self, tokens, cu_seqlens, max_seqlen, causal=False, rows=None):
+        """tokens (T,) -> logits (T, V), or (len(rows), V) for only the rows that have a target."""
+        hidden = self.model(tokens, cu_seqlens, max_seqlen, causal=causal)
+        return self.logits(hidden if rows is None else hidden[rows])
+
+    def forward(self, input_ids, attention_mask=None, causal=False):
+        """Padded entry point: (B, S) ids -> (B, S, V) logits (rows at padded positions are zero)."""
+        B, S = input_ids.shape
+        tokens, cu_seqlens, max_seqlen, keep = unpad(input_ids, attention_mask)
+        return repad(self.forward_unpadded(tokens, cu_seqlens, max_seqlen, causal=causal), keep, B, S)
+
+    # -------------------------------------------------------------------------
+    # Hugging Face checkpoints: config.json + model.safetensors (or pytorch_model.bin)
+
+    def save_pretrained(self, path):
+        """Write config.json and model.safetensors that transformers' AutoModelForMaskedLM loads as they are."""
+        from safetensors.torch import save_file
+
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(self.config.to_hf_dict(), f, indent=2)
+        # decoder.weight is the embedding matrix: stored once, as transformers does.
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items() if k != "decoder.weight"}
+        save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(cls, path, **overrides):
+        """Load a Hugging Face ModernBERT directory (ModernBertForMaskedLM or ModernBertModel weights).
+
+        `overrides` set config fields (e.g. attn_backend, dropout rates) that the file does not decide.
+        """
+        config = load_config(path, **overrides)
+        model = cls(config)
+        state = load_state(path)
+        state.pop("decoder.weight", None)  # tied to the embeddings
+        if not any(k.startswith("model.") for k in state):  # a bare ModernBertModel checkpoint
+            state = {"model." + k: v for k, v in state.items()}
+        expected = {k: v for k, v in model.state_dict().items() if k != "decoder.weight"}
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(k for k in set(state) - set(expected)
+                            if not k.startswith(("classifier.", "drop.")))  # task heads of fine-tuned models
+        if missing or unexpected:
+            raise ValueError(f"{path}: checkpoint does not match a ModernBertForMaskedLM of its config.json: "
+                             f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
+                             f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+        for k, v in expected.items():
+            if state[k].shape != v.shape:
+                raise ValueError(f"{path}: {k} has shape {tuple(state[k].shape)} but config.json implies "
+                                 f"{tuple(v.shape)}")
+        model.load_state_dict({k: state[k] for k in expected}, strict=False)
+        return model
+
+
+def load_config(path, **overrides):
+    """ModernBertConfig from a checkpoint directory's config.json."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"{path}: no config.json; a Hugging Face ModernBERT checkpoint directory has "
+                                "config.json and model.safetensors")
+    with open(cfg_path) as f:
+        return ModernBertConfig(**{**asdict(ModernBertConfig.from_hf_dict(json.load(f))), **overrides})
+
+
+def load_state(path):
+    """The state dict of a checkpoint directory: model.safetensors, else pytorch_model.bin."""
+    st, pt = os.path.join(path, "model.safetensors"), os.path.join(path, "pytorch_model.bin")
+    if os.path.isfile(st):
+        from safetensors.torch import load_file
+        return load_file(st)
+    if os.path.isfile(pt):
+        return torch.load(pt, map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"{path}: no model.safetensors or pytorch_model.bin")

@@ -1,0 +1,341 @@
+"""model.py against transformers' ModernBERT and against an independent float64 reference."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from model import BACKENDS, ModernBertConfig, ModernBertForMaskedLM, flash_attn_varlen_func, varlen_attn
+
+transformers = pytest.importorskip("transformers")
+
+# Three small configs: sequences much longer than the window, 7 layers, and a
+# vocab that is not a multiple of 64.
+CONFIGS = {
+    "long_seqs": dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                      num_attention_heads=4, local_attention=8),
+    "seven_layers": dict(vocab_size=640, hidden_size=48, intermediate_size=80, num_hidden_layers=7,
+                         num_attention_heads=3, local_attention=16, global_attn_every_n_layers=2),
+    "odd_vocab": dict(vocab_size=1003, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=2, local_attention=32, global_rope_theta=50000.0, local_rope_theta=500.0),
+}
+SPECIAL = dict(pad_token_id=0, cls_token_id=1, sep_token_id=2, bos_token_id=1, eos_token_id=2)
+
+
+def small_config(name, **kw):
+    return ModernBertConfig(**{**CONFIGS[name], **SPECIAL, **kw})
+
+
+def randomize_(model, seed=0):
+    """Random weights everywhere, norms and biases included, so every parameter matters."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.08 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def padded_batch(vocab, lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    S = max(lengths)
+    ids = torch.randint(3, vocab, (len(lengths), S), generator=g)
+    mask = torch.arange(S)[None, :] < torch.tensor(lengths)[:, None]
+    ids[~mask] = 0
+    return ids, mask.long()
+
+
+def hf_model(path):
+    model, info = transformers.AutoModelForMaskedLM.from_pretrained(path, output_loading_info=True,
+                                                                    attn_implementation="eager")
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    return model.eval()
+
+
+# -----------------------------------------------------------------------------
+# An independent float64 reference: one sequence at a time, explicit masks, every
+# formula spelled out from the paper (no code shared with model.py).
+
+
+def reference_logits(model, ids, causal=False):
+    """ids: (S,) one sequence -> (S, V) float64 logits and the list of L layer outputs."""
+    c = model.config
+    w = {k: v.double() for k, v in model.state_dict().items()}
+    H, nh = c.hidden_size, c.num_attention_heads
+    hd = H // nh
+    S = ids.shape[0]
+
+    def norm(x, weight):
+        mu = x.mean(-1, keepdim=True)
+        var = ((x - mu) ** 2).mean(-1, keepdim=True)
+        return (x - mu) / torch.sqrt(var + c.norm_eps) * weight
+
+    def gelu(x):
+        return 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
+
+    def rope(x, theta):  # x: (S, nh, hd); rotate (x_j, x_{j+hd/2}) by pos * theta^(-2j/hd)
+        out = x.clone()
+        for j in range(hd // 2):
+            ang = torch.arange(S, dtype=torch.float64) * theta ** (-2 * j / hd)
+            cos, sin = ang.cos()[:, None], ang.sin()[:, None]
+            a, b = x[:, :, j], x[:, :, j + hd // 2]
+            out[:, :, j], out[:, :, j + hd // 2] = a * cos - b * sin, b * cos + a * sin
+        return out
+
+    x = norm(w["model.embeddings.tok_embeddings.weight"][ids], w["model.embeddings.norm.weight"])
+    layers = []
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        is_global = i % c.global_attn_every_n_layers == 0
+        h = x if i == 0 else norm(x, w[p + "attn_norm.weight"])
+        q, k, v = (h @ w[p + "attn.Wqkv.weight"].T).view(S, 3, nh, hd).unbind(1)
+        theta = c.global_rope_theta if is_global else c.local_rope_theta
+        q, k = rope(q, theta), rope(k, theta)
+        allowed = torch.ones(S, S, dtype=torch.bool)
+        for qi in range(S):
+            for ki in range(S):
+                if causal and ki > qi:
+                    allowed[qi, ki] = False
+                if not is_global and abs(qi - ki) > c.local_attention // 2:
+                    allowed[qi, ki] = False
+        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        att = torch.einsum("hqk,khd->qhd", probs, v).reshape(S, H)
+        x = x + att @ w[p + "attn.Wo.weight"].T
+        a, g = (norm(x, w[p + "mlp_norm.weight"]) @ w[p + "mlp.Wi.weight"].T).chunk(2, -1)
+        x = x + (gelu(a) * g) @ w[p + "mlp.Wo.weight"].T
+        layers.append(x)
+    x = norm(x, w["model.final_norm.weight"])
+    x = norm(gelu(x @ w["head.dense.weight"].T), w["head.norm.weight"])
+    return x @ w["model.embeddings.tok_embeddings.weight"].T + w["decoder.bias"], layers
+
+
+# -----------------------------------------------------------------------------
+# 1. Parity with transformers, both directions
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_ours_to_transformers(name, tmp_path):
+    ours = randomize_(ModernBertForMaskedLM(small_config(name))).eval()
+    ours.save_pretrained(tmp_path)
+    hf = hf_model(tmp_path)
+    ids, mask = padded_batch(ours.config.vocab_size, [70, 33, 5, 1, 64])
+    with torch.no_grad():
+        a, b = ours(ids, mask), hf(input_ids=ids, attention_mask=mask).logits
+    diff = (a - b)[mask.bool()].abs().max().item()
+    print(f"{name}: ours -> transformers max |logit diff| = {diff:.2e}")
+    assert diff <= 1e-4
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_transformers_to_ours(name, tmp_path):
+    c = CONFIGS[name]
+    hf_cfg = transformers.ModernBertConfig(
+        **{k: v for k, v in c.items() if k not in ("global_rope_theta", "local_rope_theta")}, **SPECIAL,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": c.get("global_rope_theta", 160000.0)},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": c.get("local_rope_theta", 10000.0)}},
+        classifier_pooling="mean")
+    hf = randomize_(transformers.ModernBertForMaskedLM(hf_cfg)).eval()
+    hf.save_pretrained(tmp_path)
+    ours = ModernBertForMaskedLM.from_pretrained(tmp_path).eval()
+    assert ours.config.global_attn_every_n_layers == c.get("global_attn_every_n_layers", 3)
+    ids, mask = padded_batch(c["vocab_size"], [3, 90, 17, 40])
+    with torch.no_grad():
+        a, b = ours(ids, mask), hf(input_ids=ids, attention_mask=mask).logits
+    diff = (a - b)[mask.bool()].abs().max().item()
+    print(f"{name}: transformers -> ours max |logit diff| = {diff:.2e}")
+    assert diff <= 1e-4
+
+
+def test_old_style_config_and_local_theta_minus_one(tmp_path):
+    """Older config.json (global_rope_theta, local_rope_theta=-1, ...) and pytorch_model.bin."""
+    ours = randomize_(ModernBertForMaskedLM(small_config("long_seqs", local_rope_theta=160000.0))).eval()
+    ours.save_pretrained(tmp_path / "new")
+    hf = hf_model(tmp_path / "new")
+    old = {k: v for k, v in ours.config.to_hf_dict().items() if k not in ("layer_types", "rope_parameters")}
+    old["local_rope_theta"] = -1
+    os.makedirs(tmp_path / "old")
+    (tmp_path / "old" / "config.json").write_text(json.dumps(old))
+    torch.save(hf.state_dict(), tmp_path / "old" / "pytorch_model.bin")
+    loaded = ModernBertForMaskedLM.from_pretrained(tmp_path / "old").eval()
+    assert loaded.config.local_rope_theta == 160000.0
+    assert loaded.decoder.weight is loaded.model.embeddings.tok_embeddings.weight
+    ids, mask = padded_batch(512, [50, 20])
+    with torch.no_grad():
+        diff = (loaded(ids, mask) - hf(input_ids=ids, attention_mask=mask).logits)[mask.bool()].abs().max()
+    assert diff <= 1e-4
+
+
+# -----------------------------------------------------------------------------
+# 2-4. Causal mask, no leakage across sequences, backends vs the float64 reference
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_matches_float64_reference(causal):
+    model = randomize_(ModernBertForMaskedLM(small_config("long_seqs"))).eval()
+    lengths = [1, 3, 4, 5, 12, 31]  # length 1, shorter and longer than the +-4 window
+    ids, mask = padded_batch(512, lengths, seed=1)
+    with torch.no_grad():
+        ours = model(ids, mask, causal=causal)
+    worst = 0.0
+    for b, n in enumerate(lengths):
+        ref, _ = reference_logits(model, ids[b, :n], causal=causal)
+        worst = max(worst, (ours[b, :n].double() - ref).abs().max().item())
+    print(f"causal={causal}: SDPA vs float64 reference max |logit diff| = {worst:.2e}")
+    assert worst <= 1e-4
+
+
+def test_causal_outputs_do_not_see_the_future():
+    """Changing tokens after position i changes nothing at positions <= i, in every layer."""
+    model = randomize_(ModernBertForMaskedLM(small_config("long_seqs"))).eval()
+    S, i = 40, 17
+    ids = torch.randint(3, 512, (S,))
+    changed = ids.clone()
+    changed[i + 1:] = torch.randint(3, 512, (S - i - 1,))
+    cu = torch.tensor([0, S], dtype=torch.int32)
+    with torch.no_grad():
+        _, a = model.model(ids, cu, S, causal=True, return_layers=True)
+        _, b = model.model(changed, cu, S, causal=True, return_layers=True)
+        _, bidir = model.model(changed, cu, S, causal=False, return_layers=True)
+    for layer, (x, y) in enumerate(zip(a, b)):
+        assert torch.equal(x[: i + 1], y[: i + 1]), f"layer {layer} leaks the future"
+        assert not torch.allclose(x[i + 1:], y[i + 1:])
+    assert not torch.allclose(a[-1][: i + 1], bidir[-1][: i + 1])  # bidirectional does see it
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_no_leakage_across_sequences(causal):
+    model = randomize_(ModernBertForMaskedLM(small_config("seven_layers"))).eval()
+    lengths = [25, 1, 9, 40]
+    ids, mask = padded_batch(640, lengths, seed=2)
+    with torch.no_grad():
+        together = model(ids, mask, causal=causal)
+        for b, n in enumerate(lengths):
+            alone = model(ids[b: b + 1, :n], causal=causal)[0]
+            assert (together[b, :n] - alone).abs().max() <= 1e-5
+
+
+def test_hidden_states_per_layer():
+    model = randomize_(ModernBertForMaskedLM(small_config("seven_layers"))).eval()
+    ids, mask = padded_batch(640, [12, 30], seed=3)
+    tokens = ids[mask.bool()]
+    cu = torch.tensor([0, 12, 42], dtype=torch.int32)
+    with torch.no_grad():
+        final, layers = model.model(tokens, cu, 30, return_layers=True)
+    assert len(layers) == 7 and all(x.shape == (42, 48) for x in layers)
+    ref_logits, ref_layers = reference_logits(model, ids[1, :30])
+    assert (layers[4][12:].double() - ref_layers[4]).abs().max() <= 1e-4
+
+
+def test_sparse_prediction_rows():
+    model = randomize_(ModernBertForMaskedLM(small_config("odd_vocab"))).eval()
+    tokens = torch.randint(3, 1003, (50,))
+    cu = torch.tensor([0, 20, 50], dtype=torch.int32)
+    rows = torch.tensor([0, 7, 19, 20, 49])
+    with torch.no_grad():
+        full = model.forward_unpadded(tokens, cu, 30)
+        sparse = model.forward_unpadded(tokens, cu, 30, rows=rows)
+    assert sparse.shape == (5, 1003)
+    assert (full[rows] - sparse).abs().max() <= 1e-5
+
+
+# -----------------------------------------------------------------------------
+# 5. Backward on edge cases; tied decoder
+
+
+@pytest.mark.parametrize("lengths", [[1], [1, 1, 1], [3], [200], [1, 50, 4, 9]])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_is_finite(lengths, causal):
+    model = ModernBertForMaskedLM(small_config("long_seqs", attention_dropout=0.1, mlp_dropout=0.1))
+    model.train()
+    ids, mask = padded_batch(512, lengths, seed=4)
+    logits = model(ids, mask, causal=causal)
+    assert torch.isfinite(logits).all()
+    logits[mask.bool()].logsumexp(-1).mean().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+
+
+def test_decoder_is_tied_to_embeddings():
+    model = ModernBertForMaskedLM(small_config("odd_vocab"))
+    assert model.decoder.weight is model.model.embeddings.tok_embeddings.weight
+    assert sum(1 for n, _ in model.named_parameters() if "tok_embeddings" in n or "decoder.weight" in n) == 1
+
+
+# -----------------------------------------------------------------------------
+# 6. The real sizes
+
+
+def test_real_sizes_parameter_counts():
+    hf_counts = {}
+    for name, preset in [("base", ModernBertConfig.base), ("large", ModernBertConfig.large)]:
+        with torch.device("meta"):
+            ours = ModernBertForMaskedLM(preset()).num_params()
+            c = preset()
+            hf = transformers.ModernBertForMaskedLM(transformers.ModernBertConfig(
+                vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads))
+            hf_counts[name] = sum(p.numel() for p in hf.parameters())
+        assert ours == hf_counts[name]
+        assert round(ours / 1e6, 2) == {"base": 149.66, "large": 395.88}[name]
+
+
+# -----------------------------------------------------------------------------
+# Clear errors
+
+
+def test_bad_checkpoints_get_clear_errors(tmp_path):
+    model = ModernBertForMaskedLM(small_config("long_seqs"))
+    model.save_pretrained(tmp_path / "ok")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        ModernBertForMaskedLM.from_pretrained(tmp_path / "nothing")
+
+    cfg = json.loads((tmp_path / "ok" / "config.json").read_text())
+    os.makedirs(tmp_path / "bert")
+    (tmp_path / "bert" / "config.json").write_text(json.dumps({**cfg, "model_type": "bert"}))
+    with pytest.raises(ValueError, match="model_type='bert'"):
+        ModernBertForMaskedLM.from_pretrained(tmp_path / "bert")
+
+    os.makedirs(tmp_path / "shape")
+    (tmp_path / "shape" / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 100}))
+    os.link(tmp_path / "ok" / "model.safetensors", tmp_path / "shape" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.Wi\.weight"):
+        ModernBertForMaskedLM.from_pretrained(tmp_path / "shape")
+
+    os.makedirs(tmp_path / "noweights")
+    (tmp_path / "noweights" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        ModernBertForMaskedLM.from_pretrained(tmp_path / "noweights")
+
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        ModernBertForMaskedLM(small_config("long_seqs", attn_backend="xformers"))(torch.ones(1, 3, dtype=torch.long))
+
+
+# -----------------------------------------------------------------------------
+# GPU backends against SDPA (skipped without CUDA)
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+@pytest.mark.parametrize("backend", ["flash", "varlen"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_backends_match_sdpa(backend, causal):
+    if backend == "flash" and flash_attn_varlen_func is None:
+        pytest.skip("flash-attn is not installed")
+    if backend == "varlen" and varlen_attn is None:
+        pytest.skip("this PyTorch has no varlen_attn with window_size")
+    assert backend in BACKENDS
+    model = randomize_(ModernBertForMaskedLM(small_config("long_seqs"))).eval().cuda()
+    ids, mask = padded_batch(512, [1, 7, 130, 64], seed=5)
+    ids, mask = ids.cuda(), mask.cuda()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        model.config.attn_backend = "sdpa"
+        ref = model(ids, mask, causal=causal).float()
+        model.config.attn_backend = backend
+        out = model(ids, mask, causal=causal).float()
+    assert (out - ref)[mask.bool()].abs().max() <= 0.05 * ref.abs().max()
