@@ -1,0 +1,671 @@
+"""
+Data for the CLM detour: tokenizers, token shards, the packed loader, and the two
+objectives' batches.
+
+One direction: text files -> `python data.py prepare` -> train.bin / val.bin
+(token ids, documents separated by the tokenizer's end-of-document id) +
+meta.json -> Loader (fixed-length windows in an order fixed by data_seed, sharded
+by rank, resumable) -> mlm_batch / clm_batch (the flat unpadded form the model
+takes). Knows nothing of the model.
+
+    python data.py prepare --input corpus.txt --tokenizer path/to/ModernBERT-base --out data/bio
+    python data.py prepare --demo general --tokenizer bpe:4096 --out data/general
+"""
+
+import argparse
+import ast
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import re
+import shutil
+import sysconfig
+import unicodedata
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+# -----------------------------------------------------------------------------
+# Tokenizers. One small interface over three sources:
+#   - a Hugging Face tokenizer.json (or a checkpoint directory holding one).
+#     Byte-level BPE (ModernBERT) runs on tiktoken, made to give exactly the ids
+#     Hugging Face's `tokenizers` gives; anything else (WordPiece: ModernCamemBERT)
+#     runs on `tokenizers` itself.
+#   - a tiktoken encoding name (gpt2, cl100k_base, ...), if cached locally.
+#   - "bpe:N": train a byte-level BPE of N tokens on the input (offline demo).
+
+SPECIAL_NAMES = ("cls_id", "sep_id", "pad_id", "mask_id", "eos_id")
+
+
+def _byte_decoder():
+    """Inverse of GPT-2's bytes_to_unicode: printable char -> byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+NEVER_IN_UTF8 = {0xC0, 0xC1, *range(0xF5, 0x100)}  # bytes a vocabulary may leave out
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+class Tokenizer:
+    """encode(text) -> ids (no special tokens added), encode_batch, decode, vocab_size,
+    and the special ids cls_id, sep_id, pad_id, mask_id, eos_id (eos separates documents)."""
+
+    def __init__(self, spec, vocab_size, special, encode_batch, decode, file=None):
+        self.spec, self.vocab_size, self.file = spec, vocab_size, file
+        self._encode_batch, self._decode = encode_batch, decode
+        for name in SPECIAL_NAMES:
+            setattr(self, name, special[name])
+
+    def encode(self, text):
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts):
+        return self._encode_batch(texts)
+
+    def decode(self, ids):
+        return self._decode(ids)
+
+    @property
+    def special_ids(self):
+        return {name: getattr(self, name) for name in SPECIAL_NAMES}
+
+
+def load_tokenizer(spec):
+    """spec: a tokenizer.json path, a directory holding one, or a tiktoken encoding name."""
+    path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+        if _is_gpt2_byte_level_bpe(d):
+            return _tiktoken_from_hf(d, path)
+        return _hf_tokenizer(path)
+    if os.sep in spec or spec.endswith(".json"):
+        raise FileNotFoundError(f"tokenizer {spec!r} not found: give a tokenizer.json, a checkpoint directory "
+                                "holding one, or a tiktoken encoding name")
+    return _tiktoken_by_name(spec)
+
+
+def _special_ids_from_tokens(lookup, where):
+    """Special ids of a BERT-style vocabulary: [CLS] [SEP] [PAD] [MASK]; documents end with [SEP]."""
+    ids = {}
+    for name, token in [("cls_id", "[CLS]"), ("sep_id", "[SEP]"), ("pad_id", "[PAD]"), ("mask_id", "[MASK]")]:
+        if lookup(token) is None:
+            raise ValueError(f"{where}: the tokenizer has no {token} token, which MLM training needs")
+        ids[name] = lookup(token)
+    ids["eos_id"] = ids["sep_id"]
+    return ids
+
+
+def _is_gpt2_byte_level_bpe(d):
+    m, pre, norm = d.get("model", {}), d.get("pre_tokenizer") or {}, d.get("normalizer")
+    return (m.get("type") == "BPE" and pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
+            and not pre.get("add_prefix_space", False) and not m.get("ignore_merges", False)
+            and m.get("dropout") is None and (norm is None or norm.get("type") == "NFC"))
+
+
+def _tiktoken_from_hf(d, path):
+    """Byte-level BPE from a tokenizer.json on tiktoken, exact to Hugging Face `tokenizers`.
+
+    Three things make it exact: the added tokens (ModernBERT's runs of 2-24 spaces,
+    [MASK] with lstrip, ...) are split off before BPE, leftmost-longest and in the
+    same two passes as Hugging Face; NFC (the file's normalizer) runs between them;
+    and tiktoken ranks follow the merge order, mapped back to the file's ids afterwards.
+    """
+    import tiktoken
+
+    byte_of = _byte_decoder()
+    char_of = {b: ch for ch, b in byte_of.items()}
+    to_bytes = lambda tok: bytes(byte_of[ch] for ch in tok)  # noqa: E731
+    vocab = d["model"]["vocab"]
+    ranks = {bytes([b]): b for b in range(256)}
+    for merge in d["model"]["merges"]:
+        a, b = merge.split(" ") if isinstance(merge, str) else merge
+        ranks.setdefault(to_bytes(a) + to_bytes(b), len(ranks))
+    rank_to_id = np.zeros(len(ranks), dtype=np.int64)
+    for tok_bytes, rank in ranks.items():
+        tok = "".join(char_of[x] for x in tok_bytes)
+        if tok in vocab:
+            rank_to_id[rank] = vocab[tok]
+        elif not (len(tok_bytes) == 1 and tok_bytes[0] in NEVER_IN_UTF8):
+            raise ValueError(f"{path}: BPE token {tok!r} is not in the vocabulary")
+    enc = tiktoken.Encoding(name=f"hf:{path}", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={})
+
+    added = {a["content"]: a for a in d.get("added_tokens", [])}
+    # Hugging Face matches added tokens in two passes: the non-normalized ones (special
+    # tokens) on the raw text, then the normalized ones (the space runs) on each
+    # remaining piece after normalization.
+    passes = []
+    for normalized in (False, True):
+        table = {c: a for c, a in added.items() if a.get("normalized", not a.get("special")) == normalized}
+        passes.append((table, re.compile(_trie_pattern(table)) if table else None))
+    nfc = d.get("normalizer") is not None
+
+    def split_added(text, table, pattern):
+        """text -> list of plain strings and added-token ids."""
+        parts, pos = [], 0
+        for m in (pattern.finditer(text) if pattern else ()):
+            a = table[m.group()]
+            if a.get("single_word") and not _is_single_word(text, m.start(), m.end()):
+                continue
+            start, end = m.start(), m.end()
+            while a.get("lstrip") and start > pos and _is_ws(text[start - 1]):
+                start -= 1
+            while a.get("rstrip") and end < len(text) and _is_ws(text[end]):
+                end += 1
+            if start > pos:
+                parts.append(text[pos:start])
+            parts.append(a["id"])
+            pos = end
+        if pos < len(text):
+            parts.append(text[pos:])
+        return parts
+
+    def split_text(text):
+        out = []
+        for p in split_added(text, *passes[0]):
+            if isinstance(p, str):
+                out.extend(split_added(unicodedata.normalize("NFC", p) if nfc else p, *passes[1]))
+            else:
+                out.append(p)
+        return out
+
+    def encode_batch(texts):
+        # Split every text into plain segments and added tokens; BPE all plain segments in one batch.
+        plans = [split_text(t) for t in texts]
+        segments = [p for plan in plans for p in plan if isinstance(p, str)]
+        # A plain loop: encode_ordinary_batch's thread pool costs more than it gains on short texts.
+        encoded = map(enc.encode_ordinary, segments)
+        out = []
+        for plan in plans:
+            ids = []
+            for p in plan:
+                if isinstance(p, str):
+                    ids.extend(next(encoded))
+                else:
+                    ids.append(-1 - p)  # keep added ids apart from BPE ranks until the remap below
+            out.append(ids)
+        flat = np.fromiter((i for ids in out for i in ids), dtype=np.int64)
+        flat = np.where(flat >= 0, rank_to_id[np.maximum(flat, 0)], -1 - flat)
+        splits = np.cumsum([len(ids) for ids in out])[:-1]
+        return [x.tolist() for x in np.split(flat, splits)]
+
+    id_to_bytes = {i: to_bytes(t) for t, i in vocab.items() if all(ch in byte_of for ch in t)}
+    id_to_bytes.update({a["id"]: a["content"].encode() for a in d.get("added_tokens", [])})
+
+    def decode(ids):
+        return b"".join(id_to_bytes.get(int(i), b"") for i in ids).decode("utf-8", errors="replace")
+
+    size = max([*vocab.values(), *(a["id"] for a in added.values())]) + 1
+    lookup = lambda tok: added[tok]["id"] if tok in added else vocab.get(tok)  # noqa: E731
+    return Tokenizer(path, size, _special_ids_from_tokens(lookup, path), encode_batch, decode, file=path)
+
+
+def _trie_pattern(strings):
+    """A regex matching any of `strings`, leftmost-longest, built as a character trie so
+    that Python's re does not try every alternative at every position."""
+    trie = {}
+    for s in strings:
+        node = trie
+        for ch in s:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def pattern(node):
+        alts = [re.escape(ch) + pattern(child) for ch, child in sorted(node.items()) if ch]
+        if not alts:
+            return ""
+        body = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+        return f"(?:{body})?" if "" in node else body  # greedy: the longer match first
+
+    return pattern(trie)
+
+
+def _is_ws(ch):
+    """Unicode White_Space, as Hugging Face strips it around added tokens (Python's isspace adds \x1c-\x1f)."""
+    return ch.isspace() and ch not in "\x1c\x1d\x1e\x1f"
+
+
+def _is_single_word(text, start, end):
+    word = lambda i: 0 <= i < len(text) and (text[i].isalnum() or text[i] == "_")  # noqa: E731
+    return not word(start - 1) and not word(end)
+
+
+def _hf_tokenizer(path):
+    """Any other tokenizer.json (WordPiece for ModernCamemBERT) on Hugging Face `tokenizers` itself."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tok = HFTokenizer.from_file(path)
+
+    def encode_batch(texts):
+        return [e.ids for e in tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(ids):
+        return tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    special = _special_ids_from_tokens(tok.token_to_id, path)
+    return Tokenizer(path, tok.get_vocab_size(with_added_tokens=True), special, encode_batch, decode, file=path)
+
+
+def _tiktoken_by_name(name):
+    """A tiktoken encoding; [CLS] [SEP] [PAD] [MASK] are appended after its vocabulary."""
+    import tiktoken
+
+    try:
+        enc = tiktoken.get_encoding(name)
+    except ValueError as e:
+        raise ValueError(f"unknown tokenizer {name!r}: give a tokenizer.json, a checkpoint directory holding one, "
+                         f"a tiktoken encoding name, or bpe:N to train one offline ({e})") from None
+    except Exception as e:  # offline: tiktoken tries to download the encoding file
+        raise RuntimeError(f"tiktoken encoding {name!r} is not cached here and cannot be downloaded ({type(e).__name__})."
+                           " Point --tokenizer at a local tokenizer.json or checkpoint directory instead, or set "
+                           "TIKTOKEN_CACHE_DIR to a directory that holds the cached encoding.") from None
+    eos = enc.eot_token
+    n = enc.n_vocab
+    special = dict(cls_id=n, sep_id=n + 1, pad_id=n + 2, mask_id=n + 3, eos_id=eos)
+    names = {n: "[CLS]", n + 1: "[SEP]", n + 2: "[PAD]", n + 3: "[MASK]"}
+
+    def decode(ids):
+        return "".join(names[i] if i in names else enc.decode([i]) for i in map(int, ids))
+
+    return Tokenizer(name, n + 4, special, enc.encode_ordinary_batch, decode)
+
+
+def train_bpe(texts, vocab_size, path):
+    """Train a byte-level BPE (GPT-2 pre-tokenization, NFC, BERT special tokens) and write tokenizer.json."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = HFTokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.save(path)
+
+
+# -----------------------------------------------------------------------------
+# Reading documents: .txt (a document per line, or per blank-line-separated
+# paragraph), .jsonl (a text field), .parquet (if pyarrow is installed), and the
+# built-in demo corpus.
+
+
+def read_documents(paths, text_field="text", blank_line_docs=False):
+    """Yield documents (non-empty strings) from the input files, in order."""
+    for path in paths:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"input file {path!r} does not exist")
+        ext = os.path.splitext(path)[1].lower()
+        if ext not in (".txt", ".jsonl", ".parquet"):
+            raise ValueError(f"{path}: unknown extension {ext!r}; prepare reads .txt, .jsonl and .parquet")
+        try:
+            if ext == ".txt":
+                yield from _read_txt(path, blank_line_docs)
+            elif ext == ".jsonl":
+                yield from _read_jsonl(path, text_field)
+            else:
+                yield from _read_parquet(path, text_field)
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: cannot be read as UTF-8 text ({e})") from None
+
+
+def _read_txt(path, blank_line_docs):
+    with open(path, encoding="utf-8") as f:
+        if not blank_line_docs:
+            yield from (line.rstrip("\n") for line in f if line.strip())
+            return
+        para = []
+        for line in f:
+            if line.strip():
+                para.append(line.rstrip("\n"))
+            elif para:
+                yield "\n".join(para)
+                para = []
+        if para:
+            yield "\n".join(para)
+
+
+def _read_jsonl(path, field):
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+            if not isinstance(obj, dict) or field not in obj:
+                raise ValueError(f"{path}:{n}: no {field!r} field; choose the text field with --text_field")
+            if obj[field]:
+                yield obj[field]
+
+
+def _read_parquet(path, field):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(f"{path}: reading .parquet needs pyarrow (pip install pyarrow)") from None
+    table = pq.ParquetFile(path)
+    if field not in table.schema_arrow.names:
+        raise ValueError(f"{path}: no {field!r} column (columns: {table.schema_arrow.names}); use --text_field")
+    for batch in table.iter_batches(columns=[field]):
+        yield from (t for t in batch.column(0).to_pylist() if t)
+
+
+def demo_documents(part):
+    """The built-in demo corpus: docstrings of code installed with Python and this project's
+    dependencies, read with `ast` (nothing imported, nothing downloaded, no text copied
+    into the repository). "general": the standard library; "domain": PyTorch and NumPy,
+    a scientific-computing domain with its own vocabulary. Yields (module, docstring)."""
+    if part == "general":  # module names relative to the stdlib folder: json.decoder
+        roots = [(sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["stdlib"])]
+    elif part == "domain":  # relative to site-packages: torch.nn.functional
+        import numpy
+        roots = [(os.path.dirname(m.__file__), os.path.dirname(os.path.dirname(m.__file__))) for m in (torch, numpy)]
+    else:
+        raise ValueError(f"unknown demo corpus part {part!r}: 'general' or 'domain'")
+    skip = {"test", "tests", "testing", "idlelib", "lib2to3", "site-packages", "dist-packages", "_vendor"}
+    for root, base in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if d not in skip and not d.startswith("."))
+            for name in sorted(filenames):
+                if not name.endswith(".py"):
+                    continue
+                path = os.path.join(dirpath, name)
+                module = os.path.relpath(path, base)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+                try:
+                    with open(path, encoding="utf-8") as f:
+                        tree = ast.parse(f.read())
+                except (SyntaxError, UnicodeDecodeError, ValueError):
+                    continue
+                for node in [tree, *ast.walk(tree)]:
+                    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                        doc = ast.get_docstring(node)
+                        if doc and len(doc) >= 40:
+                            yield module, doc
+
+
+# -----------------------------------------------------------------------------
+# prepare: text -> train.bin / val.bin / meta.json
+
+_worker_tok = None
+
+
+def _init_worker(spec):
+    global _worker_tok
+    _worker_tok = load_tokenizer(spec)
+
+
+def _encode_chunk(job):
+    """(split, documents) -> (split, count, one array of ids with each document followed by eos)."""
+    split, docs = job
+    out = []
+    for ids in _worker_tok.encode_batch(docs):
+        out.extend(ids)
+        out.append(_worker_tok.eos_id)
+    return split, len(docs), np.asarray(out, dtype=np.int64)
+
+
+def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk_docs=512):
+    """Tokenize the documents that docs_fn() yields into out/{train,val}.bin and out/meta.json.
+
+    docs_fn is called twice (a count, then the real pass) so nothing holds the corpus in
+    memory. The val documents are drawn at random (seed 0) from the whole input. Chunks
+    are written in input order whatever the number of workers, so the output is
+    deterministic. Files are written under temporary names and renamed at the end: an
+    interrupted run leaves no half file.
+    """
+    os.makedirs(out, exist_ok=True)
+    spec = _copy_tokenizer(tokenizer, out)
+    tok = load_tokenizer(spec)
+    n_docs = sum(1 for _ in docs_fn())
+    if n_docs == 0:
+        raise ValueError("prepare: the input holds no documents (empty files?)")
+    if n_docs <= val_docs:
+        raise ValueError(f"prepare: only {n_docs} documents, not enough for --val_docs {val_docs} plus training")
+    val_set = set(np.random.default_rng(0).choice(n_docs, size=val_docs, replace=False).tolist())
+
+    def jobs():  # (split, chunk of documents), in input order
+        bufs = {"train": [], "val": []}
+        for i, doc in enumerate(docs_fn()):
+            split = "val" if i in val_set else "train"
+            bufs[split].append(doc)
+            if len(bufs[split]) == chunk_docs:
+                yield split, bufs[split]
+                bufs[split] = []
+        yield from ((split, buf) for split, buf in bufs.items() if buf)
+
+    dtype = np.uint16 if tok.vocab_size <= 2 ** 16 else np.uint32
+    counts = {"train": [0, 0], "val": [0, 0]}  # documents, tokens
+    tmp = {split: os.path.join(out, f".{split}.bin.tmp") for split in counts}
+    files = {split: open(path, "wb") for split, path in tmp.items()}
+    pool = mp.get_context("spawn").Pool(workers, _init_worker, (spec,)) if workers > 1 else None
+    if pool is None:
+        _init_worker(spec)
+    try:
+        with tqdm(total=n_docs, desc=f"prepare {os.path.basename(os.path.normpath(out))}", unit="doc",
+                  disable=None) as bar:
+            for split, n, ids in (pool.imap(_encode_chunk, jobs()) if pool else map(_encode_chunk, jobs())):
+                files[split].write(ids.astype(dtype).tobytes())
+                counts[split][0] += n
+                counts[split][1] += len(ids)
+                bar.update(n)
+    finally:
+        if pool:
+            pool.terminate()
+        for f in files.values():
+            f.close()
+    for split, path in tmp.items():
+        os.replace(path, os.path.join(out, f"{split}.bin"))
+    meta = dict(tokenizer=os.path.basename(spec) if tok.file else spec,
+                tokenizer_sha256=_sha256(spec) if tok.file else None,
+                vocab_size=tok.vocab_size, dtype=np.dtype(dtype).name, **tok.special_ids,
+                train_docs=counts["train"][0], train_tokens=counts["train"][1],
+                val_docs=counts["val"][0], val_tokens=counts["val"][1], sources=list(sources))
+    _atomic_write_json(os.path.join(out, "meta.json"), meta)
+    return meta
+
+
+def _copy_tokenizer(spec, out):
+    """Put the tokenizer file (and its companions) beside the shards; return the spec to load
+    (tiktoken names have no file and stay names)."""
+    path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
+    if not os.path.isfile(path):
+        return spec
+    src_dir = os.path.dirname(os.path.abspath(path))
+    if os.path.abspath(src_dir) != os.path.abspath(out):
+        shutil.copyfile(path, os.path.join(out, "tokenizer.json"))
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            if os.path.isfile(os.path.join(src_dir, name)):
+                shutil.copyfile(os.path.join(src_dir, name), os.path.join(out, name))
+    return os.path.join(out, "tokenizer.json")
+
+
+def _sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _atomic_write_json(path, obj):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, path)
+
+
+def load_meta(data_dir):
+    path = os.path.join(data_dir, "meta.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{data_dir}: no meta.json; make the shards first with "
+                                f"`python data.py prepare --input FILES --tokenizer SPEC --out {data_dir}`")
+    with open(path) as f:
+        return json.load(f)
+
+
+# -----------------------------------------------------------------------------
+# The loader: fixed windows of a memmapped .bin, in an order fixed by data_seed.
+#
+# The stream of windows is epoch 0's permutation, then epoch 1's, ... A step
+# takes the next world * micro_batch windows of the stream; rank r takes its own
+# contiguous slice of them. The whole state is one number, the count of windows
+# consumed, so a run resumes exactly and may resume at another world size.
+
+
+class Loader:
+    def __init__(self, data_dir, split, seq_len, micro_batch_size, data_seed, rank=0, world_size=1):
+        self.meta = load_meta(data_dir)
+        path = os.path.join(data_dir, f"{split}.bin")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} is missing; re-run data.py prepare")
+        self.tokens = np.memmap(path, dtype=self.meta["dtype"], mode="r")
+        self.n_windows = len(self.tokens) // seq_len
+        if self.n_windows < micro_batch_size * world_size:
+            raise ValueError(f"{path}: {len(self.tokens)} tokens make {self.n_windows} windows of {seq_len}, fewer "
+                             f"than one step needs ({world_size} x {micro_batch_size}); use more data or a "
+                             "smaller seq_len")
+        self.seq_len, self.micro_batch_size, self.data_seed = seq_len, micro_batch_size, data_seed
+        self.rank, self.world_size = rank, world_size
+        self.consumed = 0  # windows of the stream consumed by all ranks together
+        self._perm_epoch, self._perm = None, None
+
+    def _window_index(self, g):
+        epoch, pos = divmod(g, self.n_windows)
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.data_seed, epoch]).permutation(self.n_windows)
+            self._perm_epoch = epoch
+        return self._perm[pos]
+
+    @property
+    def epoch(self):
+        return self.consumed / self.n_windows
+
+    def next(self):
+        """This rank's next micro batch: (micro_batch_size, seq_len) int64 tokens."""
+        start = self.consumed + self.rank * self.micro_batch_size
+        idx = [self._window_index(g) for g in range(start, start + self.micro_batch_size)]
+        self.consumed += self.world_size * self.micro_batch_size
+        windows = np.stack([self.tokens[i * self.seq_len:(i + 1) * self.seq_len] for i in idx])
+        return torch.from_numpy(windows.astype(np.int64))
+
+    def state_dict(self):
+        return {"consumed": self.consumed, "data_seed": self.data_seed, "seq_len": self.seq_len}
+
+    def load_state_dict(self, state):
+        if state["data_seed"] != self.data_seed or state["seq_len"] != self.seq_len:
+            raise ValueError(f"loader state is for data_seed={state['data_seed']} seq_len={state['seq_len']}, "
+                             f"not {self.data_seed} / {self.seq_len}")
+        self.consumed = state["consumed"]
+
+
+# -----------------------------------------------------------------------------
+# The two objectives. Both turn (B, S) windows into the flat unpadded batch the
+# model takes; only the targets differ.
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # (T,) model input (masked for MLM)
+    cu_seqlens: torch.Tensor  # (B+1,) int32
+    max_seqlen: int
+    rows: torch.Tensor  # (N,) positions in tokens that have a target
+    targets: torch.Tensor  # (N,) the target ids
+
+    def to(self, device, non_blocking=False):
+        return Batch(self.tokens.to(device, non_blocking=non_blocking),
+                     self.cu_seqlens.to(device, non_blocking=non_blocking), self.max_seqlen,
+                     self.rows.to(device, non_blocking=non_blocking), self.targets.to(device, non_blocking=non_blocking))
+
+
+def _layout(windows, eos_id, split_docs):
+    """cu_seqlens for (B, S) windows: one sequence per window, or one per document when split_docs
+    (a document ends after its eos), so attention and positions restart at each document."""
+    B, S = windows.shape
+    if not split_docs:
+        return torch.arange(0, (B + 1) * S, S, dtype=torch.int32), S
+    ends = (windows == eos_id)
+    ends[:, -1] = True  # every window ends a sequence
+    cut = ends.flatten().nonzero().squeeze(1) + 1  # exclusive end of each sequence
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), cut]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def clm_batch(windows, eos_id, split_docs=False):
+    """Next-token targets for every position whose next token is in the same sequence."""
+    cu, max_seqlen = _layout(windows, eos_id, split_docs)
+    tokens = windows.flatten()
+    last = torch.zeros(tokens.numel(), dtype=torch.bool)
+    last[cu[1:].long() - 1] = True  # the last token of a sequence has no next token
+    rows = (~last).nonzero().squeeze(1)
+    return Batch(tokens, cu, max_seqlen, rows, tokens[rows + 1])
+
+
+def mlm_batch(windows, mask_prob, special, vocab_size, seed, split_docs=False):
+    """BERT masking of `mask_prob` of the non-special tokens: 80% [MASK], 10% a random
+    token, 10% unchanged. `seed` (e.g. [training seed, step, rank, micro step]) drives
+    its own generator, so masking never depends on the data order."""
+    cu, max_seqlen = _layout(windows, special["eos_id"], split_docs)
+    tokens = windows.flatten()
+    g = torch.Generator().manual_seed(int(np.random.SeedSequence(seed).generate_state(1, dtype=np.uint64)[0] >> 1))
+    maskable = ~torch.isin(tokens, torch.tensor(sorted({special[k] for k in SPECIAL_NAMES})))
+    chosen = (torch.rand(tokens.shape, generator=g) < mask_prob) & maskable
+    rows = chosen.nonzero().squeeze(1)
+    targets = tokens[rows]
+    action = torch.rand(rows.shape, generator=g)
+    random_ids = torch.randint(0, vocab_size, rows.shape, generator=g)
+    inputs = tokens.clone()
+    inputs[rows] = torch.where(action < 0.8, special["mask_id"], torch.where(action < 0.9, random_ids, targets))
+    return Batch(inputs, cu, max_seqlen, rows, targets)
+
+
+# -----------------------------------------------------------------------------
+# Command line
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pp = sub.add_parser("prepare", help="tokenize text files into train.bin / val.bin / meta.json")
+    src = pp.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input", nargs="+", help=".txt / .jsonl / .parquet files")
+    src.add_argument("--demo", choices=["general", "domain"], help="the built-in docstring corpus")
+    pp.add_argument("--tokenizer", required=True,
+                    help="tokenizer.json, a checkpoint directory, a tiktoken name, or bpe:N to train one here")
+    pp.add_argument("--out", required=True)
+    pp.add_argument("--val_docs", type=int, default=1000)
+    pp.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)))
+    pp.add_argument("--text_field", default="text", help="the text field of .jsonl / .parquet")
+    pp.add_argument("--blank_line_docs", action="store_true",
+                    help=".txt: documents are separated by blank lines (default: one per line)")
+    args = p.parse_args(argv)
+
+    if args.demo:
+        docs = [doc for _, doc in demo_documents(args.demo)]  # a few MB: parse the sources once
+        docs_fn = lambda: iter(docs)  # noqa: E731
+        sources = [f"demo:{args.demo}"]
+    else:
+        docs_fn = lambda: read_documents(args.input, args.text_field, args.blank_line_docs)  # noqa: E731
+        sources = [os.path.abspath(x) for x in args.input]
+    tokenizer = args.tokenizer
+    if tokenizer.startswith("bpe:"):
+        os.makedirs(args.out, exist_ok=True)
+        tokenizer = os.path.join(args.out, "tokenizer.json")
+        train_bpe(docs_fn(), int(args.tokenizer[4:]), tokenizer)
+    meta = prepare(docs_fn, tokenizer, args.out, args.val_docs, args.workers, sources)
+    print(f"wrote {args.out}: {meta['train_tokens']:,} train tokens in {meta['train_docs']:,} documents, "
+          f"{meta['val_tokens']:,} val tokens in {meta['val_docs']:,} documents ({meta['dtype']})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""data.py: tokenizers exact against Hugging Face tokenizers, prepare, the loader, the objectives."""
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import unicodedata
+
+import numpy as np
+import pytest
+import torch
+
+from data import (Loader, clm_batch, load_meta, load_tokenizer, mlm_batch, prepare, read_documents, train_bpe)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED = os.path.join(ROOT, "..", "shared")
+BIOMED = os.path.join(SHARED, "data", "biomed_sentences.txt")
+needs_shared = pytest.mark.skipif(not os.path.isdir(os.path.join(SHARED, "tokenizers")),
+                                  reason="../shared (real tokenizers and data) is not beside the checkout")
+
+
+def fuzz_texts():
+    """Hand-picked hard cases plus seeded random strings over a mix of scripts and controls."""
+    hand = ["", " ", "  ", "a  b", "a" + " " * 30 + "b", " " * 25, "x" + " " * 24 + "y", "\t\ttabs\t \t",
+            "trailing   ", "   leading", "line\nbreak\r\n\n  indented", "café", "cafe\u0301", "Ame\u0301lie NFD",
+            "\u212b ohm \u2126", "😀 emoji 👩‍👩‍👧 flags 🇫🇷", "中文字符 日本語のテキスト 한국어", "\x00\x01ctrl\x7f\x1f",
+            "a [MASK] b", "a  [MASK]b", "[CLS]x[SEP][PAD]", "|||IP_ADDRESS||| and |||EMAIL_ADDRESS|||",
+            "<|endoftext|>hi<|padding|>", "I'm we'll they've don't 123 4567 3.14159", "l'homme aujourd’hui qu'il",
+            "nbsp\u00a0here\u2028sep\u3000wide", "zero\u200bwidth\ufeffbom", "antidisestablishmentarianismically",
+            "Ω≈ç√∫˜µ≤≥÷", "مرحبا بالعالم", "\u0301leading combining", "x" * 300, "🧬" * 5 + "DNA"]
+    rng = random.Random(0)
+    alphabet = ("abcdefghijklmnopqrstuvwxyz ABCXYZ0123456789 .,;:'\"!?-()[]{}<>|\\/@#$%^&*_+=~` \t\n  "
+                "éèêàçôûœÉ\u0301\u0300ñüßøåæ ΑΒΓαβγ АБВабв 中文日本 😀🧬👍 \u00a0\u200b\u2028\x00\x07\x1b")
+    rand = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 80))) for _ in range(2000)]
+    return hand + rand
+
+
+def mismatches(tokenizer_json, texts):
+    from tokenizers import Tokenizer as HFTokenizer
+
+    ours = load_tokenizer(tokenizer_json).encode_batch(texts)
+    ref = [e.ids for e in HFTokenizer.from_file(tokenizer_json).encode_batch(texts, add_special_tokens=False)]
+    return [t for t, a, b in zip(texts, ours, ref) if a != b]
+
+
+# -----------------------------------------------------------------------------
+# 1. Exactness against Hugging Face tokenizers
+
+
+@needs_shared
+@pytest.mark.parametrize("name", ["modernbert", "camembertv2"])
+def test_real_tokenizers_are_exact(name):
+    with open(BIOMED, encoding="utf-8") as f:
+        texts = f.read().splitlines() + fuzz_texts()
+    bad = mismatches(os.path.join(SHARED, "tokenizers", name, "tokenizer.json"), texts)
+    print(f"{name}: {len(bad)} mismatches on {len(texts)} texts")
+    assert bad == []
+
+
+@needs_shared
+def test_special_ids_of_real_tokenizers():
+    en = load_tokenizer(os.path.join(SHARED, "tokenizers", "modernbert"))
+    assert (en.cls_id, en.sep_id, en.pad_id, en.mask_id, en.eos_id, en.vocab_size) == \
+        (50281, 50282, 50283, 50284, 50282, 50368)
+    fr = load_tokenizer(os.path.join(SHARED, "tokenizers", "camembertv2"))
+    assert (fr.pad_id, fr.cls_id, fr.sep_id, fr.mask_id, fr.eos_id, fr.vocab_size) == (0, 1, 2, 4, 2, 32768)
+
+
+def test_trained_bpe_is_exact_and_round_trips(tmp_path):
+    texts = fuzz_texts()
+    corpus = [t for t in texts[:1500]] + ["The quick brown fox jumps over the lazy dog."] * 50
+    path = str(tmp_path / "tokenizer.json")
+    train_bpe(iter(corpus), 600, path)
+    assert mismatches(path, texts) == []
+    tok = load_tokenizer(path)
+    for t in texts:  # byte-level BPE loses nothing but the normalisation
+        assert tok.decode(tok.encode(t)) == unicodedata.normalize("NFC", t)
+
+
+@needs_shared
+def test_modernbert_round_trip():
+    tok = load_tokenizer(os.path.join(SHARED, "tokenizers", "modernbert"))
+    texts = [t for t in fuzz_texts() if "[" not in t and "|" not in t]  # added tokens decode to themselves too
+    for t in texts:
+        assert tok.decode(tok.encode(t)) == unicodedata.normalize("NFC", t)
+
+
+def test_tiktoken_name_offline_fails_at_once_with_a_way_out():
+    try:
+        import tiktoken
+        tiktoken.get_encoding("gpt2")
+        pytest.skip("gpt2 is cached on this machine, so it does not fail")
+    except Exception:
+        pass
+    with pytest.raises(RuntimeError, match="local tokenizer.json"):
+        load_tokenizer("gpt2")
+    with pytest.raises(FileNotFoundError, match="not found"):
+        load_tokenizer("no/such/tokenizer.json")
+
+
+# -----------------------------------------------------------------------------
+# 2. MLM masking statistics; CLM targets
+
+
+SPECIAL = dict(cls_id=1, sep_id=2, pad_id=0, mask_id=4, eos_id=2)
+
+
+def test_mlm_masking_statistics():
+    g = torch.Generator().manual_seed(0)
+    windows = torch.randint(5, 1000, (1000, 1000), generator=g)  # 1e6 tokens
+    windows[:, ::50] = SPECIAL["sep_id"]
+    windows[:, 0] = SPECIAL["cls_id"]
+    windows[::7, -3:] = SPECIAL["pad_id"]
+    p = 0.3
+    batch = mlm_batch(windows, p, SPECIAL, 1000, seed=[17, 5, 0, 0])
+    flat = windows.flatten()
+    maskable = ~torch.isin(flat, torch.tensor([0, 1, 2, 4]))
+    n = int(maskable.sum())
+    k = batch.rows.numel()
+    assert abs(k - n * p) < 4 * math.sqrt(n * p * (1 - p))
+    assert maskable[batch.rows].all(), "a special token was chosen for masking"
+    assert torch.equal(batch.targets, flat[batch.rows])
+    changed_to_mask = (batch.tokens[batch.rows] == SPECIAL["mask_id"]).sum().item()
+    kept = (batch.tokens[batch.rows] == flat[batch.rows]).sum().item()
+    # kept also catches random draws that hit the original token (1/1000 of the 10%)
+    for observed, share in [(changed_to_mask, 0.8), (kept, 0.1 + 0.1 / 1000)]:
+        assert abs(observed - k * share) < 4 * math.sqrt(k * share * (1 - share))
+    unchosen = torch.ones_like(flat, dtype=torch.bool)
+    unchosen[batch.rows] = False
+    assert torch.equal(batch.tokens[unchosen], flat[unchosen])
+
+
+def test_mlm_masking_depends_on_seed_not_data():
+    windows = torch.randint(5, 1000, (4, 64))
+    a = mlm_batch(windows, 0.3, SPECIAL, 1000, seed=[17, 3, 0, 0])
+    b = mlm_batch(windows, 0.3, SPECIAL, 1000, seed=[17, 3, 0, 0])
+    c = mlm_batch(windows, 0.3, SPECIAL, 1000, seed=[17, 3, 1, 0])
+    assert torch.equal(a.rows, b.rows) and torch.equal(a.tokens, b.tokens)
+    assert not torch.equal(a.rows, c.rows)
+    other = mlm_batch(torch.randint(5, 1000, (4, 64)), 0.3, SPECIAL, 1000, seed=[17, 3, 0, 0])
+    assert torch.equal(a.rows, other.rows)  # same seed, different data: same positions
+
+
+def test_clm_targets_hand_checked():
+    windows = torch.tensor([[10, 11, 2, 12, 13], [14, 2, 15, 16, 17]])
+    b = clm_batch(windows, eos_id=2)
+    assert b.cu_seqlens.tolist() == [0, 5, 10] and b.max_seqlen == 5
+    assert b.rows.tolist() == [0, 1, 2, 3, 5, 6, 7, 8]
+    assert b.targets.tolist() == [11, 2, 12, 13, 2, 15, 16, 17]
+    split = clm_batch(windows, eos_id=2, split_docs=True)  # attention restarts after each eos
+    assert split.cu_seqlens.tolist() == [0, 3, 5, 7, 10] and split.max_seqlen == 3
+    assert split.targets.tolist() == [11, 2, 13, 2, 16, 17]
+
+
+# -----------------------------------------------------------------------------
+# 3. The loader
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shards")
+    ids = np.arange(10_000, dtype=np.uint16)
+    ids.tofile(out / "train.bin")
+    ids[:1000].tofile(out / "val.bin")
+    json.dump(dict(dtype="uint16", vocab_size=10_000, **SPECIAL), open(out / "meta.json", "w"))
+    return str(out)
+
+
+def window_ids(batch, seq_len=20):
+    """Which windows a batch holds: the shard is 0, 1, 2, ... so a window's first id tells."""
+    return [int(row[0]) // seq_len for row in batch]
+
+
+def test_loader_world_sizes_see_the_same_windows(shards):
+    one = Loader(shards, "train", 20, 4, data_seed=42)  # 500 windows; 125 steps of 4
+    seen1 = [w for _ in range(125) for w in window_ids(one.next())]
+    two = [Loader(shards, "train", 20, 2, data_seed=42, rank=r, world_size=2) for r in range(2)]
+    seen2 = [w for _ in range(125) for ld in two for w in window_ids(ld.next())]
+    assert sorted(seen1) == sorted(seen2)
+    assert len(set(seen1)) == 500  # one epoch visits every window once
+    assert not set(window_ids(two[0].next())) & set(window_ids(two[1].next()))  # disjoint ranks
+
+
+def test_loader_resumes_exactly_and_reshards(shards):
+    a = Loader(shards, "train", 20, 3, data_seed=7)
+    for _ in range(170):  # past the end of the first epoch (166 steps of 3)
+        a.next()
+    state = a.state_dict()
+    expected = [a.next() for _ in range(5)]
+    b = Loader(shards, "train", 20, 3, data_seed=7)
+    b.load_state_dict(state)
+    assert all(torch.equal(x, b.next()) for x in expected)
+    # Resume the same stream on two ranks: together they see what one rank would have seen.
+    one = Loader(shards, "train", 20, 4, data_seed=7)
+    one.load_state_dict(state)
+    halves = [Loader(shards, "train", 20, 2, data_seed=7, rank=r, world_size=2) for r in range(2)]
+    for ld in halves:
+        ld.load_state_dict(state)
+    assert torch.equal(one.next(), torch.cat([ld.next() for ld in halves]))
+
+
+def test_data_seed_changes_order_not_set(shards):
+    a, b = Loader(shards, "train", 20, 500, data_seed=1), Loader(shards, "train", 20, 500, data_seed=2)
+    wa, wb = window_ids(a.next()), window_ids(b.next())
+    assert wa != wb and sorted(wa) == sorted(wb)
+
+
+def test_loader_errors(tmp_path, shards):
+    with pytest.raises(FileNotFoundError, match="data.py prepare"):
+        Loader(str(tmp_path), "train", 20, 2, data_seed=0)
+    with pytest.raises(ValueError, match="fewer than one step"):
+        Loader(shards, "val", 512, 4, data_seed=0)
+
+
+# -----------------------------------------------------------------------------
+# 4. prepare
+
+
+def test_prepare_writes_shards_and_meta(tmp_path):
+    docs = [f"document number {i} says hello {'world ' * (i % 7)}" for i in range(300)]
+    (tmp_path / "a.txt").write_text("\n".join(docs[:200]) + "\n\n")
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"body": d}) for d in docs[200:]))
+    train_bpe(iter(docs), 400, str(tmp_path / "tok.json"))
+    out = tmp_path / "out"
+    src = [str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")]
+    meta = prepare(lambda: read_documents(src, text_field="body"), str(tmp_path / "tok.json"), str(out),
+                   val_docs=30, workers=1)
+    assert sorted(os.listdir(out)) == ["meta.json", "tokenizer.json", "train.bin", "val.bin"]
+    assert meta == load_meta(str(out)) and meta["train_docs"] == 270 and meta["val_docs"] == 30
+    tok = load_tokenizer(str(out))
+    train = np.fromfile(out / "train.bin", dtype=meta["dtype"])
+    val = np.fromfile(out / "val.bin", dtype=meta["dtype"])
+    assert len(train) == meta["train_tokens"] and (train == tok.eos_id).sum() == 270
+    texts = [tok.decode(d) for d in np.split(np.concatenate([train, val]), np.flatnonzero(
+        np.concatenate([train, val]) == tok.eos_id) + 1) if len(d)]
+    assert sorted(t.removesuffix("[SEP]") for t in texts) == sorted(docs)
+
+
+def test_prepare_is_deterministic_across_workers(tmp_path):
+    docs = [f"line {i} " + "abc " * (i % 13) for i in range(3000)]
+    (tmp_path / "in.txt").write_text("\n".join(docs))
+    train_bpe(iter(docs), 300, str(tmp_path / "tok.json"))
+    outs = []
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        prepare(lambda: read_documents([str(tmp_path / "in.txt")]), str(tmp_path / "tok.json"), str(out),
+                val_docs=100, workers=workers, chunk_docs=256)
+        outs.append((out / "train.bin").read_bytes() + (out / "val.bin").read_bytes())
+    assert outs[0] == outs[1]
+
+
+def run_prepare(*args, cwd):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "data.py"), "prepare", *args], cwd=cwd,
+                          capture_output=True, text=True)
+
+
+def test_prepare_errors(tmp_path):
+    train_bpe(iter(["some text here"] * 20), 300, str(tmp_path / "tok.json"))
+    (tmp_path / "empty.txt").write_text("\n\n")
+    (tmp_path / "x.csv").write_text("a,b")
+    (tmp_path / "bad.jsonl").write_text('{"content": "hi"}\n')
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    cases = [("missing.txt", "does not exist"), ("empty.txt", "no documents"), ("x.csv", "unknown extension"),
+             ("bad.jsonl", "no 'text' field"), ("latin1.txt", "cannot be read as UTF-8")]
+    for name, message in cases:
+        r = run_prepare("--input", name, "--tokenizer", "tok.json", "--out", "o", "--workers", "1", cwd=tmp_path)
+        assert r.returncode != 0 and message in r.stderr, (name, r.stderr[-500:])
+        assert not os.path.exists(tmp_path / "o" / "train.bin")  # no half files
