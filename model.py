@@ -419,16 +419,19 @@ class ModernBertForMaskedLM(nn.Module):
         """(N, H) -> (N, V). Apply to selected rows only for sparse prediction."""
         return self.decoder(self.head(hidden))
 
-    def forward_unpadded(self, tokens, cu_seqlens, max_seqlen, causal=False, rows=None):
-        """tokens (T,) -> logits (T, V), or (len(rows), V) for only the rows that have a target."""
-        hidden = self.model(tokens, cu_seqlens, max_seqlen, causal=causal)
-        return self.logits(hidden if rows is None else hidden[rows])
+    def forward(self, input_ids, attention_mask=None, causal=False, *, cu_seqlens=None, max_seqlen=None, rows=None):
+        """Padded: (B, S) ids -> (B, S, V) logits (rows at padded positions are zero).
 
-    def forward(self, input_ids, attention_mask=None, causal=False):
-        """Padded entry point: (B, S) ids -> (B, S, V) logits (rows at padded positions are zero)."""
-        B, S = input_ids.shape
-        tokens, cu_seqlens, max_seqlen, keep = unpad(input_ids, attention_mask)
-        return repad(self.forward_unpadded(tokens, cu_seqlens, max_seqlen, causal=causal), keep, B, S)
+        Unpadded, as training calls it: flat (T,) ids with cu_seqlens and max_seqlen -> (T, V)
+        logits, or (len(rows), V) when `rows` selects the positions that have a target
+        (sparse prediction: the head runs on those rows only).
+        """
+        if cu_seqlens is None:
+            B, S = input_ids.shape
+            tokens, cu_seqlens, max_seqlen, keep = unpad(input_ids, attention_mask)
+            return repad(self(tokens, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen), keep, B, S)
+        hidden = self.model(input_ids, cu_seqlens, max_seqlen, causal=causal)
+        return self.logits(hidden if rows is None else hidden[rows])
 
     # -------------------------------------------------------------------------
     # Hugging Face checkpoints: config.json + model.safetensors (or pytorch_model.bin)

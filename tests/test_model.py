@@ -237,8 +237,8 @@ def test_sparse_prediction_rows():
     cu = torch.tensor([0, 20, 50], dtype=torch.int32)
     rows = torch.tensor([0, 7, 19, 20, 49])
     with torch.no_grad():
-        full = model.forward_unpadded(tokens, cu, 30)
-        sparse = model.forward_unpadded(tokens, cu, 30, rows=rows)
+        full = model(tokens, cu_seqlens=cu, max_seqlen=30)
+        sparse = model(tokens, cu_seqlens=cu, max_seqlen=30, rows=rows)
     assert sparse.shape == (5, 1003)
     assert (full[rows] - sparse).abs().max() <= 1e-5
 

@@ -1,0 +1,242 @@
+"""train.py on CPU with a tiny model: the one flag, the schedule and phases, freezing, exact resume
+after SIGKILL, torchrun = one process, Hugging Face export, clear errors."""
+
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from data import Loader, clm_batch, load_meta, mlm_batch, prepare, read_documents, train_bpe
+from model import ModernBertConfig, ModernBertForMaskedLM
+from train import Config, Schedule, loss_sum, parse_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=2, local_attention=16)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """Shards of a small synthetic corpus with a trained BPE: enough structure to learn from."""
+    tmp = tmp_path_factory.mktemp("data")
+    rng = random.Random(0)
+    nouns, verbs = ["cell", "gene", "protein", "tumor", "patient", "dose", "virus"], ["binds", "inhibits",
+                                                                                      "expresses", "treats"]
+    docs = [" ".join(f"the {rng.choice(nouns)} {rng.choice(verbs)} a {rng.choice(nouns)}."
+                     for _ in range(rng.randint(1, 6))) for _ in range(3000)]
+    (tmp / "corpus.txt").write_text("\n".join(docs))
+    train_bpe(iter(docs), 300, str(tmp / "tokenizer.json"))
+    prepare(lambda: read_documents([str(tmp / "corpus.txt")]), str(tmp / "tokenizer.json"), str(tmp / "shards"),
+            val_docs=200)
+    return str(tmp / "shards")
+
+
+@pytest.fixture(scope="module")
+def base_ckpt(data_dir, tmp_path_factory):
+    """A Hugging Face directory to continue from (random weights, the data's vocab)."""
+    meta = load_meta(data_dir)
+    path = str(tmp_path_factory.mktemp("base"))
+    torch.manual_seed(0)
+    ModernBertForMaskedLM(ModernBertConfig(vocab_size=320, pad_token_id=meta["pad_id"], cls_token_id=meta["cls_id"],
+                                           sep_token_id=meta["sep_id"], **TINY)).save_pretrained(path)
+    return path
+
+
+def run_train(out_dir, data_dir, *overrides, check=True, env=None, nproc=1):
+    args = [f"--data_dir={data_dir}", f"--out_dir={out_dir}", f"--model_config={TINY!r}", "--seq_len=64",
+            "--global_batch_size=8", "--micro_batch_size=4", f"--tokens={16 * 8 * 64}", f"--warmup_tokens={4 * 8 * 64}",
+            "--lr=3e-3", "--decay_frac=0.25", "--log_interval=1", "--eval_interval=8", "--eval_windows=16",
+            "--ckpt_interval=8", "--device=cpu", *overrides]
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                     f"--nproc_per_node={nproc}", "--master_port=29533"]
+    r = subprocess.run(launcher + [os.path.join(ROOT, "train.py"), *args], capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, cwd=ROOT)
+    if check:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+# -----------------------------------------------------------------------------
+# 1. One flag: the same model and head give the CLM and the MLM loss
+
+
+def test_one_flag_losses_equal_reference_cross_entropy(data_dir):
+    meta = load_meta(data_dir)
+    torch.manual_seed(0)
+    model = ModernBertForMaskedLM(ModernBertConfig(vocab_size=320, **TINY)).eval()
+    windows = Loader(data_dir, "train", 64, 4, data_seed=1).next()  # (4, 64)
+    with torch.no_grad():
+        clm = clm_batch(windows, meta["eos_id"])
+        ours = loss_sum(model, clm, causal=True) / clm.targets.numel()
+        logits = model(windows, causal=True)  # padded entry point, (4, 64, V)
+        ref = F.cross_entropy(logits[:, :-1].reshape(-1, 320), windows[:, 1:].reshape(-1))
+        assert abs(ours.item() - ref.item()) < 1e-5
+
+        special = {k: meta[k] for k in ("cls_id", "sep_id", "pad_id", "mask_id", "eos_id")}
+        mlm = mlm_batch(windows, 0.3, special, meta["vocab_size"], seed=[17, 0, 0])
+        ours = loss_sum(model, mlm, causal=False) / mlm.targets.numel()
+        logits = model(mlm.tokens.view(4, 64))  # bidirectional, on the masked input
+        labels = torch.full((4 * 64,), -100)
+        labels[mlm.rows] = windows.flatten()[mlm.rows]
+        ref = F.cross_entropy(logits.reshape(-1, 320), labels, ignore_index=-100)
+        assert abs(ours.item() - ref.item()) < 1e-5
+
+
+# -----------------------------------------------------------------------------
+# 2. Schedule and phases
+
+
+def test_lr_schedule_matches_the_formulas():
+    c = Config(tokens=1000 * 64, warmup_tokens=100 * 64, global_batch_size=1, seq_len=64, decay_frac=0.1,
+               lr=2e-4, final_lr_frac=0.1)
+    s = Schedule.from_config(c)
+    assert (s.main_steps, s.decay_steps, s.warmup_steps) == (1000, 100, 100)
+    for step in [0, 1, 49, 99, 100, 500, 999]:
+        expect = 2e-4 * min(1, (step + 1) / 100)
+        assert s.lr_at(step) == pytest.approx(expect, rel=1e-12)
+    for step in [1000, 1001, 1025, 1050, 1099]:  # PAPER.md: peak * (0.1 + 0.9 * (1 - sqrt(t / T)))
+        t = step - 1000
+        assert s.lr_at(step) == pytest.approx(2e-4 * (0.1 + 0.9 * (1 - math.sqrt(t / 100))), rel=1e-12)
+    assert s.lr_at(999) == 2e-4 and s.lr_at(1000) == 2e-4  # no warmup, no jump at the boundary
+    assert s.phase(999) == "main" and s.phase(1000) == "decay"
+
+
+def test_main_then_decay_equals_all(data_dir, base_ckpt, tmp_path):
+    common = [f"--init_from={base_ckpt}"]
+    run_train(tmp_path / "all", data_dir, *common)
+    run_train(tmp_path / "main", data_dir, *common, "--phase=main")
+    run_train(tmp_path / "decay", data_dir, f"--init_from={tmp_path / 'main' / 'final'}", "--phase=decay")
+    whole = [(m["step"], m["loss"]) for m in metrics(tmp_path / "all")]
+    split = [(m["step"], m["loss"]) for m in metrics(tmp_path / "main") + metrics(tmp_path / "decay")]
+    assert whole == split and whole[-1][0] == 20
+    a = load_file(tmp_path / "all" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "decay" / "final" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # The optimizer state carried over the boundary: Adam's step count was never reset.
+    state = torch.load(tmp_path / "all" / "final" / "train_state.pt", weights_only=False)["optimizer"]["state"]
+    assert {int(v["step"]) for v in state.values()} == {20}
+    decay_records = [m for m in metrics(tmp_path / "all") if m["phase"] == "decay"]
+    assert decay_records and all(m["objective"] == "mlm" for m in decay_records)
+
+
+# -----------------------------------------------------------------------------
+# 3. Freezing: bit-identical frozen layers, everything else trains
+
+
+@pytest.mark.parametrize("freeze_phase", ["main", "decay"])
+def test_frozen_layers_are_bit_identical(data_dir, base_ckpt, tmp_path, freeze_phase):
+    run_train(tmp_path, data_dir, f"--init_from={base_ckpt}", "--freeze_layers=0-1", f"--freeze_phase={freeze_phase}",
+              "--weight_decay=0.1", "--max_ckpts=10")
+    # main ends at step 16: freezing in main compares the start with ckpt-16, in decay ckpt-16 with final
+    start, end = (base_ckpt, tmp_path / "ckpt-16") if freeze_phase == "main" else (tmp_path / "ckpt-16", tmp_path / "final")
+    before, after = load_file(os.path.join(start, "model.safetensors")), load_file(os.path.join(end, "model.safetensors"))
+    for key in before:
+        layer = key.split(".")[2] if key.startswith("model.layers.") else None
+        if layer in ("0", "1"):
+            assert torch.equal(before[key], after[key]), f"{key} moved while frozen"
+        else:
+            assert not torch.equal(before[key], after[key]), f"{key} did not train"
+
+
+# -----------------------------------------------------------------------------
+# 4. Resume after a real kill gives the same losses as an uninterrupted run
+
+
+def test_resume_after_sigkill_is_exact(data_dir, base_ckpt, tmp_path):
+    args = [f"--init_from={base_ckpt}", f"--tokens={60 * 8 * 64}", "--ckpt_interval=20", "--eval_interval=20"]
+    run_train(tmp_path / "whole", data_dir, *args)
+    out = tmp_path / "killed"
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), f"--data_dir={data_dir}", f"--out_dir={out}",
+           "--seq_len=64", "--global_batch_size=8", "--micro_batch_size=4", f"--warmup_tokens={4 * 8 * 64}",
+           "--lr=3e-3", "--decay_frac=0.25", "--log_interval=1", "--eval_windows=16", "--device=cpu", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 120
+    while not os.path.exists(out / "ckpt-20" / "train_state.pt") and time.time() < deadline:
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not os.path.exists(out / "final"), "the run finished before it could be killed"
+    killed_at = max(m["step"] for m in metrics(out))
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "resuming at step" in r.stdout
+    whole, resumed = metrics(tmp_path / "whole"), metrics(out)
+    assert [(m["step"], m["loss"]) for m in whole] == [(m["step"], m["loss"]) for m in resumed]
+    assert [m.get("val_mlm_loss") for m in whole] == [m.get("val_mlm_loss") for m in resumed]
+    print(f"killed after step {killed_at}; resumed losses equal bit for bit over {len(whole)} logged steps")
+
+
+# -----------------------------------------------------------------------------
+# 5. torchrun with 2 processes (gloo) = one process with the same global batch
+
+
+def test_torchrun_two_processes_equal_one(data_dir, base_ckpt, tmp_path):
+    args = [f"--init_from={base_ckpt}", "--attn_out_dropout=0.0", "--micro_batch_size=2"]
+    run_train(tmp_path / "one", data_dir, *args)
+    run_train(tmp_path / "two", data_dir, *args, nproc=2)
+    one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert [m["step"] for m in one] == [m["step"] for m in two]
+    worst = max(abs(a["loss"] - b["loss"]) for a, b in zip(one, two))
+    worst_val = max(abs(a[k] - b[k]) for a, b in zip(one, two) for k in ("val_mlm_loss", "val_clm_loss") if k in a)
+    print(f"torchrun 2 vs 1 process: max |loss diff| {worst:.2e}, max |val loss diff| {worst_val:.2e}")
+    assert worst <= 1e-5 and worst_val <= 1e-5
+
+
+# -----------------------------------------------------------------------------
+# 6. The final directory is a Hugging Face checkpoint
+
+
+def test_final_loads_in_transformers(data_dir, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    run_train(tmp_path, data_dir, "--phase=main", f"--tokens={4 * 8 * 64}")
+    final = tmp_path / "final"
+    hf, info = transformers.AutoModelForMaskedLM.from_pretrained(final, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    ours = ModernBertForMaskedLM.from_pretrained(final).eval()
+    ids = Loader(data_dir, "val", 64, 3, data_seed=0).next()
+    mask = torch.ones_like(ids)
+    mask[1, 40:] = 0
+    with torch.no_grad():
+        diff = (ours(ids, mask) - hf.eval()(input_ids=ids, attention_mask=mask).logits)[mask.bool()].abs().max()
+    assert diff <= 1e-4
+    assert (final / "tokenizer.json").is_file()  # the tokenizer travels with the checkpoint
+
+
+# -----------------------------------------------------------------------------
+# 7. Clear errors
+
+
+def test_unknown_key_lists_valid_keys(tmp_path):
+    with pytest.raises(SystemExit, match="unknown config key 'learning_rate'.*Valid keys: out_dir"):
+        parse_config(["--learning_rate=1e-3"])
+    (tmp_path / "c.py").write_text("lr = 1\nobjective = 'mlm'\nimport math\nbatch = 3\n")
+    with pytest.raises(SystemExit, match="c.py: unknown config key 'batch'"):
+        parse_config([str(tmp_path / "c.py")])
+    (tmp_path / "c.py").write_text("lr = 1\ntokens = 10e9\n")
+    c = parse_config([str(tmp_path / "c.py"), "--objective=mlm"])
+    assert c.lr == 1.0 and isinstance(c.lr, float) and c.tokens == 10_000_000_000 and c.objective == "mlm"
+    with pytest.raises(SystemExit, match="seq_len must be int"):
+        parse_config(["--seq_len=abc"])
+
+
+def test_missing_data_and_vocab_mismatch_are_clear(data_dir, tmp_path):
+    r = run_train(tmp_path / "a", str(tmp_path / "nowhere"), check=False)
+    assert r.returncode != 0 and "no meta.json" in r.stderr and "data.py prepare" in r.stderr
+    small = tmp_path / "small"
+    ModernBertForMaskedLM(ModernBertConfig(vocab_size=128, **TINY)).save_pretrained(small)
+    r = run_train(tmp_path / "b", data_dir, f"--init_from={small}", check=False)
+    assert r.returncode != 0 and "vocab mismatch" in r.stderr and "--tokenizer" in r.stderr
