@@ -117,7 +117,8 @@ def parse_config(argv):
         else:
             if not os.path.isfile(arg):
                 raise SystemExit(f"config file {arg!r} not found")
-            scope = {}
+            # The file sees the values so far, so an override file can write out_dir = out_dir + "_mlm".
+            scope = {**dataclasses.asdict(Config(**values))}
             exec(compile(open(arg).read(), arg, "exec"), scope)
             for key, value in scope.items():
                 if not key.startswith("_") and not callable(value) and type(value).__name__ != "module":

@@ -240,3 +240,19 @@ def test_missing_data_and_vocab_mismatch_are_clear(data_dir, tmp_path):
     ModernBertForMaskedLM(ModernBertConfig(vocab_size=128, **TINY)).save_pretrained(small)
     r = run_train(tmp_path / "b", data_dir, f"--init_from={small}", check=False)
     assert r.returncode != 0 and "vocab mismatch" in r.stderr and "--tokenizer" in r.stderr
+
+
+def test_every_config_parses_and_ablations_stack():
+    configs = sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".py"))
+    bases = [f for f in configs if f.startswith(("fr_", "en_"))]
+    assert bases == ["en_base.py", "en_large.py", "fr_base.py", "fr_large.py"]
+    for base in bases:
+        for extra in [[]] + [[f] for f in configs if f not in bases and f != "demo.py"]:
+            c = parse_config([os.path.join(ROOT, "configs", f) for f in [base, *extra]])
+            assert c.seq_len == 8192 and c.global_batch_size == 384 and c.lr == 2e-4 and c.data_seed == 42
+            assert c.global_batch_size % (4 * c.micro_batch_size) == 0  # 4 GPUs
+            assert extra == [] or c.out_dir != parse_config([os.path.join(ROOT, "configs", base)]).out_dir
+    twin = parse_config([os.path.join(ROOT, "configs", f) for f in ("fr_base.py", "seed_twin.py")])
+    mlm = parse_config([os.path.join(ROOT, "configs", f) for f in ("fr_base.py", "mlm_baseline.py")])
+    assert (twin.objective, twin.seed, mlm.objective, mlm.seed) == ("mlm", 42, "mlm", 17)
+    assert parse_config([os.path.join(ROOT, "configs", "demo.py")]).device == "cpu"

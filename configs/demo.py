@@ -1,0 +1,22 @@
+# The CPU demo: a tiny ModernBERT on the built-in docstring corpus, minutes on a laptop.
+# demo.py runs it for every arm; by hand, after
+#   python data.py prepare --demo general --tokenizer bpe:4096 --out out/demo/data/general
+#   python data.py prepare --demo domain --tokenizer out/demo/data/general --out out/demo/data/domain
+# it is: python train.py configs/demo.py --init_from=scratch --objective=mlm --data_dir=out/demo/data/general
+data_dir = "out/demo/data/domain"
+out_dir = "out/demo/run"
+init_from = "scratch"
+model_config = {"hidden_size": 128, "intermediate_size": 192, "num_hidden_layers": 6, "num_attention_heads": 4,
+                "local_attention": 64}
+seq_len = 256
+global_batch_size = 16
+micro_batch_size = 16
+tokens = 600_000
+warmup_tokens = 40_000
+lr = 1e-3  # tiny models take a larger step than the paper's 2e-4
+device = "cpu"
+log_interval = 10
+eval_interval = 50
+eval_windows = 64
+ckpt_interval = 50
+max_ckpts = 2

@@ -1,0 +1,13 @@
+# English Base: ModernBERT-base -> English biomedical text, 10B + 1B tokens (the paper also ran 50B + 5B: --tokens=50e9).
+#   torchrun --nproc_per_node=4 train.py configs/en_base.py
+# Everything not set here is train.py's default, which is the paper's recipe:
+# lr 2e-4 (warmup 100M tokens, then constant), decoupled AdamW, seq 8192,
+# global batch 384, MLM decay of 10% at 15% masking, seeds 17 (training) / 42 (data).
+# Stack an ablation after it: train.py configs/en_base.py configs/mlm_baseline.py
+
+init_from = "checkpoints/ModernBERT-base"  # <- your local copy of answerdotai/ModernBERT-base (config.json, model.safetensors, tokenizer.json)
+data_dir = "data/en_bio"  # <- python data.py prepare --input CORPUS.jsonl --tokenizer checkpoints/ModernBERT-base --out data/en_bio
+out_dir = "out/en_base"
+objective = "clm"
+tokens = 10_000_000_000  # phase 1; the decay adds 1B
+micro_batch_size = 4  # 4 GPUs x 4 sequences x 24 accumulation steps = 384

@@ -1,0 +1,13 @@
+# English Large: ModernBERT-large -> English biomedical text, 50B + 5B tokens.
+#   torchrun --nproc_per_node=4 train.py configs/en_large.py
+# Everything not set here is train.py's default, which is the paper's recipe:
+# lr 2e-4 (warmup 100M tokens, then constant), decoupled AdamW, seq 8192,
+# global batch 384, MLM decay of 10% at 15% masking, seeds 17 (training) / 42 (data).
+# Stack an ablation after it: train.py configs/en_large.py configs/mlm_baseline.py
+
+init_from = "checkpoints/ModernBERT-large"  # <- your local copy of answerdotai/ModernBERT-large (config.json, model.safetensors, tokenizer.json)
+data_dir = "data/en_bio"  # <- python data.py prepare --input CORPUS.jsonl --tokenizer checkpoints/ModernBERT-large --out data/en_bio
+out_dir = "out/en_large"
+objective = "clm"
+tokens = 50_000_000_000  # phase 1; the decay adds 5B
+micro_batch_size = 2  # 4 GPUs x 2 sequences x 48 accumulation steps = 384
