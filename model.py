@@ -55,9 +55,15 @@ class ModernBertConfig:
     mlp_dropout: float = 0.0
     classifier_dropout: float = 0.0
     classifier_pooling: str = "mean"  # "mean" over tokens or "cls"
+    id2label: dict | None = None  # classifiers: {"0": "label", ...} as in config.json
+    problem_type: str | None = None  # "single_label_classification" or "multi_label_classification"
     # "auto" picks flash-attn, then torch varlen_attn (CUDA), then SDPA.
     # The environment variable MODERNBERT_ATTN overrides it.
     attn_backend: str = "auto"
+
+    @property
+    def num_labels(self):
+        return len(self.id2label) if self.id2label else 2
 
     @property
     def head_dim(self):
@@ -113,7 +119,9 @@ class ModernBertConfig:
 
     def to_hf_dict(self):
         """config.json that transformers 4.48+ and 5 both read (old keys and new keys)."""
-        d = {k: v for k, v in asdict(self).items() if k != "attn_backend"}
+        d = {k: v for k, v in asdict(self).items() if k != "attn_backend" and v is not None}
+        if self.id2label:
+            d["label2id"] = {label: int(i) for i, label in self.id2label.items()}
         n = self.num_hidden_layers
         d.update(
             architectures=["ModernBertForMaskedLM"], model_type="modernbert", hidden_activation="gelu",
@@ -371,24 +379,12 @@ def repad(x, keep, B, S):
     return out.view(B, S, *x.shape[1:])
 
 
-class ModernBertForMaskedLM(nn.Module):
-    """Encoder + LM head (dense, GELU, LayerNorm, decoder tied to the embeddings).
-
-    The same head serves MLM and CLM: only which rows are predicted, and whether
-    the mask is causal, differ between the two objectives.
-    """
-
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.model = ModernBertModel(config)
-        self.head = PredictionHead(config)
-        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=True)
-        self.apply(self._init_weights)
-        self.decoder.weight = self.model.embeddings.tok_embeddings.weight  # tied: one tensor
+class PreTrained(nn.Module):
+    """What the three task models share: ModernBERT's init, and Hugging Face checkpoint read/write."""
 
     def _init_weights(self, module):
-        """ModernBERT's init: truncated normal cut at 2 std; 0.02 in, 0.02/sqrt(2L) for the output projections."""
+        """ModernBERT's init: truncated normal cut at 2 std; 0.02 in, 0.02/sqrt(2L) for the output
+        projections; the classifier at hidden_size**-0.5 (as transformers)."""
         c = self.config
         std_in, std_out = c.initializer_range, c.initializer_range / math.sqrt(2.0 * c.num_hidden_layers)
 
@@ -408,12 +404,83 @@ class ModernBertForMaskedLM(nn.Module):
             trunc(module.dense.weight, std_out)
         elif isinstance(module, nn.LayerNorm):
             nn.init.ones_(module.weight)
-        elif module is self.decoder:
+        elif module is getattr(self, "classifier", None):
+            trunc(module.weight, c.hidden_size ** -0.5)
+            nn.init.zeros_(module.bias)
+        elif module is getattr(self, "decoder", None):
             nn.init.zeros_(module.bias)
 
     def num_params(self):
         """Parameter count with the tied decoder weight counted once (as transformers reports)."""
         return sum(p.numel() for p in self.parameters())
+
+    # Hugging Face checkpoints: config.json + model.safetensors (or pytorch_model.bin)
+
+    def save_pretrained(self, path):
+        """Write config.json and model.safetensors that transformers loads as they are."""
+        from safetensors.torch import save_file
+
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump({**self.config.to_hf_dict(), "architectures": [type(self).__name__]}, f, indent=2)
+        # decoder.weight is the embedding matrix: stored once, as transformers does.
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items() if k != "decoder.weight"}
+        save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(cls, path, **overrides):
+        """Load a Hugging Face ModernBERT directory (ModernBertForMaskedLM, ModernBertModel or a
+        fine-tuned classifier). The encoder must be there; a task head that is not (a classifier
+        on top of an MLM checkpoint) starts from its init, as in transformers.
+
+        `overrides` set config fields the file does not decide (attn_backend, dropout, labels).
+        """
+        config = load_config(path, **overrides)
+        model = cls(config)
+        state = load_state(path)
+        if not any(k.startswith("model.") for k in state):  # a bare ModernBertModel checkpoint
+            state = {"model." + k: v for k, v in state.items()}
+        expected = {k: v for k, v in model.state_dict().items() if k != "decoder.weight"}
+        optional = ("classifier.", "head.") if cls is not ModernBertForMaskedLM else ()
+        missing = sorted(k for k in set(expected) - set(state) if not k.startswith(optional))
+        other_heads = ("decoder.", "classifier.", "head.", "drop.")  # heads of other task models
+        unexpected = sorted(k for k in set(state) - set(expected) if not k.startswith(other_heads))
+        if missing or unexpected:
+            raise ValueError(f"{path}: checkpoint does not match a {cls.__name__} of its config.json: "
+                             f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
+                             f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+        for k in sorted(set(expected) & set(state)):
+            if state[k].shape != expected[k].shape:
+                raise ValueError(f"{path}: {k} has shape {tuple(state[k].shape)} but config.json implies "
+                                 f"{tuple(expected[k].shape)}")
+        model.load_state_dict({k: state[k] for k in set(expected) & set(state)}, strict=False)
+        return model
+
+    def encode(self, input_ids, attention_mask, cu_seqlens, max_seqlen):
+        """Hidden states (T, H) of flat tokens; a padded (B, S) call is unpadded first.
+        Returns (hidden, cu_seqlens, keep, padded shape or None)."""
+        if cu_seqlens is None:
+            B, S = input_ids.shape
+            tokens, cu_seqlens, max_seqlen, keep = unpad(input_ids, attention_mask)
+            return self.model(tokens, cu_seqlens, max_seqlen), cu_seqlens, keep, (B, S)
+        return self.model(input_ids, cu_seqlens, max_seqlen), cu_seqlens, None, None
+
+
+class ModernBertForMaskedLM(PreTrained):
+    """Encoder + LM head (dense, GELU, LayerNorm, decoder tied to the embeddings).
+
+    The same head serves MLM and CLM: only which rows are predicted, and whether
+    the mask is causal, differ between the two objectives.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = ModernBertModel(config)
+        self.head = PredictionHead(config)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=True)
+        self.apply(self._init_weights)
+        self.decoder.weight = self.model.embeddings.tok_embeddings.weight  # tied: one tensor
 
     def logits(self, hidden):
         """(N, H) -> (N, V). Apply to selected rows only for sparse prediction."""
@@ -433,46 +500,50 @@ class ModernBertForMaskedLM(nn.Module):
         hidden = self.model(input_ids, cu_seqlens, max_seqlen, causal=causal)
         return self.logits(hidden if rows is None else hidden[rows])
 
-    # -------------------------------------------------------------------------
-    # Hugging Face checkpoints: config.json + model.safetensors (or pytorch_model.bin)
 
-    def save_pretrained(self, path):
-        """Write config.json and model.safetensors that transformers' AutoModelForMaskedLM loads as they are."""
-        from safetensors.torch import save_file
+class ModernBertForSequenceClassification(PreTrained):
+    """Pool (mean over tokens, or [CLS]) -> PredictionHead -> dropout -> linear, as transformers."""
 
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(self.config.to_hf_dict(), f, indent=2)
-        # decoder.weight is the embedding matrix: stored once, as transformers does.
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items() if k != "decoder.weight"}
-        save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = ModernBertModel(config)
+        self.head = PredictionHead(config)
+        self.drop = nn.Dropout(config.classifier_dropout)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.apply(self._init_weights)
 
-    @classmethod
-    def from_pretrained(cls, path, **overrides):
-        """Load a Hugging Face ModernBERT directory (ModernBertForMaskedLM or ModernBertModel weights).
+    def forward(self, input_ids, attention_mask=None, *, cu_seqlens=None, max_seqlen=None):
+        """(B, S) padded or flat (T,) with cu_seqlens -> (B, num_labels) logits."""
+        hidden, cu_seqlens, _, _ = self.encode(input_ids, attention_mask, cu_seqlens, max_seqlen)
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # (B,)
+        if self.config.classifier_pooling == "cls":
+            pooled = hidden[cu_seqlens[:-1].long()]
+        else:  # masked mean over each sequence's tokens
+            seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=hidden.device), lengths,
+                                          output_size=hidden.shape[0])
+            pooled = hidden.new_zeros(lengths.numel(), hidden.shape[1]).index_add_(0, seq, hidden)
+            pooled = pooled / lengths[:, None].to(hidden.dtype)
+        return self.classifier(self.drop(self.head(pooled)))
 
-        `overrides` set config fields (e.g. attn_backend, dropout rates) that the file does not decide.
-        """
-        config = load_config(path, **overrides)
-        model = cls(config)
-        state = load_state(path)
-        state.pop("decoder.weight", None)  # tied to the embeddings
-        if not any(k.startswith("model.") for k in state):  # a bare ModernBertModel checkpoint
-            state = {"model." + k: v for k, v in state.items()}
-        expected = {k: v for k, v in model.state_dict().items() if k != "decoder.weight"}
-        missing = sorted(set(expected) - set(state))
-        unexpected = sorted(k for k in set(state) - set(expected)
-                            if not k.startswith(("classifier.", "drop.")))  # task heads of fine-tuned models
-        if missing or unexpected:
-            raise ValueError(f"{path}: checkpoint does not match a ModernBertForMaskedLM of its config.json: "
-                             f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
-                             f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
-        for k, v in expected.items():
-            if state[k].shape != v.shape:
-                raise ValueError(f"{path}: {k} has shape {tuple(state[k].shape)} but config.json implies "
-                                 f"{tuple(v.shape)}")
-        model.load_state_dict({k: state[k] for k in expected}, strict=False)
-        return model
+
+class ModernBertForTokenClassification(PreTrained):
+    """PredictionHead -> dropout -> linear on every token, as transformers."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = ModernBertModel(config)
+        self.head = PredictionHead(config)
+        self.drop = nn.Dropout(config.classifier_dropout)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.apply(self._init_weights)
+
+    def forward(self, input_ids, attention_mask=None, *, cu_seqlens=None, max_seqlen=None):
+        """(B, S) padded -> (B, S, num_labels); flat (T,) with cu_seqlens -> (T, num_labels)."""
+        hidden, _, keep, shape = self.encode(input_ids, attention_mask, cu_seqlens, max_seqlen)
+        logits = self.classifier(self.drop(self.head(hidden)))
+        return logits if shape is None else repad(logits, keep, *shape)
 
 
 def load_config(path, **overrides):

@@ -1,0 +1,395 @@
+"""
+Fine-tuning evaluation over seeds, with the paper's protocol: AdamW (lr 5e-5, weight
+decay 0.01), linear decay after a 10% warmup, evaluate on validation after every
+epoch, keep the best epoch by validation macro F1, report test at that epoch.
+
+    python eval.py --model out/clm/final --task ner --data ../shared/data/ncbi_disease
+    python eval.py --model DIR --task cls --data DIR --seeds 42,43,44,45,46 --epochs 10
+    torchrun --nproc_per_node=4 eval.py ...     # each batch sharded over GPUs; same numbers
+
+Data: a directory with train / validation (or dev, devel, valid) / test splits.
+  cls:        JSONL {"text": ..., "label": ...}
+  multilabel: JSONL {"text": ..., "labels": [...]}
+  ner:        JSONL {"tokens": [...], "tags": [...]} or CoNLL/TSV (token TAB tag, blank line between sentences)
+"""
+
+import argparse
+import copy
+import json
+import math
+import os
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from data import load_tokenizer
+from model import ModernBertForSequenceClassification, ModernBertForTokenClassification
+
+# -----------------------------------------------------------------------------
+# Metrics (checked against scikit-learn and seqeval in the tests)
+
+
+def f1_from_counts(tp, fp, fn):
+    p = tp / (tp + fp) if tp + fp else 0.0
+    r = tp / (tp + fn) if tp + fn else 0.0
+    return 2 * p * r / (p + r) if p + r else 0.0
+
+
+def classification_metrics(y_true, y_pred):
+    """Accuracy and macro / micro / weighted F1 over the labels seen in y_true or y_pred."""
+    y_true, y_pred = np.asarray(y_true), np.asarray(y_pred)
+    labels = np.union1d(y_true, y_pred)
+    f1s = np.array([f1_from_counts(((y_pred == c) & (y_true == c)).sum(), ((y_pred == c) & (y_true != c)).sum(),
+                                   ((y_pred != c) & (y_true == c)).sum()) for c in labels])
+    support = np.array([(y_true == c).sum() for c in labels])
+    accuracy = float((y_true == y_pred).mean())
+    return {"macro_f1": float(f1s.mean()), "micro_f1": accuracy, "weighted_f1": float((f1s * support).sum() /
+                                                                                        support.sum()),
+            "accuracy": accuracy}
+
+
+def multilabel_metrics(y_true, y_pred):
+    """y: (n, L) 0/1. Macro F1 over the L labels, micro F1 over all cells."""
+    y_true, y_pred = np.asarray(y_true, bool), np.asarray(y_pred, bool)
+    tp, fp, fn = (y_true & y_pred).sum(0), (~y_true & y_pred).sum(0), (y_true & ~y_pred).sum(0)
+    macro = float(np.mean([f1_from_counts(*c) for c in zip(tp, fp, fn)]))
+    return {"macro_f1": macro, "micro_f1": f1_from_counts(tp.sum(), fp.sum(), fn.sum()),
+            "subset_accuracy": float((y_true == y_pred).all(1).mean())}
+
+
+def entities(sequences):
+    """(type, start, end) spans of BIO / IOB2 tag sequences, repaired as seqeval does: an I- that does
+    not continue an entity of its type starts a new one. Sequences are joined with an O between them."""
+    tags = [t for seq in sequences for t in [*seq, "O"]]
+    spans, start, prev_tag, prev_type = [], None, "O", ""
+    for i, tag in enumerate([*tags, "O"]):
+        t, typ = (tag[0], tag[2:]) if tag != "O" else ("O", "")
+        ends = prev_tag != "O" and (t in ("B", "O") or typ != prev_type)
+        if ends:
+            spans.append((prev_type, start, i - 1))
+        if t == "B" or (t == "I" and (prev_tag == "O" or typ != prev_type)):
+            start = i
+        prev_tag, prev_type = t, typ
+    return spans
+
+
+def ner_metrics(gold, pred):
+    """Entity-level F1 (exact span and type): micro over entities, macro over entity types."""
+    g, p = set(entities(gold)), set(entities(pred))
+    types = sorted({e[0] for e in g | p})
+    per_type = {t: f1_from_counts(len({e for e in g & p if e[0] == t}), len({e for e in p - g if e[0] == t}),
+                                  len({e for e in g - p if e[0] == t})) for t in types}
+    return {"macro_f1": float(np.mean(list(per_type.values()))) if types else 0.0,
+            "micro_f1": f1_from_counts(len(g & p), len(p - g), len(g - p)), "per_type_f1": per_type}
+
+
+# -----------------------------------------------------------------------------
+# Data
+
+SPLITS = {"train": ("train",), "validation": ("validation", "dev", "devel", "valid"), "test": ("test",)}
+
+
+def split_file(data_dir, split, task):
+    exts = (".jsonl", ".tsv", ".conll", ".txt") if task == "ner" else (".jsonl",)
+    for name in SPLITS[split]:
+        for ext in exts:
+            path = os.path.join(data_dir, name + ext)
+            if os.path.isfile(path):
+                return path
+    raise SystemExit(f"{data_dir}: no {split} split; expected one of "
+                     + ", ".join(n + e for n in SPLITS[split] for e in exts))
+
+
+def read_split(path, task):
+    """-> list of examples: {"text", "label"} / {"text", "labels"} / {"tokens", "tags"}."""
+    examples = []
+    if task == "ner" and not path.endswith(".jsonl"):
+        tokens, tags = [], []
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate([*f, "\n"], 1):
+                if not line.strip():
+                    if tokens:
+                        examples.append({"tokens": tokens, "tags": tags})
+                    tokens, tags = [], []
+                    continue
+                parts = line.rstrip("\n").split("\t") if "\t" in line else line.split()
+                if len(parts) < 2:
+                    raise SystemExit(f"{path}:{n}: expected 'token<TAB>tag', got {line.strip()!r}")
+                tokens.append(parts[0])
+                tags.append(parts[-1])
+    else:
+        field = {"cls": ("text", "label"), "multilabel": ("text", "labels"), "ner": ("tokens", "tags")}[task]
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                ex = json.loads(line)
+                for k in field:
+                    if k not in ex:
+                        raise SystemExit(f"{path}:{n}: no {k!r} field; --task {task} needs {' and '.join(field)}")
+                examples.append({k: ex[k] for k in field})
+    if not examples:
+        raise SystemExit(f"{path}: the split is empty")
+    return examples
+
+
+def label_set(train, task):
+    if task == "cls":
+        return sorted({str(ex["label"]) for ex in train})
+    if task == "multilabel":
+        return sorted({str(x) for ex in train for x in ex["labels"]})
+    return sorted({t for ex in train for t in ex["tags"]}, key=lambda t: (t != "O", t[2:], t))
+
+
+def check_labels(examples, labels, path, task):
+    known = set(labels)
+    for n, ex in enumerate(examples, 1):
+        seen = {str(ex["label"])} if task == "cls" else set(map(str, ex["labels" if task == "multilabel" else "tags"]))
+        if not seen <= known:
+            raise SystemExit(f"{path}: example {n} has label(s) {sorted(seen - known)} that the training split "
+                             f"never uses (labels: {labels})")
+
+
+def encode_examples(examples, tok, task, labels, max_len):
+    """-> list of (token ids, target) where target is a label id (cls), a 0/1 vector (multilabel) or a
+    per-token list with the tag id on each word's first sub-token and -100 elsewhere (ner). NER
+    sentences longer than max_len are split at word boundaries into several sequences, never truncated.
+    Also returns, for NER, which (example, word) each first sub-token belongs to."""
+    index = {label: i for i, label in enumerate(labels)}
+    if task != "ner":
+        ids = tok.encode_batch([ex["text"] for ex in examples])
+        out = []
+        for ex, x in zip(examples, ids):
+            if task == "cls":
+                target = index[str(ex["label"])]
+            else:
+                target = [0.0] * len(labels)
+                for label in ex["labels"]:
+                    target[index[str(label)]] = 1.0
+            out.append(([tok.cls_id, *x[:max_len - 2], tok.sep_id], target))
+        return out, None
+    words = [w if i == 0 else " " + w for ex in examples for i, w in enumerate(ex["tokens"])]
+    pieces = iter(tok.encode_batch(words))
+    out, where = [], []
+    for e, ex in enumerate(examples):
+        chunk, tags, owners = [], [], []
+        for w, tag in enumerate(ex["tags"]):
+            sub = next(pieces) or [tok.mask_id]  # a word with no sub-token (e.g. a lone control char)
+            if len(chunk) + len(sub) > max_len - 2 and chunk:  # split the sentence here
+                out.append(([tok.cls_id, *chunk, tok.sep_id], [-100, *tags, -100]))
+                where.append(owners)
+                chunk, tags, owners = [], [], []
+            sub = sub[:max_len - 2]
+            chunk += sub
+            tags += [index[tag]] + [-100] * (len(sub) - 1)
+            owners.append((e, w))
+        out.append(([tok.cls_id, *chunk, tok.sep_id], [-100, *tags, -100]))
+        where.append(owners)
+    return out, where
+
+
+def flat_batch(items, task, device):
+    """A list of (ids, target) -> flat unpadded tokens, cu_seqlens, max_seqlen, targets."""
+    lengths = torch.tensor([len(x) for x, _ in items])
+    tokens = torch.tensor([t for x, _ in items for t in x], device=device)
+    cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32).to(device)
+    if task == "ner":
+        targets = torch.tensor([t for _, y in items for t in y], device=device)
+    else:
+        targets = torch.tensor([y for _, y in items], device=device)
+    return tokens, cu, int(lengths.max()), targets
+
+
+# -----------------------------------------------------------------------------
+# Fine-tuning one seed
+
+
+def loss_sum(model, items, task, device):
+    tokens, cu, max_len, targets = flat_batch(items, task, device)
+    logits = model(tokens, cu_seqlens=cu, max_seqlen=max_len).float()
+    if task == "multilabel":
+        return F.binary_cross_entropy_with_logits(logits, targets, reduction="sum")
+    return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
+
+
+def count_targets(items, task, n_labels):
+    if task == "ner":
+        return sum(sum(t != -100 for t in y) for _, y in items)
+    return len(items) * (n_labels if task == "multilabel" else 1)
+
+
+@torch.no_grad()
+def predict(model, items, task, device, batch_size, rank, world):
+    """Predictions for all items: label ids (cls), 0/1 rows (multilabel), per-token tag ids (ner)."""
+    model.eval()
+    mine = list(range(rank, len(items), world))
+    preds = {}
+    for start in range(0, len(mine), batch_size):
+        idx = mine[start:start + batch_size]
+        tokens, cu, max_len, _ = flat_batch([items[i] for i in idx], task, device)
+        logits = model(tokens, cu_seqlens=cu, max_seqlen=max_len).float()
+        if task == "cls":
+            out = logits.argmax(-1).tolist()
+        elif task == "multilabel":
+            out = (logits > 0).int().tolist()
+        else:
+            tags = logits.argmax(-1).tolist()
+            out = [tags[int(cu[j]):int(cu[j + 1])] for j in range(len(idx))]
+        preds.update(zip(idx, out))
+    if world > 1:
+        parts = [None] * world
+        dist.all_gather_object(parts, preds)
+        preds = {k: v for p in parts for k, v in p.items()}
+    model.train()
+    return [preds[i] for i in range(len(items))]
+
+
+def score(task, items, preds, where, examples, labels):
+    if task == "cls":
+        return classification_metrics([y for _, y in items], preds)
+    if task == "multilabel":
+        return multilabel_metrics([y for _, y in items], preds)
+    # NER: the prediction of each word is its first sub-token's; stitch split sentences back together
+    pred_tags = [["O"] * len(ex["tokens"]) for ex in examples]
+    for (_, y), p, owners in zip(items, preds, where):
+        firsts = [k for k, t in enumerate(y) if t != -100]
+        for (e, w), k in zip(owners, firsts):
+            pred_tags[e][w] = labels[p[k]]
+    return ner_metrics([ex["tags"] for ex in examples], pred_tags)
+
+
+def finetune(args, seed, splits, labels, tok, device, rank, world, ddp):
+    task = args.task
+    model_cls = ModernBertForTokenClassification if task == "ner" else ModernBertForSequenceClassification
+    problem = {"cls": "single_label_classification", "multilabel": "multi_label_classification"}.get(task)
+    torch.manual_seed(seed)  # the new classifier's init, then dropout and shuffling
+    model = model_cls.from_pretrained(
+        args.model, id2label={str(i): label for i, label in enumerate(labels)}, problem_type=problem,
+        classifier_pooling=args.pooling, attn_out_dropout=None).to(device)
+    core = model
+    if ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    train = splits["train"]
+    steps_per_epoch = math.ceil(len(train[0]) / args.batch_size)
+    total = steps_per_epoch * args.epochs
+    warmup = int(args.warmup_ratio * total)
+    params = [p for p in core.parameters()]
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
+                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.999), eps=1e-8)
+    sched = torch.optim.lr_scheduler.LambdaLR(  # linear warmup, then linear decay to 0 (transformers' schedule)
+        opt, lambda s: s / max(1, warmup) if s < warmup else max(0.0, (total - s) / max(1, total - warmup)))
+    g = torch.Generator().manual_seed(seed)
+    history, best, best_state = [], None, None
+    for epoch in range(args.epochs):
+        t0 = time.time()
+        order = torch.randperm(len(train[0]), generator=g).tolist()
+        bar = tqdm(range(steps_per_epoch), desc=f"seed {seed} epoch {epoch + 1}/{args.epochs}",
+                   disable=rank != 0 or None, leave=False)
+        for s in bar:
+            batch = [train[0][i] for i in order[s * args.batch_size:(s + 1) * args.batch_size]]
+            n = count_targets(batch, task, len(labels))  # the loss is the mean over the global batch
+            mine = batch[rank::world]
+            loss = loss_sum(model, mine, task, device) * world / max(n, 1) if mine else \
+                sum(p.sum() * 0 for p in core.parameters())  # a rank with no example still joins the all-reduce
+            loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            bar.set_postfix(loss=f"{loss.item() / world:.4f}")
+        val = score(task, splits["validation"][0], predict(core, splits["validation"][0], task, device,
+                                                           args.batch_size, rank, world), *splits["validation"][1:],
+                    labels)
+        history.append({"epoch": epoch + 1, "validation": val, "seconds": time.time() - t0})
+        if best is None or val["macro_f1"] > best["validation"]["macro_f1"]:
+            best = history[-1]
+            best_state = copy.deepcopy(core.state_dict())
+        if rank == 0:
+            tqdm.write(f"seed {seed} epoch {epoch + 1}: validation macro F1 {val['macro_f1']:.4f} "
+                       f"micro F1 {val['micro_f1']:.4f} ({time.time() - t0:.1f}s)")
+    core.load_state_dict(best_state)
+    test = score(task, splits["test"][0], predict(core, splits["test"][0], task, device, args.batch_size, rank, world),
+                 *splits["test"][1:], labels)
+    return core, {"seed": seed, "best_epoch": best["epoch"], "test": test, "epochs": history}
+
+
+# -----------------------------------------------------------------------------
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="a Hugging Face ModernBERT checkpoint directory")
+    p.add_argument("--task", required=True, choices=["cls", "multilabel", "ner"])
+    p.add_argument("--data", required=True, help="a directory with train / validation / test splits")
+    p.add_argument("--seeds", default="42,43,44,45,46")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--weight_decay", type=float, default=0.01)
+    p.add_argument("--warmup_ratio", type=float, default=0.1)
+    p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--max_len", type=int, default=512)
+    p.add_argument("--pooling", choices=["mean", "cls"], default="mean", help="sequence classification pooling")
+    p.add_argument("--tokenizer", help="when the checkpoint carries no tokenizer.json")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default="out/eval")
+    p.add_argument("--save_model", action="store_true", help="save the best model of each seed under --out")
+    args = p.parse_args(argv)
+
+    ddp = "RANK" in os.environ
+    if ddp:
+        dist.init_process_group("nccl" if torch.cuda.is_available() and args.device != "cpu" else "gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
+    if args.device == "auto":
+        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise SystemExit(f"--model {args.model}: not a checkpoint directory (no config.json)")
+    tok_spec = args.tokenizer or args.model
+    if not args.tokenizer and not os.path.isfile(os.path.join(args.model, "tokenizer.json")):
+        raise SystemExit(f"{args.model} has no tokenizer.json; pass --tokenizer")
+    tok = load_tokenizer(tok_spec)
+
+    raw = {split: (read_split(split_file(args.data, split, args.task), args.task)) for split in SPLITS}
+    labels = label_set(raw["train"], args.task)
+    for split in ("validation", "test"):
+        check_labels(raw[split], labels, split_file(args.data, split, args.task), args.task)
+    splits = {}
+    for split, examples in raw.items():
+        items, where = encode_examples(examples, tok, args.task, labels, args.max_len)
+        splits[split] = (items, where, examples)
+    if rank == 0:
+        print(f"{args.task}: {len(labels)} labels; train {len(raw['train'])}, validation {len(raw['validation'])}, "
+              f"test {len(raw['test'])} examples ({len(splits['train'][0])} training sequences)")
+
+    runs = []
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        model, result = finetune(args, seed, splits, labels, tok, device, rank, world, ddp)
+        runs.append(result)
+        if rank == 0 and args.save_model:
+            model.save_pretrained(os.path.join(args.out, f"model-seed{seed}"))
+    if rank == 0:
+        keys = [k for k, v in runs[0]["test"].items() if isinstance(v, float)]
+        summary = {k: {"mean": float(np.mean([r["test"][k] for r in runs])),
+                       "std": float(np.std([r["test"][k] for r in runs], ddof=1)) if len(runs) > 1 else 0.0}
+                   for k in keys}
+        lines = [f"| metric (test, {len(runs)} seeds) | mean ± std |", "|---|---|"]
+        lines += [f"| {k} | {100 * v['mean']:.2f} ± {100 * v['std']:.2f} |" for k, v in summary.items()]
+        table = "\n".join(lines) + "\n"
+        print(table)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump({"settings": {**vars(args), "labels": labels, "world_size": world}, "summary": summary,
+                       "runs": runs}, f, indent=2)
+        with open(os.path.join(args.out, "results.md"), "w") as f:
+            f.write(table)
+    if ddp:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

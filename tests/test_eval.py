@@ -1,0 +1,193 @@
+"""eval.py: metrics against seqeval and scikit-learn, heads against transformers, learning, determinism."""
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from data import train_bpe
+from eval import classification_metrics, multilabel_metrics, ner_metrics
+from model import (ModernBertConfig, ModernBertForMaskedLM, ModernBertForSequenceClassification,
+                   ModernBertForTokenClassification)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NCBI = os.path.join(ROOT, "..", "shared", "data", "ncbi_disease")
+TOKENIZER = os.path.join(ROOT, "..", "shared", "tokenizers", "modernbert", "tokenizer.json")
+
+
+# -----------------------------------------------------------------------------
+# 1-2. Metrics
+
+
+def random_tags(rng, n):
+    tags = ["O", "B-DIS", "I-DIS", "B-CHEM", "I-CHEM", "B-GENE", "I-GENE"]
+    return [[rng.choice(tags) for _ in range(rng.randint(1, 20))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_entity_f1_equals_seqeval(seed):
+    seqeval = pytest.importorskip("seqeval.metrics")
+    rng = random.Random(seed)
+    gold = random_tags(rng, 60)  # random tags: full of ill-formed BIO (I- without B-, type switches)
+    pred = [[t if rng.random() < 0.7 else rng.choice(["O", "B-DIS", "I-DIS", "I-CHEM", "B-GENE"]) for t in seq]
+            for seq in gold]
+    ours = ner_metrics(gold, pred)
+    assert ours["micro_f1"] == pytest.approx(seqeval.f1_score(gold, pred, average="micro"), abs=1e-12)
+    assert ours["macro_f1"] == pytest.approx(seqeval.f1_score(gold, pred, average="macro"), abs=1e-12)
+
+
+def test_entity_spans_hand_checked():
+    from eval import entities
+    assert entities([["B-A", "I-A", "O", "I-A", "I-B", "B-B"]]) == [("A", 0, 1), ("A", 3, 3), ("B", 4, 4), ("B", 5, 5)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_classification_metrics_equal_sklearn(seed):
+    sk = pytest.importorskip("sklearn.metrics")
+    rng = np.random.default_rng(seed)
+    y_true, y_pred = rng.integers(0, 5, 200), rng.integers(0, 6, 200)
+    ours = classification_metrics(y_true, y_pred)
+    assert ours["accuracy"] == pytest.approx(sk.accuracy_score(y_true, y_pred))
+    for avg in ("macro", "micro", "weighted"):
+        assert ours[f"{avg}_f1"] == pytest.approx(sk.f1_score(y_true, y_pred, average=avg, zero_division=0))
+    Y_true, Y_pred = rng.integers(0, 2, (100, 6)), rng.integers(0, 2, (100, 6))
+    Y_true[:, 5] = 0  # a label never present
+    ml = multilabel_metrics(Y_true, Y_pred)
+    for avg in ("macro", "micro"):
+        assert ml[f"{avg}_f1"] == pytest.approx(sk.f1_score(Y_true, Y_pred, average=avg, zero_division=0))
+
+
+# -----------------------------------------------------------------------------
+# 3. Heads interoperate with transformers
+
+
+TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=2,
+            local_attention=8, pad_token_id=0, cls_token_id=2, sep_token_id=3)
+
+
+@pytest.mark.parametrize("kind", ["sequence", "token"])
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_heads_interoperate_with_transformers(kind, pooling, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    if kind == "token" and pooling == "cls":
+        pytest.skip("pooling only concerns sequence classification")
+    ours_cls = ModernBertForSequenceClassification if kind == "sequence" else ModernBertForTokenClassification
+    hf_cls = getattr(transformers, ours_cls.__name__)
+    labels = {"0": "neg", "1": "neu", "2": "pos"}
+    torch.manual_seed(0)
+    ours = ours_cls(ModernBertConfig(**TINY, id2label=labels, classifier_pooling=pooling)).eval()
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    ours.save_pretrained(tmp_path / "ours")
+    hf, info = hf_cls.from_pretrained(tmp_path / "ours", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert hf.config.num_labels == 3 and hf.config.classifier_pooling == pooling
+    ids = torch.randint(4, 300, (3, 30))
+    mask = torch.ones_like(ids)
+    mask[1, 12:] = 0
+    with torch.no_grad():
+        a, b = ours(ids, mask), hf.eval()(input_ids=ids, attention_mask=mask).logits
+    if kind == "token":
+        a, b = a[mask.bool()], b[mask.bool()]
+    assert (a - b).abs().max() <= 1e-5
+    hf.save_pretrained(tmp_path / "hf")  # and back
+    back = ours_cls.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        c = back(ids, mask)
+    assert (c[mask.bool()] if kind == "token" else c).sub(a).abs().max() <= 1e-5
+
+
+def test_classifier_on_top_of_an_mlm_checkpoint(tmp_path):
+    """The encoder and the prediction head come from the MLM checkpoint; the classifier is new."""
+    torch.manual_seed(0)
+    mlm = ModernBertForMaskedLM(ModernBertConfig(**TINY))
+    mlm.save_pretrained(tmp_path)
+    clf = ModernBertForSequenceClassification.from_pretrained(tmp_path, id2label={"0": "a", "1": "b"})
+    assert torch.equal(clf.model.layers[1].mlp.Wi.weight, mlm.model.layers[1].mlp.Wi.weight)
+    assert torch.equal(clf.head.dense.weight, mlm.head.dense.weight)
+
+
+# -----------------------------------------------------------------------------
+# 4-5. Learning and determinism, through the command line
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("model")
+    words = "red green blue cyan magenta yellow black white grey pink".split()
+    train_bpe(iter([" ".join(words)] * 20 + ["alpha beta gamma"] * 20), 300, str(tmp / "tokenizer.json"))
+    torch.manual_seed(0)
+    ModernBertForMaskedLM(ModernBertConfig(**TINY)).save_pretrained(tmp)
+    return str(tmp)
+
+
+def separable_task(path):
+    """Label = which of two word families a text uses: separable by construction."""
+    rng = random.Random(0)
+    warm, cold = ["red", "yellow", "pink", "magenta"], ["blue", "cyan", "grey", "black"]
+    os.makedirs(path, exist_ok=True)
+    for split, n in (("train", 160), ("validation", 40), ("test", 40)):
+        with open(os.path.join(path, f"{split}.jsonl"), "w") as f:
+            for _ in range(n):
+                label = rng.choice(["warm", "cold"])
+                text = " ".join(rng.choice(warm if label == "warm" else cold) for _ in range(rng.randint(3, 12)))
+                f.write(json.dumps({"text": text, "label": label}) + "\n")
+
+
+def run_eval(*args, check=True):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "--device", "cpu", *args], cwd=ROOT,
+                       capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if check:
+        assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def test_learns_a_separable_task_and_is_deterministic(tiny_model, tmp_path):
+    separable_task(tmp_path / "task")
+    results = []
+    for name in ("a", "b"):
+        run_eval("--model", tiny_model, "--task", "cls", "--data", str(tmp_path / "task"), "--seeds", "7",
+                 "--epochs", "4", "--lr", "3e-3", "--out", str(tmp_path / name))
+        results.append(json.loads((tmp_path / name / "results.json").read_text()))
+    assert results[0]["summary"]["macro_f1"]["mean"] > 0.95
+    untimed = lambda run: {**run, "epochs": [{k: v for k, v in e.items() if k != "seconds"}  # noqa: E731
+                                           for e in run["epochs"]]}
+    assert [untimed(r) for r in results[0]["runs"]] == [untimed(r) for r in results[1]["runs"]]  # same seed
+    assert len(results[0]["runs"][0]["epochs"]) == 4
+
+
+@pytest.mark.skipif(not os.path.isdir(NCBI), reason="../shared/data/ncbi_disease is not beside the checkout")
+def test_ncbi_disease_one_epoch_beats_all_o(tmp_path):
+    torch.manual_seed(0)
+    ModernBertForMaskedLM(ModernBertConfig(vocab_size=50368, hidden_size=64, intermediate_size=128,
+                                           num_hidden_layers=2, num_attention_heads=4,
+                                           local_attention=64)).save_pretrained(tmp_path / "m")
+    shutil.copyfile(TOKENIZER, tmp_path / "m" / "tokenizer.json")
+    run_eval("--model", str(tmp_path / "m"), "--task", "ner", "--data", NCBI, "--seeds", "1", "--epochs", "1",
+             "--lr", "2e-3", "--out", str(tmp_path / "out"))
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    f1 = res["runs"][0]["test"]["micro_f1"]
+    print(f"NCBI-disease, tiny random-init model, 1 epoch: test entity F1 {f1:.4f} (all-O: 0.0); "
+          f"{res['runs'][0]['epochs'][0]['seconds']:.1f}s per epoch")
+    assert f1 > 0.3
+
+
+def test_bad_inputs_are_clear(tiny_model, tmp_path):
+    separable_task(tmp_path / "task")
+    with open(tmp_path / "task" / "test.jsonl", "a") as f:
+        f.write(json.dumps({"text": "red", "label": "lukewarm"}) + "\n")
+    r = run_eval("--model", tiny_model, "--task", "cls", "--data", str(tmp_path / "task"), check=False)
+    assert r.returncode != 0 and "'lukewarm'" in r.stderr and "training split never uses" in r.stderr
+    os.remove(tmp_path / "task" / "validation.jsonl")
+    r = run_eval("--model", tiny_model, "--task", "cls", "--data", str(tmp_path / "task"), check=False)
+    assert r.returncode != 0 and "no validation split" in r.stderr
+    (tmp_path / "task" / "validation.jsonl").write_text("")
+    r = run_eval("--model", tiny_model, "--task", "cls", "--data", str(tmp_path / "task"), check=False)
+    assert r.returncode != 0 and "empty" in r.stderr
