@@ -1,0 +1,263 @@
+"""
+The whole study of the paper, small, on CPU, with no download: one command.
+
+    python demo.py                       # about 10 minutes on 2 CPU cores -> out/demo/report.md
+    python demo.py --domain ../shared/data/biomed_sentences.txt --task ../shared/data/ncbi_disease \\
+                   --out out/biomed      # a small biomedical replication
+    python demo.py --base path/to/ModernBERT-base --domain corpus.jsonl --task my_task/
+
+Steps, each a command a user could type (printed as it runs):
+  1. corpora: general and domain text (built-in: docstrings of the standard library, and of
+     PyTorch and NumPy, installed with this project), held-out domain texts for CKA, and a
+     downstream task (built-in: which subpackage a PyTorch/NumPy docstring comes from);
+  2. data.py prepare: a byte-level BPE trained on the general text, token shards;
+  3. train.py: a tiny ModernBERT pretrained with MLM on the general text (the stand-in for
+     "a pretrained ModernBERT"; skipped with --base);
+  4. train.py from that base on the domain text: the CLM-detour arm, the MLM arm and an
+     MLM seed twin, each followed by the MLM decay, with identical budgets;
+  5. cka.py: the pair (detour vs MLM) and the control (MLM vs its seed twin);
+  6. eval.py: fine-tuning of both arms on the task over 3 seeds;
+  7. report.md with the tables, loss.png and divergence.png.
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+# Sizes. "full" is the demo (under 15 minutes on 2 cores); "quick" is the test's.
+SCALES = {
+    "full": dict(base_tokens=1_200_000, arm_tokens=600_000, heldout=300, cka_n=200, task_per_class=150,
+                 eval_epochs=4, eval_lr=5e-4, eval_seeds="42,43,44", eval_max_len=128),
+    "quick": dict(base_tokens=60_000, arm_tokens=40_000, heldout=60, cka_n=40, task_per_class=30,
+                  eval_epochs=1, eval_lr=5e-4, eval_seeds="42,43", eval_max_len=64),
+}
+ARMS = {  # name -> train.py overrides on top of configs/demo.py; identical budgets
+    "clm": ["--objective=clm"],
+    "mlm": ["--objective=mlm"],
+    "mlm_twin": ["--objective=mlm", "--seed=42"],  # seed-noise control: same data order, other seed
+}
+
+
+def run(cmd, log):
+    """Run one step as a user would, echoing the command; its output goes to the log file."""
+    print("$ " + " ".join(cmd[1:] if cmd[0] == sys.executable else cmd), flush=True)
+    t0 = time.time()
+    with open(log, "w") as f:
+        r = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "TQDM_DISABLE": "1"})
+    if r.returncode != 0:
+        tail = open(log).read()[-3000:]
+        raise SystemExit(f"step failed (exit {r.returncode}); the end of {log}:\n{tail}")
+    return time.time() - t0
+
+
+def write_jsonl(path, rows):
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def builtin_task(docs, per_class, rng):
+    """Docstring -> its subpackage (torch.nn, torch.distributions, numpy.linalg, ...): the eight most
+    frequent, up to per_class examples each, split 60/20/20."""
+    def package(module):
+        parts = module.split(".")
+        return ".".join(parts[:2]) if len(parts) > 2 else None
+    counts = Counter(package(m) for m, _ in docs if package(m))
+    classes = [c for c, _ in counts.most_common(8)]
+    by_class = {c: [d for m, d in docs if package(m) == c] for c in classes}
+    task = {"train": [], "validation": [], "test": []}
+    for c in classes:
+        picked = rng.sample(by_class[c], min(per_class, len(by_class[c])))
+        a, b = int(0.6 * len(picked)), int(0.8 * len(picked))
+        for split, part in (("train", picked[:a]), ("validation", picked[a:b]), ("test", picked[b:])):
+            task[split] += [{"text": d, "label": c} for d in part]
+    return task
+
+
+def build_corpora(args, s, out):
+    """general.jsonl, domain.jsonl, heldout.jsonl and, for the built-in task, task/{train,validation,test}.jsonl."""
+    from data import demo_documents, read_documents
+
+    rng = random.Random(0)
+    os.makedirs(os.path.join(out, "text"), exist_ok=True)
+    path = lambda name: os.path.join(out, "text", name)  # noqa: E731
+    if not args.base:
+        write_jsonl(path("general.jsonl"), ({"text": d} for _, d in demo_documents("general")))
+    if args.domain:
+        domain = list(read_documents(args.domain))
+        task_docs = set()
+    else:
+        labelled = list(demo_documents("domain"))
+        task = builtin_task(labelled, s["task_per_class"], rng)
+        os.makedirs(os.path.join(out, "task"), exist_ok=True)
+        for split, rows in task.items():
+            write_jsonl(os.path.join(out, "task", f"{split}.jsonl"), rows)
+        task_docs = {row["text"] for rows in task.values() for row in rows}
+        domain = [d for _, d in labelled]
+    domain = [d for d in dict.fromkeys(domain) if d not in task_docs]  # the task's texts stay unseen
+    rng.shuffle(domain)
+    write_jsonl(path("heldout.jsonl"), ({"text": d} for d in domain[:s["heldout"]]))
+    write_jsonl(path("domain.jsonl"), ({"text": d} for d in domain[s["heldout"]:]))
+    return args.task or os.path.join(out, "task")
+
+
+def task_type(task_dir):
+    """ner for CoNLL/TSV or token/tag JSONL, multilabel for "labels", cls for "label"."""
+    names = os.listdir(task_dir)
+    if any(n.endswith((".tsv", ".conll")) for n in names):
+        return "ner"
+    train = next(n for n in names if n.startswith("train") and n.endswith(".jsonl"))
+    with open(os.path.join(task_dir, train)) as f:
+        first = json.loads(f.readline())
+    return "ner" if "tags" in first else "multilabel" if "labels" in first else "cls"
+
+
+def last_val(metrics_path):
+    with open(metrics_path) as f:
+        records = [json.loads(line) for line in f]
+    return next(r for r in reversed(records) if "val_mlm_loss" in r), records
+
+
+def loss_figure(arms, main_tokens, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for (name, records), color in zip(arms.items(), ("C3", "C0", "C2")):
+        t0 = records[0]["tokens"] - (records[1]["tokens"] - records[0]["tokens"])
+        left.plot([(r["tokens"] - t0) / 1e3 for r in records], [r["loss"] for r in records], color=color, label=name)
+        val = [r for r in records if "val_mlm_loss" in r]
+        right.plot([(r["tokens"] - t0) / 1e3 for r in val], [r["val_mlm_loss"] for r in val], "o-", color=color,
+                   label=name)
+    for ax, title in ((left, "training loss (phase 1: the arm's objective; decay: MLM 15%)"),
+                      (right, "validation MLM loss (15% masking, fixed seed)")):
+        ax.axvline(main_tokens / 1e3, color="k", ls="--", lw=1, label="start of the decay")
+        ax.set_xlabel("tokens seen in continued pretraining (thousands)")
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=8)
+    left.set_ylabel("loss")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(args, s, out, task_dir, kind, timings, total):
+    arms = {name: last_val(os.path.join(out, name, "metrics.jsonl")) for name in ARMS}
+    loss_figure({name: records for name, (_, records) in arms.items()}, s["arm_tokens"], os.path.join(out, "loss.png"))
+    shutil.copyfile(os.path.join(out, "cka", "divergence.png"), os.path.join(out, "divergence.png"))
+    cka = json.load(open(os.path.join(out, "cka", "results.json")))
+    self_cka = json.load(open(os.path.join(out, "cka_self", "results.json")))
+    evals = {name: json.load(open(os.path.join(out, f"eval_{name}", "results.json"))) for name in ("clm", "mlm")}
+
+    pct = lambda x: f"{100 * x['mean']:.2f} ± {100 * x['std']:.2f}"  # noqa: E731
+    lines = ["# CLM detour: demo report", "",
+             f"Wall time {total / 60:.1f} min. Domain: {', '.join(args.domain) if args.domain else 'built-in'}"
+             f" (PyTorch/NumPy docstrings); task: {task_dir} ({kind}); base: {args.base or 'tiny MLM on general text'}.",
+             "", "## Settings", "",
+             f"- model: configs/demo.py; base pretraining {s['base_tokens']:,} tokens" + (" (skipped: --base)" if args.base else ""),
+             f"- each arm: {s['arm_tokens']:,} tokens of phase 1 + 10% MLM decay (15% masking), same data order",
+             f"- CKA: {s['cka_n']} held-out texts x seeds 42,43,44, mean pooling, float64",
+             f"- eval: {s['eval_epochs']} epochs x seeds {s['eval_seeds']}, lr {s['eval_lr']} (a tiny model takes a "
+             f"larger step than the paper's 5e-5), max_len {s['eval_max_len']}",
+             "- steps: " + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items()), "",
+             "## Final validation loss per arm (after the decay)", "",
+             "| arm | phase 1 | val MLM loss (15%) | val CLM loss |", "|---|---|---|---|"]
+    for name, (rec, _) in arms.items():
+        lines.append(f"| {name} | {' '.join(ARMS[name])} | {rec['val_mlm_loss']:.4f} | {rec['val_clm_loss']:.4f} |")
+    lines += ["", "## CKA: divergence (1 - CKA) by region, pair = clm vs mlm, control = mlm vs mlm_twin", "",
+              "| layers | pair (%) | control (%) | ratio |", "|---|---|---|---|"]
+    for r in cka["regions"]:
+        ratio = "n/a" if r["ratio"] is None else f"{r['ratio']['mean']:.2f}x"
+        lines.append(f"| {r['layers']} | {pct(r['pair_divergence'])} | {pct(r['control_divergence'])} | {ratio} |")
+    worst = max(abs(1 - e["pair_cka"]["mean"]) for e in self_cka["layers"].values())
+    lines += ["", f"Sanity: CKA of the detour model with itself = 1 at every layer (max |1 - CKA| = {worst:.1e}).",
+              "", "![per-layer divergence](divergence.png)", "",
+              f"## Fine-tuning on the task (test, mean ± std over seeds {s['eval_seeds']})", "",
+              "| arm | macro F1 (%) | micro F1 (%) |", "|---|---|---|"]
+    for name, res in evals.items():
+        lines.append(f"| {name} | {pct(res['summary']['macro_f1'])} | {pct(res['summary']['micro_f1'])} |")
+    lines += ["", "![loss curves](loss.png)", "", "Per-layer CKA table: cka/results.md. Logs: logs/.", ""]
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write("\n".join(lines))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="out/demo")
+    p.add_argument("--domain", nargs="+", help="domain text files (.txt, .jsonl, .parquet) instead of the built-in")
+    p.add_argument("--task", help="a task directory for eval.py instead of the built-in")
+    p.add_argument("--base", help="a Hugging Face ModernBERT directory to continue from instead of pretraining one")
+    p.add_argument("--quick", action="store_true", help="a tiny run of every step (what the tests use)")
+    args = p.parse_args(argv)
+    s = SCALES["quick" if args.quick else "full"]
+    out = os.path.abspath(args.out)
+    logs = os.path.join(out, "logs")
+    os.makedirs(logs, exist_ok=True)
+    py = sys.executable
+    t_start, timings = time.time(), {}
+
+    print("1. corpora", flush=True)
+    t0 = time.time()
+    task_dir = build_corpora(args, s, out)
+    kind = task_type(task_dir)
+    timings["corpora"] = time.time() - t0
+
+    print("2. token shards", flush=True)
+    text = lambda name: os.path.join(out, "text", name)  # noqa: E731
+    data = lambda name: os.path.join(out, "data", name)  # noqa: E731
+    timings["prepare"] = 0.0
+    if not args.base:
+        timings["prepare"] += run([py, "data.py", "prepare", "--input", text("general.jsonl"), "--tokenizer", "bpe:4096",
+                                   "--out", data("general"), "--val_docs", "200"], os.path.join(logs, "prepare_general.log"))
+    tokenizer = args.base or data("general")
+    timings["prepare"] += run([py, "data.py", "prepare", "--input", text("domain.jsonl"), "--tokenizer", tokenizer,
+                               "--out", data("domain"), "--val_docs", "200"], os.path.join(logs, "prepare_domain.log"))
+
+    common = [py, "train.py", "configs/demo.py"]
+    base = args.base
+    if not base:
+        print("3. base model: MLM on the general text", flush=True)
+        timings["base"] = run(common + [f"--data_dir={data('general')}", f"--out_dir={os.path.join(out, 'base')}",
+                                        "--init_from=scratch", "--objective=mlm", f"--tokens={s['base_tokens']}"],
+                              os.path.join(logs, "base.log"))
+        base = os.path.join(out, "base", "final")
+
+    print("4. continued pretraining: the detour, the MLM arm, the MLM seed twin", flush=True)
+    for name, overrides in ARMS.items():
+        timings[name] = run(common + [f"--data_dir={data('domain')}", f"--out_dir={os.path.join(out, name)}",
+                                      f"--init_from={base}", f"--tokens={s['arm_tokens']}", *overrides],
+                            os.path.join(logs, f"{name}.log"))
+
+    print("5. CKA: pair (clm vs mlm) and control (mlm vs mlm_twin)", flush=True)
+    final = lambda name: os.path.join(out, name, "final")  # noqa: E731
+    cka = [py, "cka.py", "--texts", text("heldout.jsonl"), "--n", str(s["cka_n"]), "--max_len", "256"]
+    timings["cka"] = run(cka + ["--pair", final("clm"), final("mlm"), "--control", final("mlm"), final("mlm_twin"),
+                                "--out", os.path.join(out, "cka")], os.path.join(logs, "cka.log"))
+    run(cka + ["--pair", final("clm"), final("clm"), "--seeds", "42", "--out", os.path.join(out, "cka_self")],
+        os.path.join(logs, "cka_self.log"))
+
+    print(f"6. fine-tuning on the task ({kind}) over seeds {s['eval_seeds']}", flush=True)
+    timings["eval"] = 0.0
+    for name in ("clm", "mlm"):
+        timings["eval"] += run([py, "eval.py", "--model", final(name), "--task", kind, "--data", task_dir,
+                                "--seeds", s["eval_seeds"], "--epochs", str(s["eval_epochs"]), "--lr", str(s["eval_lr"]),
+                                "--max_len", str(s["eval_max_len"]), "--out", os.path.join(out, f"eval_{name}")],
+                               os.path.join(logs, f"eval_{name}.log"))
+
+    print("7. report", flush=True)
+    report(args, s, out, task_dir, kind, timings, time.time() - t_start)
+    print(open(os.path.join(out, "report.md")).read())
+    print(f"wrote {os.path.join(out, 'report.md')} ({(time.time() - t_start) / 60:.1f} min)")
+
+
+if __name__ == "__main__":
+    main()
