@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import distributed
 from data import load_tokenizer, read_documents
 from model import ModernBertForMaskedLM
 
@@ -174,14 +175,7 @@ def summarize(values):
 
 
 def run(args):
-    ddp = "RANK" in os.environ
-    if ddp:
-        dist.init_process_group("nccl" if torch.cuda.is_available() and args.device != "cpu" else "gloo")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
-    if args.device == "auto":
-        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(args.device)
+    rank, world, device = distributed.setup(args.device)
 
     pairs = {"pair": args.pair, **({"control": args.control} if args.control else {})}
     paths = list(dict.fromkeys(p for pair in pairs.values() for p in pair))
@@ -205,7 +199,7 @@ def run(args):
             raise SystemExit(f"{p} has {model.config.vocab_size} embeddings but the tokenizer {tok.vocab_size} ids")
         n_layers = model.config.num_hidden_layers
         local = pooled_layers(model, ids, mine, args.pool, device, args.batch_tokens, os.path.basename(p))
-        if ddp:  # only pooled vectors travel between ranks
+        if world > 1:  # only pooled vectors travel between ranks
             gathered = [None] * world
             dist.all_gather_object(gathered, local)
             local = [{k: v for part in gathered for k, v in part[layer].items()} for layer in range(n_layers)]
@@ -243,8 +237,7 @@ def run(args):
         if "control" in pairs:
             region["ratio"] = ratio([region["pair_divergence"]["mean"]], [region["control_divergence"]["mean"]])
         results["regions"].append(region)
-    if ddp:
-        dist.destroy_process_group()
+    distributed.teardown()
     return results if rank == 0 else None
 
 

@@ -62,8 +62,9 @@ class Tokenizer:
     """encode(text) -> ids (no special tokens added), encode_batch, decode, vocab_size,
     and the special ids cls_id, sep_id, pad_id, mask_id, eos_id (eos separates documents)."""
 
-    def __init__(self, spec, vocab_size, special, encode_batch, decode, file=None):
+    def __init__(self, spec, vocab_size, special, encode_batch, decode, file=None, tiktoken=None):
         self.spec, self.vocab_size, self.file = spec, vocab_size, file
+        self.tiktoken = tiktoken  # the underlying tiktoken Encoding, where there is one
         self._encode_batch, self._decode = encode_batch, decode
         for name in SPECIAL_NAMES:
             setattr(self, name, special[name])
@@ -209,7 +210,7 @@ def _tiktoken_from_hf(d, path):
 
     size = max([*vocab.values(), *(a["id"] for a in added.values())]) + 1
     lookup = lambda tok: added[tok]["id"] if tok in added else vocab.get(tok)  # noqa: E731
-    return Tokenizer(path, size, _special_ids_from_tokens(lookup, path), encode_batch, decode, file=path)
+    return Tokenizer(path, size, _special_ids_from_tokens(lookup, path), encode_batch, decode, file=path, tiktoken=enc)
 
 
 def _trie_pattern(strings):
@@ -279,7 +280,7 @@ def _tiktoken_by_name(name):
     def decode(ids):
         return "".join(names[i] if i in names else enc.decode([i]) for i in map(int, ids))
 
-    return Tokenizer(name, n + 4, special, enc.encode_ordinary_batch, decode)
+    return Tokenizer(name, n + 4, special, enc.encode_ordinary_batch, decode, tiktoken=enc)
 
 
 def train_bpe(texts, vocab_size, path):

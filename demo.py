@@ -160,8 +160,9 @@ def report(args, s, out, task_dir, kind, timings, total):
 
     pct = lambda x: f"{100 * x['mean']:.2f} ± {100 * x['std']:.2f}"  # noqa: E731
     lines = ["# CLM detour: demo report", "",
-             f"Wall time {total / 60:.1f} min. Domain: {', '.join(args.domain) if args.domain else 'built-in'}"
-             f" (PyTorch/NumPy docstrings); task: {task_dir} ({kind}); base: {args.base or 'tiny MLM on general text'}.",
+             f"Wall time {total / 60:.1f} min. Domain: "
+             f"{', '.join(args.domain) if args.domain else 'built-in (PyTorch/NumPy docstrings)'}; "
+             f"task: {task_dir} ({kind}); base: {args.base or 'tiny MLM on general text'}.",
              "", "## Settings", "",
              f"- model: configs/demo.py; base pretraining {s['base_tokens']:,} tokens" + (" (skipped: --base)" if args.base else ""),
              f"- each arm: {s['arm_tokens']:,} tokens of phase 1 + 10% MLM decay (15% masking), same data order",

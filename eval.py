@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import distributed
 from data import load_tokenizer
 from model import ModernBertForSequenceClassification, ModernBertForTokenClassification
 
@@ -262,7 +263,7 @@ def score(task, items, preds, where, examples, labels):
     return ner_metrics([ex["tags"] for ex in examples], pred_tags)
 
 
-def finetune(args, seed, splits, labels, tok, device, rank, world, ddp):
+def finetune(args, seed, splits, labels, tok, device, rank, world):
     task = args.task
     model_cls = ModernBertForTokenClassification if task == "ner" else ModernBertForSequenceClassification
     problem = {"cls": "single_label_classification", "multilabel": "multi_label_classification"}.get(task)
@@ -271,7 +272,7 @@ def finetune(args, seed, splits, labels, tok, device, rank, world, ddp):
         args.model, id2label={str(i): label for i, label in enumerate(labels)}, problem_type=problem,
         classifier_pooling=args.pooling, attn_out_dropout=None).to(device)
     core = model
-    if ddp:
+    if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     train = splits["train"]
     steps_per_epoch = math.ceil(len(train[0]) / args.batch_size)
@@ -339,14 +340,7 @@ def main(argv=None):
     p.add_argument("--save_model", action="store_true", help="save the best model of each seed under --out")
     args = p.parse_args(argv)
 
-    ddp = "RANK" in os.environ
-    if ddp:
-        dist.init_process_group("nccl" if torch.cuda.is_available() and args.device != "cpu" else "gloo")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
-    if args.device == "auto":
-        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(args.device)
+    rank, world, device = distributed.setup(args.device)
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         raise SystemExit(f"--model {args.model}: not a checkpoint directory (no config.json)")
     tok_spec = args.tokenizer or args.model
@@ -368,7 +362,7 @@ def main(argv=None):
 
     runs = []
     for seed in [int(s) for s in args.seeds.split(",")]:
-        model, result = finetune(args, seed, splits, labels, tok, device, rank, world, ddp)
+        model, result = finetune(args, seed, splits, labels, tok, device, rank, world)
         runs.append(result)
         if rank == 0 and args.save_model:
             model.save_pretrained(os.path.join(args.out, f"model-seed{seed}"))
@@ -387,8 +381,7 @@ def main(argv=None):
                        "runs": runs}, f, indent=2)
         with open(os.path.join(args.out, "results.md"), "w") as f:
             f.write(table)
-    if ddp:
-        dist.destroy_process_group()
+    distributed.teardown()
 
 
 if __name__ == "__main__":

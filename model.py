@@ -501,8 +501,8 @@ class ModernBertForMaskedLM(PreTrained):
         return self.logits(hidden if rows is None else hidden[rows])
 
 
-class ModernBertForSequenceClassification(PreTrained):
-    """Pool (mean over tokens, or [CLS]) -> PredictionHead -> dropout -> linear, as transformers."""
+class Classifier(PreTrained):
+    """Encoder -> PredictionHead -> dropout -> linear (config.num_labels), laid out as transformers'."""
 
     def __init__(self, config):
         super().__init__()
@@ -512,6 +512,10 @@ class ModernBertForSequenceClassification(PreTrained):
         self.drop = nn.Dropout(config.classifier_dropout)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.apply(self._init_weights)
+
+
+class ModernBertForSequenceClassification(Classifier):
+    """Pool (mean over tokens, or [CLS]), then the classifier."""
 
     def forward(self, input_ids, attention_mask=None, *, cu_seqlens=None, max_seqlen=None):
         """(B, S) padded or flat (T,) with cu_seqlens -> (B, num_labels) logits."""
@@ -527,23 +531,42 @@ class ModernBertForSequenceClassification(PreTrained):
         return self.classifier(self.drop(self.head(pooled)))
 
 
-class ModernBertForTokenClassification(PreTrained):
-    """PredictionHead -> dropout -> linear on every token, as transformers."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.model = ModernBertModel(config)
-        self.head = PredictionHead(config)
-        self.drop = nn.Dropout(config.classifier_dropout)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-        self.apply(self._init_weights)
+class ModernBertForTokenClassification(Classifier):
+    """The classifier on every token."""
 
     def forward(self, input_ids, attention_mask=None, *, cu_seqlens=None, max_seqlen=None):
         """(B, S) padded -> (B, S, num_labels); flat (T,) with cu_seqlens -> (T, num_labels)."""
         hidden, _, keep, shape = self.encode(input_ids, attention_mask, cu_seqlens, max_seqlen)
         logits = self.classifier(self.drop(self.head(hidden)))
         return logits if shape is None else repad(logits, keep, *shape)
+
+
+# -----------------------------------------------------------------------------
+# FLOPs, for MFU
+
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12,
+              "4090": 165e12}  # dense bf16 tensor-core peak by GPU name
+
+
+def training_flops(config, n_tokens, seq_len, causal, n_rows):
+    """FLOPs of forward + backward over n_tokens in sequences of seq_len: 6 x matmul params x tokens,
+    attention with the local window counted as it is (and halved under a causal mask), and the LM
+    head (dense + decoder) on the n_rows that are predicted only."""
+    H, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    per_layer = 4 * H * H + 3 * H * config.intermediate_size  # Wqkv + Wo + Wi (2 branches) + Wo
+    attention = 0
+    for i in range(L):
+        keys = seq_len if config.is_global(i) else min(seq_len, config.local_attention + 1)
+        attention += 12 * H * n_tokens * (keys / 2 if causal else keys)  # QK^T and AV: 2 x 2 fwd, x 3 fwd+bwd
+    return 6 * L * per_layer * n_tokens + 6 * (H * H + H * V) * n_rows + attention
+
+
+def peak_flops(device):
+    """The GPU's dense bf16 peak, or None (CPU, unknown GPU: no MFU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
 
 def load_config(path, **overrides):

@@ -35,8 +35,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
+import distributed
 from data import SPECIAL_NAMES, Loader, clm_batch, load_meta, mlm_batch
-from model import ModernBertConfig, ModernBertForMaskedLM, load_config
+from model import ModernBertConfig, ModernBertForMaskedLM, load_config, peak_flops, training_flops
 
 # -----------------------------------------------------------------------------
 # Defaults. A config file (plain Python, `key = value` lines) or --key=value
@@ -208,11 +209,12 @@ def make_batch(windows, objective, mask_prob, meta, seed, split_docs):
 # Model, optimizer, freezing
 
 
-def build_model(c, meta):
-    """From scratch, from a Hugging Face ModernBERT directory, or from one of our checkpoints."""
+def build_model(c, meta, path):
+    """From scratch (path "scratch"), or from a checkpoint directory: Hugging Face ModernBERT or ours.
+    Dropout and the attention backend come from the training config, not the checkpoint."""
     dropout = dict(embedding_dropout=c.embedding_dropout, attention_dropout=c.attention_dropout,
                    attn_out_dropout=c.attn_out_dropout, mlp_dropout=c.mlp_dropout, attn_backend=c.attn_backend)
-    if c.init_from == "scratch":
+    if path == "scratch":
         preset = {"base": ModernBertConfig.base, "large": ModernBertConfig.large}.get(c.model_size)
         if preset is None:
             raise SystemExit(f"model_size={c.model_size!r}: choose 'base' or 'large' (or set model_config)")
@@ -221,11 +223,11 @@ def build_model(c, meta):
                    bos_token_id=meta["cls_id"], eos_token_id=meta["sep_id"])
         torch.manual_seed(c.seed)
         return ModernBertForMaskedLM(preset(**{"vocab_size": vocab, **ids, **c.model_config, **dropout}))
-    if not os.path.isdir(c.init_from):
-        raise SystemExit(f"init_from={c.init_from!r} is neither 'scratch' nor a checkpoint directory")
-    config = load_config(c.init_from, **dropout)
-    check_tokenizer(c.init_from, config, meta, c.data_dir)
-    return ModernBertForMaskedLM.from_pretrained(c.init_from, **dropout)
+    if not os.path.isdir(path):
+        raise SystemExit(f"init_from={path!r} is neither 'scratch' nor a checkpoint directory "
+                         "(edit the path at the top of the config)")
+    check_tokenizer(path, load_config(path), meta, c.data_dir)
+    return ModernBertForMaskedLM.from_pretrained(path, **dropout)
 
 
 def check_tokenizer(ckpt, config, meta, data_dir):
@@ -282,33 +284,6 @@ def checkpoints(out_dir):
     return sorted((os.path.dirname(p) for p in found), key=lambda p: int(p.rsplit("-", 1)[1]))
 
 
-# -----------------------------------------------------------------------------
-# Throughput accounting
-
-
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
-
-
-def flops_per_step(config, c, n_rows):
-    """Training FLOPs of one optimizer step: 6 x (matmul params x tokens) + attention, counting the
-    local window; the LM head only on the n_rows predicted rows."""
-    H, L, S, V = config.hidden_size, config.num_hidden_layers, c.seq_len, config.vocab_size
-    T = c.global_batch_size * S
-    per_layer = 4 * H * H + 3 * H * config.intermediate_size  # Wqkv + Wo + Wi + Wo
-    causal = c.objective == "clm"
-    attn = 0
-    for i in range(L):
-        keys = S if config.is_global(i) else min(S, config.local_attention + 1)
-        attn += 12 * H * T * (keys / 2 if causal else keys)  # QK^T and AV, forward + backward
-    return 6 * L * per_layer * T + 6 * (H * H + H * V) * n_rows + attn
-
-
-def peak_flops(device):
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-
 
 # -----------------------------------------------------------------------------
 # Evaluation: MLM loss at 15% and CLM loss on val.bin, with a fixed mask seed,
@@ -348,20 +323,8 @@ def main(argv):
         raise SystemExit("data_dir is not set: point it at a directory made by `python data.py prepare`")
     meta = load_meta(c.data_dir)
 
-    # Distributed set-up: works the same without torchrun (one process).
-    ddp = "RANK" in os.environ
-    if ddp:
-        local_rank = int(os.environ["LOCAL_RANK"])
-        use_cuda = c.device != "cpu" and torch.cuda.is_available()
-        if use_cuda:
-            torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
-        device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    else:
-        rank, world = 0, 1
-        device = torch.device(c.device if c.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    master = rank == 0
+    rank, world, device = distributed.setup(c.device)  # the same without torchrun: one process
+    ddp, master = world > 1, rank == 0
     if c.global_batch_size % (c.micro_batch_size * world):
         raise SystemExit(f"global_batch_size={c.global_batch_size} is not a multiple of micro_batch_size="
                          f"{c.micro_batch_size} x world size {world}")
@@ -372,31 +335,25 @@ def main(argv):
              "bfloat16": torch.bfloat16}[c.dtype]
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
-    # Model and optimizer, then resume: our latest checkpoint in out_dir, or for
-    # phase="decay" the phase-1 checkpoint named by init_from.
-    model = build_model(c, meta).to(device)
+    # Resume from our latest checkpoint in out_dir or, for phase="decay", from the phase-1
+    # checkpoint named by init_from (weights, optimizer, step, data position, RNG).
+    resume_from = (checkpoints(c.out_dir) or [None])[-1]
+    if resume_from is None and c.phase == "decay" and os.path.isfile(os.path.join(c.init_from, "train_state.pt")):
+        resume_from = c.init_from
+    model = build_model(c, meta, resume_from or c.init_from).to(device)
     sched = Schedule.from_config(c)
     frozen = layer_set(c.freeze_layers, model.config.num_hidden_layers)
     optimizer = make_optimizer(model, c, device)
     loader = Loader(c.data_dir, "train", c.seq_len, c.micro_batch_size, c.data_seed, rank, world)
     step, tokens_seen = 0, 0
-    resume_from = (checkpoints(c.out_dir) or [None])[-1]
-    if resume_from is None and c.phase == "decay" and os.path.isfile(os.path.join(c.init_from, "train_state.pt")):
-        resume_from = c.init_from
+    torch.manual_seed(c.seed + rank)  # dropout
     if resume_from:
         state = torch.load(os.path.join(resume_from, "train_state.pt"), map_location="cpu", weights_only=False)
-        if resume_from != c.init_from:
-            model = ModernBertForMaskedLM.from_pretrained(resume_from, **{k: getattr(model.config, k) for k in (
-                "embedding_dropout", "attention_dropout", "attn_out_dropout", "mlp_dropout", "attn_backend")})
-            model.to(device)
-            optimizer = make_optimizer(model, c, device)
         optimizer.load_state_dict(state["optimizer"])
-        loader.load_state_dict(state["loader"])
+        loader.load_state_dict(state["loader"])  # a global position: any world size continues from it
         step, tokens_seen = state["step"], state["tokens"]
-        rng = state["rng"]
-        torch.set_rng_state(rng[rank] if len(rng) == world else torch.manual_seed(c.seed + rank).get_state())
-    else:
-        torch.manual_seed(c.seed + rank)  # dropout
+        if len(state["rng"]) == world:  # the same world size: every rank's dropout stream continues exactly
+            torch.set_rng_state(state["rng"][rank])
     first, last = {"all": (0, sched.main_steps + sched.decay_steps), "main": (0, sched.main_steps),
                    "decay": (sched.main_steps, sched.main_steps + sched.decay_steps)}[c.phase]
     if c.phase == "decay" and step < first:
@@ -497,7 +454,9 @@ def main(argv):
             record = dict(step=step, phase=phase, objective=objective, tokens=tokens_seen, loss=loss_value,
                           lr=lr, tokens_per_s=tok_s)
             if peak:
-                record["mfu"] = flops_per_step(raw_model.config, c, n_targets.item()) * timed_steps / dt / world / peak
+                flops = training_flops(raw_model.config, c.global_batch_size * c.seq_len, c.seq_len,
+                                       objective == "clm", n_targets.item())
+                record["mfu"] = flops * timed_steps / dt / world / peak
             if step % c.eval_interval == 0 or end_of_phase:
                 record.update(evaluate(raw_model, c, meta, rank, world, device, autocast))
             log(record)
@@ -516,8 +475,7 @@ def main(argv):
         mem = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         print(f"done: {c.out_dir}/final (step {step}, {tokens_seen:,} tokens); peak memory {mem / 2 ** 30:.2f} GiB")
-    if ddp:
-        dist.destroy_process_group()
+    distributed.teardown()
 
 
 if __name__ == "__main__":

@@ -339,3 +339,17 @@ def test_gpu_backends_match_sdpa(backend, causal):
         model.config.attn_backend = backend
         out = model(ids, mask, causal=causal).float()
     assert (out - ref)[mask.bool()].abs().max() <= 0.05 * ref.abs().max()
+
+
+def test_training_flops_counts_every_matmul():
+    """6 x (weights of the block matmuls, counted on a real model) x tokens + head on the predicted rows
+    + attention: 12 x H x keys per query, with 129 keys on local layers and half of them when causal."""
+    from model import training_flops
+    c = small_config("long_seqs")  # 4 layers: global, local, local, global; window 8 -> 9 keys
+    m = ModernBertForMaskedLM(c)
+    block_weights = sum(p.numel() for n, p in m.named_parameters() if n.startswith("model.layers.") and p.ndim == 2)
+    head = m.head.dense.weight.numel() + m.decoder.weight.numel()
+    T, S, R, H = 1000, 100, 300, c.hidden_size
+    attn = 12 * H * T * (2 * S + 2 * 9)
+    assert training_flops(c, T, S, False, R) == 6 * block_weights * T + 6 * head * R + attn
+    assert training_flops(c, T, S, True, R) == 6 * block_weights * T + 6 * head * R + attn / 2
