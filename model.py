@@ -192,23 +192,30 @@ class Packing:
         if causal:
             self.windows = {g: (left, 0) for g, (left, _) in self.windows.items()}
         if backend == "sdpa":
-            B, S = lengths.numel(), max_seqlen
-            seq_id = torch.repeat_interleave(torch.arange(B, device=cu_seqlens.device), lengths, output_size=T)
-            self.pad_index = seq_id * S + self.positions  # (T,) row in the flattened (B*S) view
-            idx = torch.arange(S, device=cu_seqlens.device)
-            valid = idx[None, :] < lengths[:, None]  # (B, S)
+            B, S, dev = lengths.numel(), max_seqlen, cu_seqlens.device
+            self.padded = T != B * S  # False for packed windows: then q, k, v are only viewed as (B, S)
+            idx = torch.arange(S, device=dev)
             offset = idx[None, :] - idx[:, None]  # (S, S): key position - query position
-            self.masks = {}
+            if self.padded:
+                seq_id = torch.repeat_interleave(torch.arange(B, device=dev), lengths, output_size=T)
+                self.pad_index = seq_id * S + self.positions  # (T,) row in the flattened (B*S) view
+                valid = idx[None, :] < lengths[:, None]  # (B, S)
+            self.masks = {}  # is_global -> (boolean mask or None, is_causal)
             for is_global, (left, right) in self.windows.items():
-                ok = valid[:, None, :].expand(B, S, S)  # keys must be real tokens
+                if left < 0 and not self.padded:  # full attention: no mask, so SDPA picks its fast kernels
+                    self.masks[is_global] = (None, right == 0)
+                    continue
+                ok = torch.ones(S, S, dtype=torch.bool, device=dev)
                 if left >= 0:
-                    ok = ok & (offset >= -left)
+                    ok &= offset >= -left
                 if right >= 0:
-                    ok = ok & (offset <= right)
-                # Padded query rows would see no key at all (softmax of nothing = NaN);
-                # let them see everything: their outputs are thrown away.
-                ok = ok | ~valid[:, :, None]
-                self.masks[is_global] = ok[:, None]  # (B, 1, S, S)
+                    ok &= offset <= right
+                if self.padded:
+                    # Keys must be real tokens. Padded query rows would see no key at all (softmax of
+                    # nothing = NaN): let them see everything; their outputs are thrown away.
+                    ok = (ok & valid[:, None, :]) | ~valid[:, :, None]  # (B, S, S)
+                    ok = ok[:, None]  # (B, 1, S, S)
+                self.masks[is_global] = (ok, False)
 
 
 def attention(q, k, v, packing, is_global, dropout_p):
@@ -220,17 +227,20 @@ def attention(q, k, v, packing, is_global, dropout_p):
                                       window_size=(left, right))
     if packing.backend == "varlen":
         return varlen_attn(q, k, v, cu, cu, S, S, window_size=(left, right))
-    # SDPA: scatter into a zero-padded (B, S) view, attend with a boolean mask, gather back.
+    # SDPA on a (B, S) view: zero-padded by a scatter when the sequences differ in length.
     T, nh, hd = q.shape
     B = cu.numel() - 1
 
-    def pad(x):  # (T, nh, hd) -> (B, nh, S, hd)
-        out = x.new_zeros(B * S, nh, hd).index_copy(0, packing.pad_index, x)
-        return out.view(B, S, nh, hd).transpose(1, 2)
+    def view(x):  # (T, nh, hd) -> (B, nh, S, hd)
+        if packing.padded:
+            x = x.new_zeros(B * S, nh, hd).index_copy(0, packing.pad_index, x)
+        return x.view(B, S, nh, hd).transpose(1, 2)
 
-    out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=packing.masks[is_global],
-                                         dropout_p=dropout_p)
-    return out.transpose(1, 2).reshape(B * S, nh, hd)[packing.pad_index]  # (T, nh, hd)
+    mask, is_causal = packing.masks[is_global]
+    out = F.scaled_dot_product_attention(view(q), view(k), view(v), attn_mask=mask, dropout_p=dropout_p,
+                                         is_causal=is_causal)
+    out = out.transpose(1, 2).reshape(B * S, nh, hd)
+    return out[packing.pad_index] if packing.padded else out  # (T, nh, hd)
 
 
 # -----------------------------------------------------------------------------
@@ -246,11 +256,12 @@ def rope_cos_sin(positions, head_dim, theta):
 
 
 def apply_rope(x, cos, sin):
-    """x: (T, nh, hd). Rotate pairs (i, i + hd/2) by the position's angle, in float32."""
+    """x: (T, ..., hd). Rotate pairs (i, i + hd/2) by the position's angle, in float32."""
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
-    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (x.shape[-1],)  # broadcast over the middle dims
+    return (xf * cos.view(shape) + rotated * sin.view(shape)).to(x.dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -271,9 +282,8 @@ class Attention(nn.Module):
     def forward(self, x, packing, rope):
         T = x.shape[0]
         qkv = self.Wqkv(x).view(T, 3, self.nh, self.hd)  # rows laid out [Q heads | K heads | V heads]
-        q, k, v = qkv.unbind(dim=1)  # each (T, nh, hd)
-        cos, sin = rope[self.is_global]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qk = apply_rope(qkv[:, :2], *rope[self.is_global])  # q and k rotated in one go, (T, 2, nh, hd)
+        (q, k), v = qk.unbind(dim=1), qkv[:, 2]  # each (T, nh, hd)
         y = attention(q, k, v, packing, self.is_global, self.dropout_p if self.training else 0.0)
         return self.out_drop(self.Wo(y.reshape(T, self.nh * self.hd)))
 

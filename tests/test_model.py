@@ -175,9 +175,10 @@ def test_old_style_config_and_local_theta_minus_one(tmp_path):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_sdpa_matches_float64_reference(causal):
+@pytest.mark.parametrize("lengths", [[1, 3, 4, 5, 12, 31], [23, 23, 23]])  # padded; packed (no padding)
+def test_sdpa_matches_float64_reference(causal, lengths):
     model = randomize_(ModernBertForMaskedLM(small_config("long_seqs"))).eval()
-    lengths = [1, 3, 4, 5, 12, 31]  # length 1, shorter and longer than the +-4 window
+    # length 1, shorter and longer than the +-4 window
     ids, mask = padded_batch(512, lengths, seed=1)
     with torch.no_grad():
         ours = model(ids, mask, causal=causal)

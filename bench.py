@@ -1,0 +1,367 @@
+"""
+Throughput and memory of this ModernBERT against transformers' ModernBertForMaskedLM,
+on the same config, weights, device, dtype and batch, measured in the same run.
+
+    python bench.py                                   # CPU, a small config, a few minutes
+    python bench.py --size base --seq_len 8192 --compile   # GPU: ModernBERT-base, packed 8192
+    python bench.py --size tiny --steps 3              # what the test runs
+
+Prints one table per section and writes bench.json:
+  1. training step (forward + backward + AdamW step), tokens/s (median of --steps timed steps
+     after warm-up) and peak memory, ours vs transformers, for
+       a) variable-length batches (lengths from --lengths_from, else log-normal), where unpadding pays,
+       b) fully packed sequences, where it cannot,
+     for MLM (head on the 30% masked rows; transformers with sparse_prediction) and CLM (head on
+     all rows; transformers' ModernBERT has no causal mask, so it runs bidirectional there);
+  2. attention alone, forward + backward, for every backend available on the device;
+  3. MFU on GPU: model FLOPs / (time x peak);
+  4. data: prepare throughput against raw tiktoken on the same text, and loader time per step.
+Each measurement of section 1 runs in a fresh process, so peak memory is its own.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+SMALL_IDS = dict(pad_token_id=0, cls_token_id=1, sep_token_id=2, bos_token_id=1, eos_token_id=2)  # inside small vocabs
+SIZES = {  # ModernBertConfig fields
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2,
+                 **SMALL_IDS),
+    "small": dict(vocab_size=8192, hidden_size=256, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
+                  **SMALL_IDS),
+    "base": {},  # ModernBERT-base: 22 x 768, vocab 50368
+    "large": dict(hidden_size=1024, intermediate_size=2624, num_hidden_layers=28, num_attention_heads=16),
+}
+
+
+def median(xs):
+    return statistics.median(xs)
+
+
+def rss_now():
+    """Resident memory of this process now, bytes (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -----------------------------------------------------------------------------
+# 1. Training step, one (implementation, case, objective) per process
+
+
+def batch_lengths(case, batch_size, seq_len, rng, lengths_from):
+    """Packed: batch_size sequences of seq_len. Variable: as many documents as make about the same
+    number of tokens, with lengths from a real corpus (--lengths_from) or log-normal."""
+    if case == "packed":
+        return [seq_len] * batch_size
+    lengths = []
+    while sum(lengths) < batch_size * seq_len * 0.5:
+        if lengths_from is not None:
+            n = int(rng.choice(lengths_from))
+        else:
+            n = int(rng.lognormal(np.log(seq_len / 6), 0.9))
+        lengths.append(min(max(n, 8), seq_len))
+    return lengths
+
+
+def make_inputs(lengths, vocab, objective, device, rng):
+    """The same batch as both implementations take it: padded ids + mask + labels (transformers)
+    and flat tokens + cu_seqlens + target rows (ours)."""
+    B, S = len(lengths), max(lengths)
+    ids = torch.zeros(B, S, dtype=torch.long)
+    mask = torch.zeros(B, S, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, :n] = torch.from_numpy(rng.integers(5, vocab, n))
+        mask[b, :n] = 1
+    labels = torch.full((B, S), -100)
+    if objective == "mlm":
+        chosen = torch.from_numpy(rng.random((B, S)) < 0.3) & mask.bool()
+        labels[chosen] = ids[chosen]
+    else:  # next token wherever there is one
+        labels[:, :-1] = torch.where(mask[:, 1:].bool(), ids[:, 1:], -100)
+    flat = mask.bool().flatten()
+    keep = flat.nonzero().squeeze(1)
+    tokens = ids.flatten()[keep]
+    cu = torch.nn.functional.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32)
+    flat_labels = labels.flatten()[keep]
+    rows = (flat_labels != -100).nonzero().squeeze(1)
+    to = lambda x: x.to(device)  # noqa: E731
+    return dict(ids=to(ids), mask=to(mask), labels=to(labels), tokens=to(tokens), cu=to(cu), max_len=S,
+                rows=to(rows), targets=to(flat_labels[rows]))
+
+
+def measure_step(spec):
+    """Runs in its own process: load the shared weights, time the training step, report peak memory."""
+    import torch.nn.functional as F
+
+    device = torch.device(spec["device"])
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec["dtype"]]
+    rng = np.random.default_rng(0)
+    torch.manual_seed(0)
+    if spec["impl"] == "ours":
+        from model import ModernBertForMaskedLM
+        model = ModernBertForMaskedLM.from_pretrained(spec["ckpt"], attn_backend=spec["backend"]).to(device)
+    else:
+        import transformers
+        model = transformers.ModernBertForMaskedLM.from_pretrained(
+            spec["ckpt"], attn_implementation=spec["backend"],
+            sparse_prediction=spec["objective"] == "mlm").to(device)  # the head on masked rows only
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **({"fused": True} if device.type == "cuda" else {}))
+    step_fn = model
+    if spec["compile"]:
+        step_fn = torch.compile(model)
+    lengths_from = np.load(spec["lengths_from"]) if spec["lengths_from"] else None
+    batches = [make_inputs(batch_lengths(spec["case"], spec["batch_size"], spec["seq_len"], rng, lengths_from),
+                           model.config.vocab_size, spec["objective"], device, rng) for _ in range(3)]
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+    def step(x):
+        with autocast:
+            if spec["impl"] == "ours":
+                logits = step_fn(x["tokens"], causal=spec["objective"] == "clm", cu_seqlens=x["cu"],
+                                 max_seqlen=x["max_len"], rows=x["rows"])
+                loss = F.cross_entropy(logits.float(), x["targets"])
+            else:
+                loss = step_fn(input_ids=x["ids"], attention_mask=x["mask"], labels=x["labels"]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    before = rss_now()  # the model and batches are loaded: what the steps add is theirs
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for i in range(spec["warmup"]):
+        step(batches[i % len(batches)])
+    sync(device)
+    times = []
+    for i in range(spec["steps"]):
+        x = batches[i % len(batches)]
+        sync(device)
+        t0 = time.perf_counter()
+        step(x)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    n_tokens = median([int(b["mask"].sum()) for b in batches])
+    import resource
+    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
+    return {"seconds": median(times), "tokens": n_tokens, "tokens_per_s": n_tokens / median(times),
+            "peak_memory": peak, "padded_tokens": median([b["ids"].numel() for b in batches])}
+
+
+def run_worker(spec):
+    """measure_step in a fresh process (python bench.py --worker SPEC)."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--worker", json.dumps(spec)],
+                       capture_output=True, text=True, cwd=ROOT)
+    if r.returncode != 0:
+        raise SystemExit(f"benchmark worker failed: {spec['impl']} {spec['case']} {spec['objective']}\n"
+                         f"{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# -----------------------------------------------------------------------------
+# 2. Attention alone, every backend available here
+
+
+def attention_backends(config, lengths, device, dtype, steps):
+    from model import BACKENDS, Packing, attention, flash_attn_varlen_func, varlen_attn
+
+    available = [b for b in BACKENDS if b == "sdpa" or (device.type == "cuda" and
+                                                        {"flash": flash_attn_varlen_func, "varlen": varlen_attn}[b])]
+    T, nh, hd = sum(lengths), config.num_attention_heads, config.head_dim
+    cu = torch.nn.functional.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32).to(device)
+    rows = []
+    for backend in available:
+        for is_global in (True, False):
+            for causal in (False, True):
+                packing = Packing(T, cu, max(lengths), causal, config.local_attention // 2, backend)
+                q, k, v = (torch.randn(T, nh, hd, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+                times = []
+                for i in range(steps + 2):
+                    sync(device)
+                    t0 = time.perf_counter()
+                    attention(q, k, v, packing, is_global, 0.0).sum().backward()
+                    sync(device)
+                    if i >= 2:
+                        times.append(time.perf_counter() - t0)
+                rows.append({"backend": backend, "layer": "global" if is_global else "local",
+                             "causal": causal, "ms": 1000 * median(times)})
+    return rows
+
+
+# -----------------------------------------------------------------------------
+# 4. Data: prepare against raw tiktoken, loader time per step
+
+
+def data_throughput(text_path, tokenizer_path, seq_len, batch_size, workers):
+    from data import Loader, load_tokenizer, mlm_batch, prepare, read_documents
+
+    docs = list(read_documents([text_path]))
+    tok = load_tokenizer(tokenizer_path)
+    out = {}
+    if tok.tiktoken is not None:  # the same vocabulary as a bare tiktoken Encoding, no added tokens, no remap
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            n = sum(map(len, tok.tiktoken.encode_ordinary_batch(docs)))
+            times.append(time.perf_counter() - t0)
+        out["raw_tiktoken_tokens_per_s"] = n / median(times)
+    with tempfile.TemporaryDirectory() as tmp:
+        for w in workers:
+            t0 = time.perf_counter()
+            meta = prepare(lambda: iter(docs), tokenizer_path, os.path.join(tmp, f"w{w}"), val_docs=100, workers=w)
+            out[f"prepare_{w}_workers_tokens_per_s"] = (meta["train_tokens"] + meta["val_tokens"]) / (
+                time.perf_counter() - t0)
+        loader = Loader(os.path.join(tmp, f"w{workers[0]}"), "train", seq_len, batch_size, data_seed=0)
+        special = {k: meta[k] for k in ("cls_id", "sep_id", "pad_id", "mask_id", "eos_id")}
+        times = []
+        for i in range(20):
+            t0 = time.perf_counter()
+            mlm_batch(loader.next(), 0.3, special, meta["vocab_size"], seed=[0, i])
+            times.append(time.perf_counter() - t0)
+        out["loader_ms_per_batch"] = 1000 * median(times)
+    return out
+
+
+# -----------------------------------------------------------------------------
+
+
+def table(rows, columns):
+    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in columns]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(str(r[c]).ljust(w) for c, w in zip(columns, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", choices=list(SIZES), default="small")
+    p.add_argument("--seq_len", type=int, default=512)
+    p.add_argument("--batch_size", type=int, default=8, help="sequences of seq_len per step (packed case)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (the median is reported)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", help="auto: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--hf_backend", default="auto", help="transformers' attn_implementation (auto: its best here)")
+    p.add_argument("--lengths_from", help="a text file whose documents' token lengths make the variable batch")
+    p.add_argument("--tokenizer", help="tokenizer.json for --lengths_from and the data section")
+    p.add_argument("--skip", nargs="*", default=[], choices=["step", "attention", "data"])
+    p.add_argument("--out", default="bench.json")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        print(json.dumps(measure_step(json.loads(args.worker))))
+        return
+
+    from model import ModernBertConfig, ModernBertForMaskedLM, peak_flops, training_flops
+
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    config = ModernBertConfig(**SIZES[args.size])
+    hf_backend = args.hf_backend
+    if hf_backend == "auto":
+        try:
+            import flash_attn  # noqa: F401
+            hf_backend = "flash_attention_2" if device.type == "cuda" else "sdpa"
+        except ImportError:
+            hf_backend = "sdpa"
+    print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'} "
+          f"({torch.get_num_threads()} threads), {dtype}, torch {torch.__version__}; model {args.size}: "
+          f"{config.num_hidden_layers} x {config.hidden_size}, vocab {config.vocab_size}; seq_len {args.seq_len}, "
+          f"{args.batch_size} sequences per packed step")
+    results = {"settings": {**vars(args), "device_name": str(device), "dtype": dtype, "hf_backend": hf_backend}}
+    lengths_from = None
+    if args.lengths_from:
+        from data import load_tokenizer, read_documents
+        tok = load_tokenizer(args.tokenizer)
+        lengths_from = [len(x) + 2 for x in tok.encode_batch(list(read_documents([args.lengths_from]))[:20000])]
+
+    if "step" not in args.skip:
+        with tempfile.TemporaryDirectory() as ckpt:
+            torch.manual_seed(0)
+            ModernBertForMaskedLM(config).save_pretrained(ckpt)  # the same weights for both
+            lengths_file = None
+            if lengths_from:
+                lengths_file = os.path.join(ckpt, "lengths.npy")
+                np.save(lengths_file, np.array(lengths_from))
+            rows = []
+            for case in ("variable", "packed"):
+                for objective in ("mlm", "clm"):
+                    row = {"case": case, "objective": objective}
+                    for impl, backend in (("ours", "auto"), ("transformers", hf_backend)):
+                        spec = dict(impl=impl, backend=backend, ckpt=ckpt, device=str(device), dtype=dtype,
+                                    compile=args.compile, case=case, objective=objective, seq_len=args.seq_len,
+                                    batch_size=args.batch_size, steps=args.steps, warmup=args.warmup,
+                                    lengths_from=lengths_file)
+                        r = run_worker(spec)
+                        row[f"{impl}_tok/s"] = f"{r['tokens_per_s']:,.0f}"
+                        row[f"{impl}_mem_MiB"] = f"{r['peak_memory'] / 2 ** 20:,.0f}"
+                        row[f"{impl}_raw"] = r
+                    ours, hf = row["ours_raw"], row["transformers_raw"]
+                    row["speedup"] = f"{ours['tokens_per_s'] / hf['tokens_per_s']:.2f}x"
+                    row["mem_ratio"] = f"{ours['peak_memory'] / max(hf['peak_memory'], 1):.2f}"
+                    row["pad_%"] = f"{100 * (1 - hf['tokens'] / hf['padded_tokens']):.0f}"
+                    peak = peak_flops(device)
+                    if peak:
+                        flops = training_flops(config, ours["tokens"], args.seq_len, objective == "clm",
+                                               ours["tokens"] * (0.3 if objective == "mlm" else 1))
+                        row["ours_MFU"] = f"{100 * flops / ours['seconds'] / peak:.1f}%"
+                    rows.append(row)
+                    print(f"  {case} {objective}: ours {row['ours_tok/s']} tok/s, transformers "
+                          f"{row['transformers_tok/s']} tok/s ({row['speedup']})", flush=True)
+        columns = ["case", "objective", "pad_%", "ours_tok/s", "transformers_tok/s", "speedup", "ours_mem_MiB",
+                   "transformers_mem_MiB", "mem_ratio"] + (["ours_MFU"] if peak_flops(device) else [])
+        print(f"\n1. Training step (forward + backward + AdamW), median of {args.steps} steps; transformers with "
+              f"attn_implementation={hf_backend}; memory: peak {'allocated' if device.type == 'cuda' else 'RSS'} "
+              f"added by the steps")
+        print(table(rows, columns))
+        results["step"] = [{k: v for k, v in r.items()} for r in rows]
+
+    if "attention" not in args.skip:
+        rng = np.random.default_rng(0)
+        lengths = batch_lengths("variable", args.batch_size, args.seq_len, rng,
+                                np.array(lengths_from) if lengths_from else None)
+        rows = attention_backends(config, lengths, device, torch.bfloat16 if dtype == "bfloat16" else torch.float32,
+                                  args.steps)
+        for r in rows:
+            r["ms"] = f"{r['ms']:.2f}"
+        print(f"\n2. Attention forward + backward, {len(lengths)} sequences, {sum(lengths)} tokens")
+        print(table(rows, ["backend", "layer", "causal", "ms"]))
+        results["attention"] = rows
+
+    if "data" not in args.skip and args.lengths_from and args.tokenizer:
+        d = data_throughput(args.lengths_from, args.tokenizer, args.seq_len, args.batch_size, [1, 2])
+        rows = [{"what": k, "value": f"{v:,.1f}"} for k, v in d.items()]
+        if "raw_tiktoken_tokens_per_s" in d:
+            for w in (1, 2):
+                rows.append({"what": f"prepare {w} workers / raw tiktoken",
+                             "value": f"{d[f'prepare_{w}_workers_tokens_per_s'] / d['raw_tiktoken_tokens_per_s']:.2f}"})
+        if "step" in results:
+            step_ms = 1000 * results["step"][2]["ours_raw"]["seconds"]  # packed MLM
+            rows.append({"what": "loader time / training step (packed MLM)",
+                         "value": f"{d['loader_ms_per_batch'] / step_ms:.2%}"})
+        print(f"\n4. Data ({args.lengths_from})")
+        print(table(rows, ["what", "value"]))
+        results["data"] = d
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2, default=str)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
