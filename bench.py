@@ -43,10 +43,6 @@ SIZES = {  # ModernBertConfig fields
 }
 
 
-def median(xs):
-    return statistics.median(xs)
-
-
 def rss_now():
     """Resident memory of this process now, bytes (Linux)."""
     with open("/proc/self/statm") as f:
@@ -155,12 +151,12 @@ def measure_step(spec):
         step(x)
         sync(device)
         times.append(time.perf_counter() - t0)
-    n_tokens = median([int(b["mask"].sum()) for b in batches])
+    n_tokens = statistics.median([int(b["mask"].sum()) for b in batches])
     import resource
     peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
-    return {"seconds": median(times), "tokens": n_tokens, "tokens_per_s": n_tokens / median(times),
-            "peak_memory": peak, "padded_tokens": median([b["ids"].numel() for b in batches])}
+    return {"seconds": statistics.median(times), "tokens": n_tokens, "tokens_per_s": n_tokens / statistics.median(times),
+            "peak_memory": peak, "padded_tokens": statistics.median([b["ids"].numel() for b in batches])}
 
 
 def run_worker(spec):
@@ -199,7 +195,7 @@ def attention_backends(config, lengths, device, dtype, steps):
                     if i >= 2:
                         times.append(time.perf_counter() - t0)
                 rows.append({"backend": backend, "layer": "global" if is_global else "local",
-                             "causal": causal, "ms": 1000 * median(times)})
+                             "causal": causal, "ms": 1000 * statistics.median(times)})
     return rows
 
 
@@ -219,7 +215,7 @@ def data_throughput(text_path, tokenizer_path, seq_len, batch_size, workers):
             t0 = time.perf_counter()
             n = sum(map(len, tok.tiktoken.encode_ordinary_batch(docs)))
             times.append(time.perf_counter() - t0)
-        out["raw_tiktoken_tokens_per_s"] = n / median(times)
+        out["raw_tiktoken_tokens_per_s"] = n / statistics.median(times)
     with tempfile.TemporaryDirectory() as tmp:
         for w in workers:
             t0 = time.perf_counter()
@@ -233,7 +229,7 @@ def data_throughput(text_path, tokenizer_path, seq_len, batch_size, workers):
             t0 = time.perf_counter()
             mlm_batch(loader.next(), 0.3, special, meta["vocab_size"], seed=[0, i])
             times.append(time.perf_counter() - t0)
-        out["loader_ms_per_batch"] = 1000 * median(times)
+        out["loader_ms_per_batch"] = 1000 * statistics.median(times)
     return out
 
 

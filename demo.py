@@ -132,12 +132,10 @@ def loss_figure(arms, main_tokens, path):
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for (name, records), color in zip(arms.items(), ("C3", "C0", "C2")):
-        t0 = records[0]["tokens"] - (records[1]["tokens"] - records[0]["tokens"])
-        left.plot([(r["tokens"] - t0) / 1e3 for r in records], [r["loss"] for r in records], color=color, label=name)
+    for (name, records), color in zip(arms.items(), ("C3", "C0", "C2")):  # each arm counts tokens from 0
+        left.plot([r["tokens"] / 1e3 for r in records], [r["loss"] for r in records], color=color, label=name)
         val = [r for r in records if "val_mlm_loss" in r]
-        right.plot([(r["tokens"] - t0) / 1e3 for r in val], [r["val_mlm_loss"] for r in val], "o-", color=color,
-                   label=name)
+        right.plot([r["tokens"] / 1e3 for r in val], [r["val_mlm_loss"] for r in val], "o-", color=color, label=name)
     for ax, title in ((left, "training loss (phase 1: the arm's objective; decay: MLM 15%)"),
                       (right, "validation MLM loss (15% masking, fixed seed)")):
         ax.axvline(main_tokens / 1e3, color="k", ls="--", lw=1, label="start of the decay")

@@ -466,14 +466,14 @@ class PreTrained(nn.Module):
         model.load_state_dict({k: state[k] for k in set(expected) & set(state)}, strict=False)
         return model
 
-    def encode(self, input_ids, attention_mask, cu_seqlens, max_seqlen):
+    def encode(self, input_ids, attention_mask, cu_seqlens, max_seqlen, causal=False):
         """Hidden states (T, H) of flat tokens; a padded (B, S) call is unpadded first.
-        Returns (hidden, cu_seqlens, keep, padded shape or None)."""
+        Returns (hidden, cu_seqlens, keep, padded shape or None): repad(x, keep, *shape) undoes it."""
         if cu_seqlens is None:
             B, S = input_ids.shape
             tokens, cu_seqlens, max_seqlen, keep = unpad(input_ids, attention_mask)
-            return self.model(tokens, cu_seqlens, max_seqlen), cu_seqlens, keep, (B, S)
-        return self.model(input_ids, cu_seqlens, max_seqlen), cu_seqlens, None, None
+            return self.model(tokens, cu_seqlens, max_seqlen, causal=causal), cu_seqlens, keep, (B, S)
+        return self.model(input_ids, cu_seqlens, max_seqlen, causal=causal), cu_seqlens, None, None
 
 
 class ModernBertForMaskedLM(PreTrained):
@@ -503,12 +503,9 @@ class ModernBertForMaskedLM(PreTrained):
         logits, or (len(rows), V) when `rows` selects the positions that have a target
         (sparse prediction: the head runs on those rows only).
         """
-        if cu_seqlens is None:
-            B, S = input_ids.shape
-            tokens, cu_seqlens, max_seqlen, keep = unpad(input_ids, attention_mask)
-            return repad(self(tokens, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen), keep, B, S)
-        hidden = self.model(input_ids, cu_seqlens, max_seqlen, causal=causal)
-        return self.logits(hidden if rows is None else hidden[rows])
+        hidden, _, keep, shape = self.encode(input_ids, attention_mask, cu_seqlens, max_seqlen, causal)
+        logits = self.logits(hidden if rows is None else hidden[rows])
+        return logits if shape is None else repad(logits, keep, *shape)
 
 
 class Classifier(PreTrained):
