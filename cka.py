@@ -98,7 +98,7 @@ TOKENS_PER_TEXT = 8  # rows per text for pool="tokens"
 
 
 @torch.no_grad()
-def pooled_layers(model, encoded, indices, pool, device, batch_tokens, desc):
+def pooled_layers(model, encoded, indices, pool, device, autocast, batch_tokens, desc):
     """Run the texts `indices` (token-id lists `encoded`) through the model once.
 
     Returns, per layer, {text index: (r, H) float64 array}: r = 1 for pool="mean" (masked mean
@@ -107,7 +107,6 @@ def pooled_layers(model, encoded, indices, pool, device, batch_tokens, desc):
     """
     model.eval()
     out = [{} for _ in range(model.config.num_hidden_layers)]
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     order = sorted(range(len(encoded)), key=lambda k: len(encoded[k]))  # similar lengths batch together
     batches, cur = [], []
     for k in order:
@@ -176,6 +175,7 @@ def summarize(values):
 
 def run(args):
     rank, world, device = distributed.setup(args.device)
+    autocast, dtype = distributed.autocast(device, args.dtype)
 
     pairs = {"pair": args.pair, **({"control": args.control} if args.control else {})}
     paths = list(dict.fromkeys(p for pair in pairs.values() for p in pair))
@@ -198,7 +198,11 @@ def run(args):
         if model.config.vocab_size < tok.vocab_size:
             raise SystemExit(f"{p} has {model.config.vocab_size} embeddings but the tokenizer {tok.vocab_size} ids")
         n_layers = model.config.num_hidden_layers
-        local = pooled_layers(model, ids, mine, args.pool, device, args.batch_tokens, os.path.basename(p))
+        if rank == 0:
+            with autocast:
+                backend = model.eval().model.attention_backend(device)
+            print(f"{p}: {device}, {str(dtype).removeprefix('torch.')}, attention {backend}")
+        local = pooled_layers(model, ids, mine, args.pool, device, autocast, args.batch_tokens, os.path.basename(p))
         if world > 1:  # only pooled vectors travel between ranks
             gathered = [None] * world
             dist.all_gather_object(gathered, local)
@@ -319,6 +323,8 @@ def main(argv=None):
     p.add_argument("--tokenizer", help="when the checkpoints carry no tokenizer.json")
     p.add_argument("--batch_tokens", type=int, default=16384)
     p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: bfloat16 autocast on GPU, float32 on CPU (CKA itself is computed in float64)")
     p.add_argument("--out", default="out/cka")
     args = p.parse_args(argv)
     results = run(args)

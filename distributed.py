@@ -1,9 +1,12 @@
-"""The few lines of torch.distributed set-up that train.py, cka.py and eval.py share."""
+"""The few lines of device set-up that train.py, cka.py and eval.py share: torch.distributed and
+mixed precision."""
 
 import os
 
 import torch
 import torch.distributed as dist
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def setup(device="auto"):
@@ -17,6 +20,20 @@ def setup(device="auto"):
         torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl" if cuda else "gloo")
     return dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local_rank}" if cuda else "cpu")
+
+
+def autocast(device, dtype="auto"):
+    """-> (autocast context, compute dtype). "auto" is bfloat16 autocast on GPU (what the attention
+    kernels need: they take 16-bit q, k, v only) and float32 on CPU. Weights stay float32 either way.
+    TF32 is switched on for the float32 matmuls that remain on GPU (norms, losses, --dtype=float32)."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+    if dtype not in DTYPES:
+        raise SystemExit(f"dtype={dtype!r}: choose auto, {', '.join(DTYPES)}")
+    dt = DTYPES[dtype]
+    return torch.autocast(device.type, dtype=dt, enabled=dt != torch.float32), dt
 
 
 def teardown():

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 import distributed
 from data import load_tokenizer
-from model import ModernBertForSequenceClassification, ModernBertForTokenClassification
+from model import ModernBertForSequenceClassification, ModernBertForTokenClassification, load_config, pick_backend
 
 # -----------------------------------------------------------------------------
 # Metrics (checked against scikit-learn and seqeval in the tests)
@@ -224,7 +224,7 @@ def count_targets(items, task, n_labels):
 
 
 @torch.no_grad()
-def predict(model, items, task, device, batch_size, rank, world):
+def predict(model, items, task, device, batch_size, rank, world, autocast):
     """Predictions for all items: label ids (cls), 0/1 rows (multilabel), per-token tag ids (ner)."""
     model.eval()
     mine = list(range(rank, len(items), world))
@@ -232,14 +232,15 @@ def predict(model, items, task, device, batch_size, rank, world):
     for start in range(0, len(mine), batch_size):
         idx = mine[start:start + batch_size]
         tokens, cu, max_len, _ = flat_batch([items[i] for i in idx], task, device)
-        logits = model(tokens, cu_seqlens=cu, max_seqlen=max_len).float()
+        with autocast:
+            logits = model(tokens, cu_seqlens=cu, max_seqlen=max_len).float()
         if task == "cls":
             out = logits.argmax(-1).tolist()
         elif task == "multilabel":
             out = (logits > 0).int().tolist()
         else:
-            tags = logits.argmax(-1).tolist()
-            out = [tags[int(cu[j]):int(cu[j + 1])] for j in range(len(idx))]
+            tags, cu = logits.argmax(-1).tolist(), cu.tolist()  # one device-to-host copy each
+            out = [tags[cu[j]:cu[j + 1]] for j in range(len(idx))]
         preds.update(zip(idx, out))
     if world > 1:
         parts = [None] * world
@@ -263,7 +264,7 @@ def score(task, items, preds, where, examples, labels):
     return ner_metrics([ex["tags"] for ex in examples], pred_tags)
 
 
-def finetune(args, seed, splits, labels, tok, device, rank, world):
+def finetune(args, seed, splits, labels, tok, device, rank, world, autocast):
     task = args.task
     model_cls = ModernBertForTokenClassification if task == "ner" else ModernBertForSequenceClassification
     problem = {"cls": "single_label_classification", "multilabel": "multi_label_classification"}.get(task)
@@ -294,17 +295,22 @@ def finetune(args, seed, splits, labels, tok, device, rank, world):
         for s in bar:
             batch = [train[0][i] for i in order[s * args.batch_size:(s + 1) * args.batch_size]]
             n = count_targets(batch, task, len(labels))  # the loss is the mean over the global batch
-            mine = batch[rank::world]
-            loss = loss_sum(model, mine, task, device) * world / max(n, 1) if mine else \
-                sum(p.sum() * 0 for p in core.parameters())  # a rank with no example still joins the all-reduce
+            mine, weight = batch[rank::world], world / max(n, 1)  # DDP averages over ranks: x world
+            if not mine:
+                # The last batch of an epoch can have fewer examples than ranks. A rank without one still
+                # runs the DDP model (on an example, weighted 0): DDP's gradient all-reduce is armed by the
+                # forward, and a rank that skips it leaves the others waiting forever.
+                mine, weight = batch[:1], 0.0
+            with autocast:
+                loss = loss_sum(model, mine, task, device) * weight
             loss.backward()
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
             bar.set_postfix(loss=f"{loss.item() / world:.4f}")
         val = score(task, splits["validation"][0], predict(core, splits["validation"][0], task, device,
-                                                           args.batch_size, rank, world), *splits["validation"][1:],
-                    labels)
+                                                           args.batch_size, rank, world, autocast),
+                    *splits["validation"][1:], labels)
         history.append({"epoch": epoch + 1, "validation": val, "seconds": time.time() - t0})
         if best is None or val["macro_f1"] > best["validation"]["macro_f1"]:
             best = history[-1]
@@ -313,8 +319,8 @@ def finetune(args, seed, splits, labels, tok, device, rank, world):
             tqdm.write(f"seed {seed} epoch {epoch + 1}: validation macro F1 {val['macro_f1']:.4f} "
                        f"micro F1 {val['micro_f1']:.4f} ({time.time() - t0:.1f}s)")
     core.load_state_dict(best_state)
-    test = score(task, splits["test"][0], predict(core, splits["test"][0], task, device, args.batch_size, rank, world),
-                 *splits["test"][1:], labels)
+    test = score(task, splits["test"][0], predict(core, splits["test"][0], task, device, args.batch_size, rank, world,
+                                                  autocast), *splits["test"][1:], labels)
     return core, {"seed": seed, "best_epoch": best["epoch"], "test": test, "epochs": history}
 
 
@@ -336,11 +342,14 @@ def main(argv=None):
     p.add_argument("--pooling", choices=["mean", "cls"], default="mean", help="sequence classification pooling")
     p.add_argument("--tokenizer", help="when the checkpoint carries no tokenizer.json")
     p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: bfloat16 autocast on GPU (what the flash / varlen attention kernels need), float32 on CPU")
     p.add_argument("--out", default="out/eval")
     p.add_argument("--save_model", action="store_true", help="save the best model of each seed under --out")
     args = p.parse_args(argv)
 
     rank, world, device = distributed.setup(args.device)
+    autocast, dtype = distributed.autocast(device, args.dtype)
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         raise SystemExit(f"--model {args.model}: not a checkpoint directory (no config.json)")
     tok_spec = args.tokenizer or args.model
@@ -357,12 +366,15 @@ def main(argv=None):
         items, where = encode_examples(examples, tok, args.task, labels, args.max_len)
         splits[split] = (items, where, examples)
     if rank == 0:
+        config = load_config(args.model)
+        backend = pick_backend(config.attn_backend, device, dtype, config.attention_dropout)
         print(f"{args.task}: {len(labels)} labels; train {len(raw['train'])}, validation {len(raw['validation'])}, "
-              f"test {len(raw['test'])} examples ({len(splits['train'][0])} training sequences)")
+              f"test {len(raw['test'])} examples ({len(splits['train'][0])} training sequences); "
+              f"{device}, {str(dtype).removeprefix('torch.')}, attention {backend}")
 
     runs = []
     for seed in [int(s) for s in args.seeds.split(",")]:
-        model, result = finetune(args, seed, splits, labels, tok, device, rank, world)
+        model, result = finetune(args, seed, splits, labels, tok, device, rank, world, autocast)
         runs.append(result)
         if rank == 0 and args.save_model:
             model.save_pretrained(os.path.join(args.out, f"model-seed{seed}"))

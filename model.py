@@ -151,24 +151,34 @@ except ImportError:
     varlen_attn = None
 
 BACKENDS = ("flash", "varlen", "sdpa")
+# The fused kernels run on CUDA and take float16 / bfloat16 q, k, v only (both check it and raise);
+# a float32 forward (no autocast) attends with SDPA. Tests point KERNEL_DEVICE at "cpu" to run
+# stand-ins of the kernels there (tests/fake_kernels.py).
+KERNEL_DEVICE = "cuda"
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def pick_backend(requested, device, dropout_p):
-    """The backend this forward will use: MODERNBERT_ATTN, else the config, else the fastest available."""
+def pick_backend(requested, device, dtype, dropout_p):
+    """The backend a forward on `device` with q, k, v of `dtype` uses: MODERNBERT_ATTN, else the
+    config, else ("auto") the fastest one that runs here."""
     name = os.environ.get("MODERNBERT_ATTN") or requested
+    kernels = device.type == KERNEL_DEVICE and dtype in KERNEL_DTYPES
     if name == "auto":
-        if device.type == "cuda" and flash_attn_varlen_func is not None:
+        if kernels and flash_attn_varlen_func is not None:
             return "flash"
-        if device.type == "cuda" and varlen_attn is not None and dropout_p == 0.0:
+        if kernels and varlen_attn is not None and dropout_p == 0.0:
             return "varlen"
         return "sdpa"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of auto, {', '.join(BACKENDS)}")
-    if name == "flash" and (flash_attn_varlen_func is None or device.type != "cuda"):
+    if name == "flash" and (flash_attn_varlen_func is None or device.type != KERNEL_DEVICE):
         raise RuntimeError("attention backend 'flash' needs CUDA and `pip install flash-attn --no-build-isolation`")
-    if name == "varlen" and (varlen_attn is None or device.type != "cuda"):
+    if name == "varlen" and (varlen_attn is None or device.type != KERNEL_DEVICE):
         raise RuntimeError("attention backend 'varlen' needs CUDA and a PyTorch whose "
                            "torch.nn.attention.varlen.varlen_attn has window_size (2.10+)")
+    if name != "sdpa" and dtype not in KERNEL_DTYPES:
+        raise RuntimeError(f"attention backend {name!r} takes float16 or bfloat16 q, k, v, but this forward runs in "
+                           f"{dtype}: run it under bf16 autocast (--dtype=bfloat16) or use attn_backend 'auto' or 'sdpa'")
     if name == "varlen" and dropout_p > 0:
         raise RuntimeError("attention backend 'varlen' has no attention-probability dropout; "
                            "set attention_dropout=0 (use attn_out_dropout) or pick another backend")
@@ -340,6 +350,16 @@ class ModernBertModel(nn.Module):
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
         self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=False)
 
+    def attention_backend(self, device):
+        """The attention backend of a forward on `device` now: it depends on the dtype that reaches
+        the kernel (autocast's, else the weights'), and on dropout in training mode."""
+        if torch.is_autocast_enabled(device.type):
+            dtype = torch.get_autocast_dtype(device.type)
+        else:
+            dtype = self.embeddings.tok_embeddings.weight.dtype
+        c = self.config
+        return pick_backend(c.attn_backend, device, dtype, c.attention_dropout if self.training else 0.0)
+
     def forward(self, tokens, cu_seqlens, max_seqlen, causal=False, return_layers=False):
         """tokens (T,) -> hidden states (T, H) after the final norm.
 
@@ -347,7 +367,7 @@ class ModernBertModel(nn.Module):
         (T, H), before the final norm (what cka.py compares).
         """
         c = self.config
-        backend = pick_backend(c.attn_backend, tokens.device, c.attention_dropout if self.training else 0.0)
+        backend = self.attention_backend(tokens.device)
         packing = Packing(tokens.shape[0], cu_seqlens, max_seqlen, causal, c.local_attention // 2, backend)
         rope = {True: rope_cos_sin(packing.positions, c.head_dim, c.global_rope_theta),
                 False: rope_cos_sin(packing.positions, c.head_dim, c.local_rope_theta)}
