@@ -1,0 +1,120 @@
+"""On a CUDA GPU: every attention backend available against SDPA, train.py with each backend, and
+exact resume with dropout on. Skipped without CUDA (tests/test_gpu_path.py runs the same paths on
+CPU through stand-ins of the kernels).
+
+    python -m pytest tests/test_gpu.py -q -s     # -s prints the measured differences
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import model as M
+from test_gpu_path import SPECIAL, randomized, run_model, tiny, train_losses  # noqa: F401 (tiny is a fixture)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (no CUDA device here)")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KERNELS = [b for b, fn in (("flash", M.flash_attn_varlen_func), ("varlen", M.varlen_attn)) if fn is not None]
+CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=192, num_hidden_layers=3, num_attention_heads=2,
+              local_attention=16, **SPECIAL)  # head_dim 64, as ModernBERT's
+
+
+def on_cuda(backend, causal, padded, dtype, lengths, window=16):
+    model = randomized(M.ModernBertConfig(**{**CONFIG, "local_attention": window})).cuda().train()
+    model.config.attn_backend = backend
+    g = torch.Generator().manual_seed(1)
+    V, T = model.config.vocab_size, sum(lengths)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        if padded:
+            S = max(lengths)
+            ids = torch.randint(3, V, (len(lengths), S), generator=g).cuda()
+            mask = (torch.arange(S)[None, :] < torch.tensor(lengths)[:, None]).cuda()
+            logits = model(ids, mask.long(), causal=causal)[mask]
+        else:
+            ids = torch.randint(3, V, (T,), generator=g).cuda()
+            cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32).cuda()
+            logits = model(ids, causal=causal, cu_seqlens=cu, max_seqlen=max(lengths))
+    logits = logits.float()
+    (logits * torch.randn(logits.shape, generator=g).cuda()).sum().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def worst(a, ga, b, gb):
+    logit = ((a - b).abs().max() / b.abs().max()).item()
+    grad = max(((ga[n] - gb[n]).norm() / gb[n].norm().clamp_min(1e-12)).item() for n in gb)
+    return logit, grad
+
+
+@pytest.mark.parametrize("backend", KERNELS or [pytest.param("none", marks=pytest.mark.skip(
+    reason="no GPU attention kernel here (flash-attn not installed, torch varlen_attn without window_size)"))])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padded", [True, False])
+@pytest.mark.parametrize("window", [16, 4096])
+def test_kernel_against_sdpa(backend, causal, padded, window):
+    """bf16 kernel vs SDPA in float32 (the reference) and vs SDPA in bf16 (the same arithmetic)."""
+    lengths = [1, 9, 300, 77] if padded else [256, 256]
+    out, grads = on_cuda(backend, causal, padded, torch.bfloat16, lengths, window)
+    ref32, g32 = on_cuda("sdpa", causal, padded, torch.float32, lengths, window)
+    ref16, g16 = on_cuda("sdpa", causal, padded, torch.bfloat16, lengths, window)
+    vs32, vs16 = worst(out, grads, ref32, g32), worst(out, grads, ref16, g16)
+    print(f"{backend} causal={causal} padded={padded} window={window}: vs SDPA fp32 max rel logit {vs32[0]:.2e} "
+          f"grad {vs32[1]:.2e}; vs SDPA bf16 {vs16[0]:.2e} / {vs16[1]:.2e}")
+    assert vs32[0] <= 0.02 and vs32[1] <= 0.03
+    assert vs16[0] <= 0.02 and vs16[1] <= 0.03
+
+
+def test_sdpa_bf16_against_float32():
+    a, ga = on_cuda("sdpa", True, True, torch.bfloat16, [1, 9, 300, 77])
+    b, gb = on_cuda("sdpa", True, True, torch.float32, [1, 9, 300, 77])
+    logit, grad = worst(a, ga, b, gb)
+    print(f"sdpa bf16 vs fp32: max rel logit {logit:.2e} grad {grad:.2e}")
+    assert logit <= 0.02 and grad <= 0.03
+
+
+def train(tiny, out, *extra, wrapper=None):
+    args = [f"--data_dir={tiny / 'shards'}", f"--init_from={tiny / 'a'}", f"--out_dir={out}", "--seq_len=32",
+            "--global_batch_size=4", "--micro_batch_size=2", f"--tokens={8 * 4 * 32}", "--warmup_tokens=0",
+            "--lr=1e-3", "--decay_frac=0.25", "--log_interval=1", "--eval_interval=4", "--eval_windows=4",
+            "--ckpt_interval=4", "--device=cuda", *extra]
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *args] if wrapper is None else \
+        [sys.executable, "-c", wrapper, os.path.join(ROOT, "train.py"), *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
+                       env={**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+@pytest.mark.parametrize("backend", [*KERNELS, "sdpa"])
+def test_train_steps_with_each_backend(tiny, tmp_path, backend):  # noqa: F811
+    train(tiny, tmp_path / backend, f"--attn_backend={backend}", "--attn_out_dropout=0.0")
+    train(tiny, tmp_path / "ref", "--attn_backend=sdpa", "--attn_out_dropout=0.0", "--dtype=float32")
+    got, ref = train_losses(tmp_path / backend), train_losses(tmp_path / "ref")
+    diff = max(abs(a - b) / abs(b) for (_, a, _), (_, b, _) in zip(got, ref))
+    print(f"train.py {backend} bf16 vs sdpa fp32: max rel loss diff {diff:.2e}")
+    assert [s for s, _, _ in got] == [s for s, _, _ in ref] and diff <= 0.03
+
+
+# Bit-exact runs need deterministic kernels: SDPA's math backend and torch's deterministic mode
+# (flash and memory-efficient attention backward accumulate with atomics in a varying order).
+DETERMINISTIC = ("import runpy, sys, torch; from torch.nn.attention import sdpa_kernel, SDPBackend; "
+                 "torch.use_deterministic_algorithms(True); sdpa_kernel(SDPBackend.MATH).__enter__(); "
+                 "sys.argv = sys.argv[1:]; sys.path.insert(0, '.'); runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def test_resume_is_bit_exact_on_cuda_with_dropout(tiny, tmp_path):  # noqa: F811
+    """CUDA dropout draws from the CUDA generator: a resume must restore it, per rank."""
+    dropout = ["--attn_backend=sdpa", "--attn_out_dropout=0.1", "--attention_dropout=0.1", "--mlp_dropout=0.1"]
+    train(tiny, tmp_path / "whole", *dropout, wrapper=DETERMINISTIC)
+    resumed = tmp_path / "resumed"
+    os.makedirs(resumed)
+    shutil.copytree(tmp_path / "whole" / "ckpt-4", resumed / "ckpt-4")
+    shutil.copy(tmp_path / "whole" / "metrics.jsonl", resumed / "metrics.jsonl")
+    r = train(tiny, resumed, *dropout, wrapper=DETERMINISTIC)
+    assert "resuming at step 4" in r.stdout
+    whole, again = train_losses(tmp_path / "whole"), train_losses(resumed)
+    print(f"resume on CUDA: {len(whole)} logged steps, identical: {whole == again}")
+    assert whole == again
