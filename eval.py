@@ -128,7 +128,10 @@ def read_split(path, task):
             for n, line in enumerate(f, 1):
                 if not line.strip():
                     continue
-                ex = json.loads(line)
+                try:
+                    ex = json.loads(line)
+                except ValueError as e:
+                    raise SystemExit(f"{path}:{n}: not a JSON line ({e})") from None
                 for k in field:
                     if k not in ex:
                         raise SystemExit(f"{path}:{n}: no {k!r} field; --task {task} needs {' and '.join(field)}")
@@ -153,6 +156,33 @@ def check_labels(examples, labels, path, task):
         if not seen <= known:
             raise SystemExit(f"{path}: example {n} has label(s) {sorted(seen - known)} that the training split "
                              f"never uses (labels: {labels})")
+
+
+def read_task(data_dir, task):
+    """-> ({split: examples}, labels): the three splits of a task directory, read and checked (every
+    file readable, every label of validation and test seen in train), or a message that names the problem."""
+    if not os.path.isdir(data_dir):
+        raise SystemExit(f"{data_dir}: no such directory")
+    raw = {}
+    for split in SPLITS:
+        path = split_file(data_dir, split, task)
+        try:
+            raw[split] = read_split(path, task)
+        except (OSError, UnicodeDecodeError) as e:
+            raise SystemExit(f"{path}: cannot read it ({e})") from None
+    labels = label_set(raw["train"], task)
+    for split in ("validation", "test"):
+        check_labels(raw[split], labels, split_file(data_dir, split, task), task)
+    return raw, labels
+
+
+def model_tokenizer(model, tokenizer=None):
+    """The tokenizer to fine-tune a checkpoint with: --tokenizer, else the checkpoint's own."""
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise SystemExit(f"--model {model}: not a checkpoint directory (no config.json)")
+    if not tokenizer and not os.path.isfile(os.path.join(model, "tokenizer.json")):
+        raise SystemExit(f"{model} has no tokenizer.json; pass --tokenizer")
+    return load_tokenizer(tokenizer or model)
 
 
 def encode_examples(examples, tok, task, labels, max_len):
@@ -191,6 +221,12 @@ def encode_examples(examples, tok, task, labels, max_len):
         out.append(([tok.cls_id, *chunk, tok.sep_id], [-100, *tags, -100]))
         where.append(owners)
     return out, where
+
+
+def encode_splits(raw, tok, task, labels, max_len):
+    """{split: examples} -> {split: (items, where, examples)}, what finetune() takes."""
+    return {split: (*encode_examples(examples, tok, task, labels, max_len), examples)
+            for split, examples in raw.items()}
 
 
 def flat_batch(items, task, device):
@@ -350,21 +386,9 @@ def main(argv=None):
 
     rank, world, device = distributed.setup(args.device)
     autocast, dtype = distributed.autocast(device, args.dtype)
-    if not os.path.isfile(os.path.join(args.model, "config.json")):
-        raise SystemExit(f"--model {args.model}: not a checkpoint directory (no config.json)")
-    tok_spec = args.tokenizer or args.model
-    if not args.tokenizer and not os.path.isfile(os.path.join(args.model, "tokenizer.json")):
-        raise SystemExit(f"{args.model} has no tokenizer.json; pass --tokenizer")
-    tok = load_tokenizer(tok_spec)
-
-    raw = {split: (read_split(split_file(args.data, split, args.task), args.task)) for split in SPLITS}
-    labels = label_set(raw["train"], args.task)
-    for split in ("validation", "test"):
-        check_labels(raw[split], labels, split_file(args.data, split, args.task), args.task)
-    splits = {}
-    for split, examples in raw.items():
-        items, where = encode_examples(examples, tok, args.task, labels, args.max_len)
-        splits[split] = (items, where, examples)
+    tok = model_tokenizer(args.model, args.tokenizer)
+    raw, labels = read_task(args.data, args.task)
+    splits = encode_splits(raw, tok, args.task, labels, args.max_len)
     if rank == 0:
         config = load_config(args.model)
         backend = pick_backend(config.attn_backend, device, dtype, config.attention_dropout)
