@@ -258,20 +258,27 @@ def attention(q, k, v, packing, is_global, dropout_p):
 
 
 def rope_cos_sin(positions, head_dim, theta):
-    """cos and sin tables, (T, head_dim), with angles computed in float32."""
+    """cos and signed sin tables, (T, head_dim), for apply_rope: built once per forward.
+
+    The angles are computed in float32 (bf16 positions would be off by whole tokens), then the tables
+    are cast once to the dtype q and k have (autocast's, else float32): so the rotation, in every
+    layer, runs in that dtype instead of making float32 copies of q and k and casting back.
+    """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
     angles = positions.float()[:, None] * inv_freq[None, :]  # (T, hd/2)
-    angles = torch.cat([angles, angles], dim=-1)  # (T, hd)
-    return angles.cos(), angles.sin()
+    cos, sin = angles.cos(), angles.sin()
+    device = positions.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.float32
+    # rotate_half(x) = cat(-x2, x1) = roll(x, hd/2) * [-1 .. -1, 1 .. 1]: that sign goes into sin.
+    return torch.cat([cos, cos], dim=-1).to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)  # (T, hd) each
 
 
 def apply_rope(x, cos, sin):
-    """x: (T, ..., hd). Rotate pairs (i, i + hd/2) by the position's angle, in float32."""
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
+    """x: (T, ..., hd) -> x * cos + rotate_half(x) * sin, in x's dtype: pairs (i, i + hd/2) rotated
+    by the position's angle. Three kernels (roll, mul, addcmul) and no float32 copy of x."""
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (x.shape[-1],)  # broadcast over the middle dims
-    return (xf * cos.view(shape) + rotated * sin.view(shape)).to(x.dtype)
+    cos, sin = cos.to(x.dtype).view(shape), sin.to(x.dtype).view(shape)  # no-ops unless x is not autocast's dtype
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
 # -----------------------------------------------------------------------------
