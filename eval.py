@@ -6,6 +6,8 @@ epoch, keep the best epoch by validation macro F1, report test at that epoch.
     python eval.py --model out/clm/final --task ner --data ../shared/data/ncbi_disease
     python eval.py --model DIR --task cls --data DIR --seeds 42,43,44,45,46 --epochs 10
     torchrun --nproc_per_node=4 eval.py ...     # each batch sharded over GPUs; same numbers
+    python eval.py --suite suites/en_bio.py --models out/en_base/final out/en_base_mlm/final --out out/eval_en
+                                                # the paper's table: tasks x models x seeds (suite.py)
 
 Data: a directory with train / validation (or dev, devel, valid) / test splits.
   cls:        JSONL {"text": ..., "label": ...}
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import distributed
+import suite
 from data import load_tokenizer
 from model import ModernBertForSequenceClassification, ModernBertForTokenClassification, load_config, pick_backend
 
@@ -361,13 +364,103 @@ def finetune(args, seed, splits, labels, tok, device, rank, world, autocast):
 
 
 # -----------------------------------------------------------------------------
+# A suite: every (task, model, seed) of a suite file, each stored as it finishes; the table (suite.py)
+
+
+def check_model(path, tokenizer):
+    """The tokenizer of a checkpoint, once its weights load and the tokenizer fits its embedding."""
+    tok = model_tokenizer(path, tokenizer)
+    config = ModernBertForSequenceClassification.from_pretrained(path, id2label={"0": "a", "1": "b"}).config
+    if tok.vocab_size > config.vocab_size:
+        raise SystemExit(f"its tokenizer has {tok.vocab_size} tokens, its embedding {config.vocab_size}; "
+                         "pass the tokenizer the model was trained with (--tokenizer)")
+    return tok
+
+
+def run_suite(args, rank, world, device, autocast, dtype):
+    """eval.py --suite FILE --models DIR ...: every task x model x seed, then results.md/.json/.png."""
+    seeds, tasks = suite.load_suite(args.suite)
+    names = suite.model_names(args.models)
+
+    # Check everything before training anything: a problem in the last task must not surface hours in.
+    problems, toks, data = [], {}, {}
+    for path in args.models:
+        try:
+            toks[path] = check_model(path, args.tokenizer)
+        except (SystemExit, OSError, ValueError) as e:
+            problems.append(f"model {path}: {e}")
+    for t in tasks:
+        try:
+            data[t["name"]] = read_task(t["data"], t["task"])
+        except SystemExit as e:
+            problems.append(f"task {t['name']!r}: {e}")
+    if problems:
+        raise SystemExit(f"{args.suite}: nothing was trained; first fix:\n  " + "\n  ".join(problems))
+
+    # The runs, in order. A run's options are what finetune() sees (the task's protocol, the model, the
+    # dtype resolved) less where it runs and writes: they identify its file, so that a changed suite never
+    # reuses a stale run.
+    runs = []
+    for t in tasks:
+        for path, name in zip(args.models, names):
+            run_args = argparse.Namespace(**{**vars(args), **{k: t[k] for k in suite.TASK_KEYS if k != "name"},
+                                             "model": os.path.abspath(path)})
+            options = {k: v for k, v in vars(run_args).items() if k not in ("suite", "models", "out", "seeds",
+                                                                              "device", "save_model")}
+            options["dtype"] = str(dtype).removeprefix("torch.")
+            runs += [dict(task=t, model=path, name=name, seed=seed, args=run_args, options={**options, "seed": seed},
+                          file=suite.run_file(args.out, t["name"], name, seed)) for seed in seeds]
+    # Rank 0's disk says which runs are finished and the other ranks take its word: every rank must skip
+    # the same runs, or the ranks that train one wait forever for those that skipped it.
+    state = [suite.finished_runs([(r["file"], r["options"]) for r in runs]) if rank == 0 else None]
+    if world > 1:
+        dist.broadcast_object_list(state, src=0)
+    done, stale = state[0]
+    if stale:
+        raise SystemExit(f"{args.out}: {len(stale)} stored run(s) cannot be reused for this suite:\n  "
+                         + "\n  ".join(stale) + "\nDelete them to run them again with the suite's settings, or "
+                         "write to another --out.")
+
+    if rank == 0:
+        print(f"{args.suite}: {len(runs)} runs ({len(tasks)} tasks x {len(names)} models x {len(seeds)} seeds): "
+              f"{len(done)} finished earlier, {len(runs) - len(done)} to run")
+    bar = tqdm(total=len(runs), initial=len(done), desc="suite", unit="run", disable=rank != 0 or None)
+    encoded = (None, None)  # (task name, model path) -> its splits in that model's tokens
+    for i, r in enumerate(runs):
+        if i in done:
+            continue
+        t, t0 = r["task"], time.time()
+        raw, labels = data[t["name"]]
+        if encoded[0] != (t["name"], r["model"]):
+            encoded = ((t["name"], r["model"]), encode_splits(raw, toks[r["model"]], t["task"], labels, t["max_len"]))
+        model, result = finetune(r["args"], r["seed"], encoded[1], labels, toks[r["model"]], device, rank, world,
+                                 autocast)
+        done[i] = result
+        if rank == 0:
+            suite.store_run(r["file"], r["options"], result)
+            if args.save_model:
+                model.save_pretrained(r["file"].removesuffix(".json"))
+            tqdm.write(f"run {t['name']} / {r['name']} / seed {r['seed']}: test macro F1 "
+                       f"{100 * result['test']['macro_f1']:.2f} ({time.time() - t0:.1f}s)")
+        bar.update()
+    bar.close()
+
+    if rank == 0:
+        scores = {}  # (task, model name) -> the test metrics of each seed, in the order of seeds
+        for i, r in enumerate(runs):
+            scores.setdefault((r["task"]["name"], r["name"]), []).append(done[i]["test"])
+        results = suite.summarize(args.suite, seeds, tasks, dict(zip(names, args.models)), scores)
+        print(suite.write_results(args.out, results))
+
+
+# -----------------------------------------------------------------------------
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="a Hugging Face ModernBERT checkpoint directory")
-    p.add_argument("--task", required=True, choices=["cls", "multilabel", "ner"])
-    p.add_argument("--data", required=True, help="a directory with train / validation / test splits")
+    p.add_argument("--model", help="a Hugging Face ModernBERT checkpoint directory")
+    p.add_argument("--task", choices=["cls", "multilabel", "ner"])
+    p.add_argument("--data", help="a directory with train / validation / test splits")
     p.add_argument("--seeds", default="42,43,44,45,46")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--lr", type=float, default=5e-5)
@@ -382,10 +475,21 @@ def main(argv=None):
                    help="auto: bfloat16 autocast on GPU (what the flash / varlen attention kernels need), float32 on CPU")
     p.add_argument("--out", default="out/eval")
     p.add_argument("--save_model", action="store_true", help="save the best model of each seed under --out")
+    p.add_argument("--suite", help="a suite file (suites/en_bio.py): its tasks, with their settings, x --models x its "
+                                   "seeds, then one table (suite.py); instead of --model, --task and --data")
+    p.add_argument("--models", nargs="+", help="with --suite: the checkpoints to compare, the reference first")
     args = p.parse_args(argv)
+    if args.suite and (not args.models or args.model or args.task or args.data):
+        p.error("--suite takes its tasks from the file and the checkpoints from --models, not --model/--task/--data")
+    if not args.suite and not (args.model and args.task and args.data):
+        p.error("the following arguments are required: --model, --task, --data (or --suite FILE --models DIR ...)")
 
     rank, world, device = distributed.setup(args.device)
     autocast, dtype = distributed.autocast(device, args.dtype)
+    if args.suite:  # every (task, model, seed) of a suite file, then one table
+        run_suite(args, rank, world, device, autocast, dtype)
+        distributed.teardown()
+        return
     tok = model_tokenizer(args.model, args.tokenizer)
     raw, labels = read_task(args.data, args.task)
     splits = encode_splits(raw, tok, args.task, labels, args.max_len)

@@ -1,0 +1,272 @@
+"""
+The paper's downstream table in one command: fine-tuning over tasks x models x seeds, with seed
+statistics that tell a real gain from noise.
+
+    python eval.py --suite suites/en_bio.py --models out/en_base/final out/en_base_mlm/final --out out/eval_en
+
+eval.py fine-tunes; this file holds what is around the fine-tuning:
+- the suite file: plain Python, like configs/, with `seeds = [...]` and `tasks = [dict(name=...,
+  task="cls" | "multilabel" | "ner", data=DIR, ...), ...]`. A key that a task leaves out takes the
+  paper's protocol (PROTOCOL below); a relative `data` path is relative to the suite file's folder.
+- the runs: each finished (task, model, seed) is one file OUT/runs/TASK/MODEL/seedN.json, written
+  atomically, with the options that determine it. The same command run again skips the runs that are
+  there, so a killed suite goes on where it stopped. A run stored with other options (the suite's lr
+  was changed since) stops the suite before any training: reusing it would mix two protocols in one
+  table, overwriting it would throw finished work away; the message says which files to delete.
+- the table (results.md, results.json, results.png): per task and model the test macro F1 (the
+  paper's metric) and the metric other papers report, mean ± std over seeds; their average over tasks
+  (the paper's headline); and each model's difference to the first model, paired over seeds (seed i
+  of one against seed i of the other), with a 95% t interval.
+"""
+
+import json
+import math
+import os
+
+import numpy as np
+
+# The paper's fine-tuning protocol (after BioClinical-ModernBERT): what a task dict does not say.
+PROTOCOL = dict(lr=5e-5, batch_size=16, max_len=512, warmup_ratio=0.1, weight_decay=0.01, pooling="mean")
+EPOCHS = {"cls": 10, "multilabel": 10, "ner": 20}
+TASK_KEYS = {"name": str, "task": str, "data": str, "epochs": int, "lr": float, "batch_size": int, "max_len": int,
+             "warmup_ratio": float, "weight_decay": float, "pooling": str}
+
+METRIC = "macro_f1"  # the paper's
+UPSTREAM = {"cls": "weighted_f1", "multilabel": "micro_f1", "ner": "micro_f1"}  # what other papers print beside it
+UPSTREAM_NAME = {"cls": "weighted F1", "multilabel": "micro F1", "ner": "entity micro F1"}
+
+# -----------------------------------------------------------------------------
+# The suite file
+
+
+def load_suite(path):
+    """-> (seeds, tasks): the suite file's seeds, and its tasks with every key filled in."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"--suite {path}: no such file")
+    scope = {}
+    exec(compile(open(path).read(), path, "exec"), scope)
+    seeds, tasks = scope.get("seeds"), scope.get("tasks")
+    if not (isinstance(seeds, (list, tuple)) and seeds and all(type(s) is int for s in seeds)
+            and len(set(seeds)) == len(seeds)):
+        raise SystemExit(f"{path}: `seeds` must be a list of distinct integers, e.g. seeds = [42, 43, 44, 45, 46]")
+    if not (isinstance(tasks, (list, tuple)) and tasks and all(isinstance(t, dict) for t in tasks)):
+        raise SystemExit(f"{path}: `tasks` must be a list of dicts, e.g. "
+                         "tasks = [dict(name='ncbi_disease', task='ner', data='data/ncbi_disease')]")
+    folder = os.path.dirname(os.path.abspath(path))
+    out = []
+    for n, t in enumerate(tasks, 1):
+        where = f"{path}: task {t.get('name', n)!r}"
+        unknown = sorted(set(t) - set(TASK_KEYS))
+        missing = [k for k in ("name", "task", "data") if k not in t]
+        if unknown or missing:
+            problem = f"unknown key(s) {unknown}" if unknown else f"no {' and no '.join(missing)}"
+            raise SystemExit(f"{where}: {problem}; a task has the keys {', '.join(TASK_KEYS)}")
+        if t["task"] not in EPOCHS:
+            raise SystemExit(f"{where}: task={t['task']!r}; it must be one of {', '.join(EPOCHS)}")
+        task = {**PROTOCOL, "epochs": EPOCHS[t["task"]], **t}
+        for key, typ in TASK_KEYS.items():
+            if typ is float and type(task[key]) is int:
+                task[key] = float(task[key])
+            if type(task[key]) is not typ or (typ is int and task[key] <= 0):
+                raise SystemExit(f"{where}: {key} must be {'a positive int' if typ is int else typ.__name__}, "
+                                 f"got {task[key]!r}")
+        if task["pooling"] not in ("mean", "cls"):
+            raise SystemExit(f"{where}: pooling must be 'mean' or 'cls', got {task['pooling']!r}")
+        if not task["name"] or task["name"].startswith(".") or "/" in task["name"] or os.sep in task["name"]:
+            raise SystemExit(f"{where}: the name names a folder of runs; use letters, digits, '_' or '-'")
+        if any(o["name"] == task["name"] for o in out):
+            raise SystemExit(f"{where}: two tasks have this name")
+        task["data"] = os.path.normpath(os.path.join(folder, os.path.expanduser(task["data"])))
+        out.append(task)
+    return list(seeds), out
+
+
+def model_names(paths):
+    """Short unique names for the tables: the last two components of each path, more where two
+    would clash (out/a/final and out/b/final -> a/final and b/final)."""
+    parts = [os.path.abspath(p).split(os.sep) for p in paths]
+    if len({tuple(p) for p in parts}) < len(parts):
+        raise SystemExit(f"--models: a model is given twice ({' '.join(paths)})")
+    for k in range(2, max(map(len, parts)) + 1):
+        names = ["/".join(p[-k:]).lstrip("/") for p in parts]
+        if len(set(names)) == len(names):
+            return names
+
+
+# -----------------------------------------------------------------------------
+# Finished runs on disk
+
+
+def run_file(out, task, model_name, seed):
+    return os.path.join(out, "runs", task, model_name, f"seed{seed}.json")
+
+
+def finished_runs(runs):
+    """runs: a list of (file, options). -> ({index: result} of those already stored, problems): a
+    stored run whose options differ from what is asked now is a problem, not a finished run."""
+    done, problems = {}, []
+    for i, (path, options) in enumerate(runs):
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path) as f:
+                stored = json.load(f)
+        except (OSError, ValueError) as e:
+            problems.append(f"{path}: unreadable ({e})")
+            continue
+        asked = json.loads(json.dumps(options))  # as it would read back from disk (tuples become lists)
+        if stored["options"] == asked:
+            done[i] = stored["result"]
+        else:
+            old = stored["options"]
+            changed = sorted(k for k in old.keys() | asked.keys() if old.get(k) != asked.get(k))
+            problems.append(f"{path}: run with " + ", ".join(f"{k}={old.get(k)!r}" for k in changed)
+                            + "; now " + ", ".join(f"{k}={asked.get(k)!r}" for k in changed))
+    return done, problems
+
+
+def store_run(path, options, result):
+    """Write a finished run atomically (a temporary file, then a rename): a kill leaves no half-written run."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"options": options, "result": result}, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+# -----------------------------------------------------------------------------
+# Seed statistics
+
+# The 97.5% quantile of Student's t for df = 1..30 (scipy.stats.t.ppf(0.975, df); checked in the tests).
+T975 = (12.706205, 4.302653, 3.182446, 2.776445, 2.570582, 2.446912, 2.364624, 2.306004, 2.262157, 2.228139,
+        2.200985, 2.178813, 2.160369, 2.144787, 2.131450, 2.119905, 2.109816, 2.100922, 2.093024, 2.085963,
+        2.079614, 2.073873, 2.068658, 2.063899, 2.059539, 2.055529, 2.051831, 2.048407, 2.045230, 2.042272)
+
+
+def t975(df):
+    """t_{0.975, df}: the table up to df = 30, then the Cornish-Fisher expansion around the normal
+    quantile, whose error beyond 30 is below 2e-6."""
+    if df <= len(T975):
+        return T975[df - 1]
+    z = 1.959963984540054
+    return (z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+            + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3))
+
+
+def mean_std(values):
+    values = [float(v) for v in values]
+    return {"mean": float(np.mean(values)), "std": float(np.std(values, ddof=1)) if len(values) > 1 else 0.0,
+            "per_seed": values}
+
+
+def paired_delta(a, b):
+    """b - a where a[i] and b[i] come from the same seed: the mean difference and its 95% interval
+    mean ± t_{0.975, n-1} sd(d) / sqrt(n). Pairing takes out what a seed does to both models alike (the
+    order of the batches, the classifier's init), which would otherwise count as noise. No interval
+    from one seed."""
+    d = np.asarray(b, dtype=np.float64) - np.asarray(a, dtype=np.float64)
+    mean = float(d.mean())
+    if len(d) < 2:
+        return {"mean": mean, "low": None, "high": None, "n": len(d)}
+    half = t975(len(d) - 1) * float(d.std(ddof=1)) / math.sqrt(len(d))
+    return {"mean": mean, "low": mean - half, "high": mean + half, "n": len(d)}
+
+
+def summarize(suite, seeds, tasks, models, scores):
+    """models: {name: path}, the first one the reference. scores[(task name, model name)]: the test
+    metrics of each seed, in the order of seeds. -> everything results.json holds."""
+    names = list(models)
+    results = {"suite": suite, "seeds": seeds, "models": models, "metric": METRIC,
+               "tasks": {t["name"]: {**t, "upstream": UPSTREAM[t["task"]], "models": {}} for t in tasks}}
+    for t in tasks:
+        row = results["tasks"][t["name"]]["models"]
+        base = [r[METRIC] for r in scores[t["name"], names[0]]]
+        for m in names:
+            runs = scores[t["name"], m]
+            row[m] = {METRIC: mean_std([r[METRIC] for r in runs]),
+                      UPSTREAM[t["task"]]: mean_std([r[UPSTREAM[t["task"]]] for r in runs])}
+            if m != names[0]:
+                row[m]["delta_" + METRIC] = paired_delta(base, [r[METRIC] for r in runs])
+    # The average over tasks: per seed first, so that its delta is paired over seeds like a task's.
+    per_seed = {m: np.mean([[r[METRIC] for r in scores[t["name"], m]] for t in tasks], axis=0) for m in names}
+    results["average"] = {m: {METRIC: mean_std(per_seed[m])} for m in names}
+    for m in names[1:]:
+        results["average"][m]["delta_" + METRIC] = paired_delta(per_seed[names[0]], per_seed[m])
+    return results
+
+
+# -----------------------------------------------------------------------------
+# results.md, results.json, results.png
+
+
+def markdown(results):
+    names, seeds = list(results["models"]), results["seeds"]
+    pct = lambda s: f"{100 * s['mean']:.2f} ± {100 * s['std']:.2f}"  # noqa: E731
+
+    def delta(d):
+        if d["low"] is None:
+            return f"{100 * d['mean']:+.2f} (one seed: no interval)"
+        beyond_noise = " *" if d["low"] > 0 or d["high"] < 0 else ""
+        return f"{100 * d['mean']:+.2f} [{100 * d['low']:+.2f}, {100 * d['high']:+.2f}]{beyond_noise}"
+
+    lines = [f"# Fine-tuning suite: {results['suite']}", "",
+             f"Test scores in %, mean ± std over {len(seeds)} seeds ({', '.join(map(str, seeds))}). Macro F1 is "
+             "the paper's metric; beside it, the metric other papers report (weighted F1 for classification, "
+             "micro F1 for multi-label, seqeval entity micro F1 for NER). Δ: macro F1 minus the first "
+             f"model's ({names[0]}), paired over seeds, with its 95% t interval; * where the interval excludes 0.",
+             "", "Models: " + "; ".join(f"{m} = {p}" for m, p in results["models"].items()), "",
+             "| task | " + " | ".join(f"{m} macro F1 | {m} upstream" for m in names)
+             + "".join(f" | Δ {m}" for m in names[1:]) + " |",
+             "|---" * (1 + 2 * len(names) + len(names) - 1) + "|"]
+    for name, t in results["tasks"].items():
+        row = t["models"]
+        cells = [f"{name} ({t['task']}; upstream: {UPSTREAM_NAME[t['task']]})"]
+        cells += [c for m in names for c in (pct(row[m][METRIC]), pct(row[m][t["upstream"]]))]
+        cells += [delta(row[m]["delta_" + METRIC]) for m in names[1:]]
+        lines.append("| " + " | ".join(cells) + " |")
+    avg = results["average"]
+    cells = [f"**average** ({len(results['tasks'])} tasks)"] + [c for m in names for c in (pct(avg[m][METRIC]), "")]
+    cells += [delta(avg[m]["delta_" + METRIC]) for m in names[1:]]
+    lines += ["| " + " | ".join(cells) + " |", "", "![macro F1 per task](results.png)", ""]
+    return "\n".join(lines)
+
+
+def figure(results, path):
+    """Per-task bars of macro F1 with the std over seeds as error bars, models side by side, the
+    average last."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names, groups = list(results["models"]), [*results["tasks"], "average"]
+    width = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.3 * len(groups) * (len(names) + 1) + 2.5), 4.5))
+    x, top = np.arange(len(groups)), 0.0
+    for j, m in enumerate(names):
+        stats = [results["tasks"][g]["models"][m][METRIC] for g in groups[:-1]] + [results["average"][m][METRIC]]
+        mean, std = 100 * np.array([s["mean"] for s in stats]), 100 * np.array([s["std"] for s in stats])
+        at = x + (j - (len(names) - 1) / 2) * width
+        ax.bar(at, mean, width, yerr=std, capsize=3, label=m)
+        for xi, y, label in zip(at, mean + std, mean):  # the value above its error bar, where nothing crosses it
+            ax.text(xi, y + 1, f"{label:.1f}", ha="center", va="bottom", fontsize=7)
+        top = max(top, float((mean + std).max()))
+    ax.axvline(len(groups) - 1.5, color="gray", lw=0.8, ls=":")  # the tasks | their average
+    ax.set_xticks(x, groups, rotation=30 if len(groups) > 5 else 0, ha="right" if len(groups) > 5 else "center")
+    ax.set_ylabel("test macro F1 (%)")
+    ax.set_ylim(0, top + 8)
+    ax.set_title(f"{os.path.basename(results['suite'])}: mean ± std over {len(results['seeds'])} seeds", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_results(out, results):
+    """results.json, results.md and results.png under out; returns the markdown."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    md = markdown(results)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(md)
+    figure(results, os.path.join(out, "results.png"))
+    return md

@@ -1,0 +1,260 @@
+"""suite.py and eval.py --suite: the paired interval against a hand-computed example and scipy, the suite
+file, and end to end on slices of three real tasks (../shared/data) with two tiny models: the table equals
+eval.py run per task, a killed suite resumes without repeating a run, a broken task fails before training."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import suite
+from model import ModernBertConfig, ModernBertForMaskedLM
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "..", "shared", "data")
+TOKENIZER = os.path.join(ROOT, "..", "shared", "tokenizers", "modernbert", "tokenizer.json")
+needs_shared = pytest.mark.skipif(not (os.path.isdir(DATA) and os.path.isfile(TOKENIZER)),
+                                  reason="../shared (data and tokenizers) is not beside the checkout")
+
+# -----------------------------------------------------------------------------
+# Statistics
+
+
+def test_paired_interval_hand_computed():
+    # seed i of A against seed i of B: d = (1, 2, 3), mean 2, sd 1, n 3, t_{0.975, 2} = 4.302653
+    # -> 2 ± 4.302653 / sqrt(3) = 2 ± 2.484138. Unpaired, the seeds' spread (70 to 93) would swamp it.
+    d = suite.paired_delta([70.0, 80.0, 90.0], [71.0, 82.0, 93.0])
+    assert d["n"] == 3 and d["mean"] == pytest.approx(2.0)
+    assert d["low"] == pytest.approx(2 - 2.484138, abs=1e-6) and d["high"] == pytest.approx(2 + 2.484138, abs=1e-6)
+    one = suite.paired_delta([0.5], [0.7])
+    assert one["mean"] == pytest.approx(0.2) and one["low"] is None and one["high"] is None
+
+
+def test_paired_interval_and_t_quantile_equal_scipy():
+    stats = pytest.importorskip("scipy.stats")
+    for df in range(1, 300):
+        assert suite.t975(df) == pytest.approx(stats.t.ppf(0.975, df), abs=2e-6)
+    rng = np.random.default_rng(0)
+    for n in (2, 5, 9, 40):
+        a = rng.normal(0.8, 0.05, n)
+        b = a + rng.normal(0.01, 0.02, n)
+        ci = stats.ttest_rel(b, a).confidence_interval(0.95)
+        d = suite.paired_delta(a, b)
+        assert (d["low"], d["high"]) == pytest.approx((ci.low, ci.high), abs=1e-6)
+
+
+# -----------------------------------------------------------------------------
+# The suite file and model names
+
+
+def test_model_names_are_short_and_unique():
+    assert suite.model_names(["out/en_base/final", "out/en_base_mlm/final"]) == ["en_base/final", "en_base_mlm/final"]
+    assert suite.model_names(["x/a/final", "y/a/final"]) == ["x/a/final", "y/a/final"]
+    with pytest.raises(SystemExit, match="given twice"):
+        suite.model_names(["out/a/final", "out/a/final/"])
+
+
+def test_suite_file_defaults_paths_and_errors(tmp_path):
+    (tmp_path / "s.py").write_text("seeds = [1, 2]\ntasks = [dict(name='n', task='ner', data='tasks/n'),\n"
+                                   "         dict(name='c', task='cls', data='/abs/c', lr=1e-4, epochs=3)]\n")
+    seeds, tasks = suite.load_suite(str(tmp_path / "s.py"))
+    assert seeds == [1, 2]
+    assert tasks[0] == dict(name="n", task="ner", data=str(tmp_path / "tasks" / "n"), epochs=20, lr=5e-5,
+                            batch_size=16, max_len=512, warmup_ratio=0.1, weight_decay=0.01, pooling="mean")
+    assert tasks[1]["data"] == "/abs/c" and tasks[1]["lr"] == 1e-4 and tasks[1]["epochs"] == 3
+    (tmp_path / "bad.py").write_text("seeds = [1]\ntasks = [dict(name='n', task='ner', data='x', learning_rate=1)]\n")
+    with pytest.raises(SystemExit, match=r"unknown key\(s\) \['learning_rate'\].*lr"):
+        suite.load_suite(str(tmp_path / "bad.py"))
+    (tmp_path / "bad.py").write_text("seeds = [1]\ntasks = [dict(name='n', task='tagging', data='x')]\n")
+    with pytest.raises(SystemExit, match="task='tagging'"):
+        suite.load_suite(str(tmp_path / "bad.py"))
+
+
+# -----------------------------------------------------------------------------
+# End to end on slices of the shared tasks: 3 tasks x 2 tiny models x 2 seeds
+
+
+def conll_slice(src, dst, n):
+    """The first n sentences that mention an entity: something a tiny model can learn from in 2 epochs."""
+    sentences = [s for s in open(src, encoding="utf-8").read().split("\n\n") if "\tB-" in s][:n]
+    dst.write_text("\n\n".join(sentences) + "\n", encoding="utf-8")
+
+
+def jsonl_slice(src, dst, n):
+    """n lines, half of each label."""
+    rows = [json.loads(line) for line in open(src, encoding="utf-8")]
+    picked = [r for label in ("0", "1") for r in [r for r in rows if r["label"] == label][:n // 2]]
+    dst.write_text("".join(json.dumps(r) + "\n" for r in picked), encoding="utf-8")
+
+
+# Data paths are relative to the suite file, which the fixture writes beside the slices.
+TASKS = ['dict(name="ncbi_disease", task="ner", data="ncbi_disease", epochs=2, lr=5e-3, max_len=128)',
+         'dict(name="anatem", task="ner", data="anatem", epochs=2, lr=5e-3, max_len=128)',
+         'dict(name="gad", task="cls", data="gad", epochs=2, lr=5e-3, max_len=128)']
+
+
+def suite_text(tasks):
+    return "seeds = [1, 2]\ntasks = [\n    " + ",\n    ".join(tasks) + ",\n]\n"
+
+
+def run_suite_cmd(tmp, out, suite_file="suite.py", models="ab"):
+    return [os.path.join(ROOT, "eval.py"), "--suite", str(tmp / suite_file), "--models",
+            *[str(tmp / m / "final") for m in models], "--out", str(out), "--device", "cpu"]
+
+
+def run(cmd, launcher=(sys.executable,), check=True):
+    r = subprocess.run([*launcher, *cmd], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if check:
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r
+
+
+@pytest.fixture(scope="module")
+def shared_suite(tmp_path_factory):
+    """Slices of the three shared tasks, two tiny random models with the ModernBERT tokenizer (out/a/final
+    and out/b/final: the same basename), and one uninterrupted run of the suite."""
+    tmp = tmp_path_factory.mktemp("suite")
+    for task in ("ncbi_disease", "anatem"):
+        (tmp / task).mkdir()
+        for split, n in (("train", 48), ("devel", 16), ("test", 16)):
+            conll_slice(os.path.join(DATA, task, f"{split}.tsv"), tmp / task / f"{split}.tsv", n)
+    (tmp / "gad").mkdir()
+    for split, n in (("train", 48), ("devel", 16), ("test", 16)):
+        jsonl_slice(os.path.join(DATA, "gad", f"{split}.jsonl"), tmp / "gad" / f"{split}.jsonl", n)
+    for seed, name in enumerate("ab"):
+        torch.manual_seed(seed)  # hidden 32 and 2 layers: the 50368-token embedding stays small
+        ModernBertForMaskedLM(ModernBertConfig(vocab_size=50368, hidden_size=32, intermediate_size=48,
+                                               num_hidden_layers=2, num_attention_heads=2, local_attention=64)
+                              ).save_pretrained(tmp / name / "final")
+        shutil.copyfile(TOKENIZER, tmp / name / "final" / "tokenizer.json")
+    (tmp / "suite.py").write_text(suite_text(TASKS))
+    t0 = time.time()
+    r = run(run_suite_cmd(tmp, tmp / "out"))
+    seconds = time.time() - t0
+    print(f"suite of 12 runs: {seconds:.1f}s; per run: "
+          + ", ".join(re.findall(r"^run .*\((\d+\.\d+s)\)$", r.stdout, re.M)))
+    return tmp
+
+
+@needs_shared
+def test_suite_table_equals_eval_per_task(shared_suite):
+    tmp = shared_suite
+    res = json.loads((tmp / "out" / "results.json").read_text())
+    assert list(res["tasks"]) == ["ncbi_disease", "anatem", "gad"] and list(res["models"]) == ["a/final", "b/final"]
+    # The same (task, model, seed) through eval.py's single-task command gives the same numbers: both seeds of
+    # one NER task and of the classification task, one model each (every call costs a process start).
+    for task, kind, model in (("ncbi_disease", "ner", "a"), ("gad", "cls", "b")):
+        run([os.path.join(ROOT, "eval.py"), "--model", str(tmp / model / "final"), "--task", kind, "--data",
+             str(tmp / task), "--seeds", "1,2", "--epochs", "2", "--lr", "5e-3", "--max_len", "128",
+             "--device", "cpu", "--out", str(tmp / f"single_{task}")])
+        single = json.loads((tmp / f"single_{task}" / "results.json").read_text())["runs"]
+        row = res["tasks"][task]["models"][f"{model}/final"]
+        upstream = "weighted_f1" if kind == "cls" else "micro_f1"
+        assert row["macro_f1"]["per_seed"] == [r["test"]["macro_f1"] for r in single]
+        assert row[upstream]["per_seed"] == [r["test"][upstream] for r in single]
+    # Means, stds and the paired deltas, recomputed from the per-seed numbers.
+    stats = pytest.importorskip("scipy.stats")
+    a_avg = np.mean([t["models"]["a/final"]["macro_f1"]["per_seed"] for t in res["tasks"].values()], axis=0)
+    b_avg = np.mean([t["models"]["b/final"]["macro_f1"]["per_seed"] for t in res["tasks"].values()], axis=0)
+    assert res["average"]["b/final"]["macro_f1"]["mean"] == pytest.approx(b_avg.mean())
+    assert res["average"]["b/final"]["macro_f1"]["std"] == pytest.approx(np.std(b_avg, ddof=1))
+    for a, b, d in [(a_avg, b_avg, res["average"]["b/final"]["delta_macro_f1"])] + [
+            (t["models"]["a/final"]["macro_f1"]["per_seed"], t["models"]["b/final"]["macro_f1"]["per_seed"],
+             t["models"]["b/final"]["delta_macro_f1"]) for t in res["tasks"].values()]:
+        assert d["mean"] == pytest.approx(np.mean(np.subtract(b, a)), abs=1e-12)
+        if np.ptp(np.subtract(b, a)) > 0:  # scipy gives no interval for a constant difference
+            ci = stats.ttest_rel(b, a).confidence_interval(0.95)
+            assert (d["low"], d["high"]) == pytest.approx((ci.low, ci.high), abs=1e-5)
+
+    md = (tmp / "out" / "results.md").read_text()
+    rows = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| task")]
+    assert [r.split("|")[1].split()[0] for r in rows] == ["ncbi_disease", "anatem", "gad", "**average**"]
+    assert all(re.search(r"\| [+-]\d+\.\d\d \[[+-]\d+\.\d\d, [+-]\d+\.\d\d\]( \*)? \|$", r) for r in rows)
+    assert (tmp / "out" / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@needs_shared
+def test_killed_suite_resumes_without_repeating_a_run(shared_suite, tmp_path):
+    tmp, out = shared_suite, tmp_path / "out"
+    p = subprocess.Popen([sys.executable, *run_suite_cmd(tmp, out)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 120
+    while not list(out.glob("runs/*/*/*/seed*.json")) and p.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(p.pid, signal.SIGKILL)  # as hard as a kill gets: no handler, no clean-up
+    p.wait()
+    first = {f: f.stat().st_mtime_ns for f in out.glob("runs/*/*/*/seed*.json")}
+    assert 1 <= len(first) < 12, "the suite was not killed mid-run"
+
+    r = run(run_suite_cmd(tmp, out))
+    assert f"{len(first)} finished earlier, {12 - len(first)} to run" in r.stdout
+    assert len(re.findall(r"^run \S+ / \S+ / seed \d+:", r.stdout, re.M)) == 12 - len(first)
+    assert all(f.stat().st_mtime_ns == t for f, t in first.items())  # finished runs are not touched
+    assert len(list(out.glob("runs/*/*/*/seed*.json"))) == 12
+    for name in ("results.json", "results.md"):
+        assert (out / name).read_text() == (tmp / "out" / name).read_text()
+
+
+@needs_shared
+def test_broken_tasks_fail_before_any_training(shared_suite, tmp_path):
+    import eval
+
+    tmp = shared_suite
+    for task, src in (("no_test", "gad"), ("unknown_label", "ncbi_disease"), ("unreadable", "gad")):
+        shutil.copytree(tmp / src, tmp_path / task)
+    os.remove(tmp_path / "no_test" / "test.jsonl")
+    with open(tmp_path / "unknown_label" / "test.tsv", "a") as f:
+        f.write("\naspirin\tB-Chemical\n")
+    (tmp_path / "unreadable" / "devel.jsonl").write_bytes(b"\xff\xfe\x00 not text")
+    broken = [f'dict(name="{t}", task="{k}", data="{tmp_path / t}", epochs=2)'
+              for t, k in (("no_test", "cls"), ("unknown_label", "ner"), ("unreadable", "cls"))]
+    (tmp / "broken.py").write_text(suite_text(TASKS + broken))
+    with pytest.raises(SystemExit) as e:
+        eval.main(run_suite_cmd(tmp, tmp_path / "out", suite_file="broken.py")[1:])
+    message = str(e.value)
+    assert "nothing was trained" in message
+    assert re.search(r"task 'no_test': .*no test split", message)
+    assert re.search(r"task 'unknown_label': .*test.tsv: example \d+ has label\(s\) \['B-Chemical'\]", message)
+    assert re.search(r"task 'unreadable': .*devel.jsonl: cannot read it", message)
+    assert not (tmp_path / "out").exists()  # the good tasks before them did not start either
+
+
+@needs_shared
+def test_changed_settings_refuse_the_stale_runs(shared_suite, tmp_path):
+    import eval
+
+    tmp = shared_suite
+    shutil.copytree(tmp / "out" / "runs", tmp_path / "out" / "runs")
+    (tmp / "changed.py").write_text(suite_text(TASKS[:2] + [TASKS[2].replace("lr=5e-3", "lr=1e-3")]))
+    before = {f: f.read_bytes() for f in (tmp_path / "out").rglob("*.json")}
+    with pytest.raises(SystemExit) as e:
+        eval.main(run_suite_cmd(tmp, tmp_path / "out", suite_file="changed.py")[1:])
+    message = str(e.value)
+    assert "4 stored run(s) cannot be reused" in message and "Delete them" in message
+    assert message.count("lr=0.005; now lr=0.001") == 4 and "runs/gad/b/final/seed2.json" in message
+    assert {f: f.read_bytes() for f in (tmp_path / "out").rglob("*.json")} == before
+
+
+@needs_shared
+def test_suite_under_torchrun_skips_alike_and_equals_one_process(shared_suite, tmp_path):
+    tmp, out = shared_suite, tmp_path / "out"
+    (tmp / "gad_only.py").write_text(suite_text(TASKS[2:]))
+    (out / "runs" / "gad" / "a" / "final").mkdir(parents=True)  # seed 1 finished: rank 0 skips it, so must rank 1
+    shutil.copyfile(tmp / "out" / "runs" / "gad" / "a" / "final" / "seed1.json",
+                    out / "runs" / "gad" / "a" / "final" / "seed1.json")
+    r = run(run_suite_cmd(tmp, out, suite_file="gad_only.py", models="a"),
+            launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29561"))
+    assert "1 finished earlier, 1 to run" in r.stdout
+    one = json.loads((tmp / "out" / "results.json").read_text())["tasks"]["gad"]["models"]["a/final"]
+    two = json.loads((out / "results.json").read_text())["tasks"]["gad"]["models"]["a/final"]
+    for metric in ("macro_f1", "weighted_f1"):  # seed 2 ran on two processes, seed 1 on one
+        assert two[metric]["per_seed"] == pytest.approx(one[metric]["per_seed"], abs=1e-9)
