@@ -78,6 +78,18 @@ def test_suite_file_defaults_paths_and_errors(tmp_path):
         suite.load_suite(str(tmp_path / "bad.py"))
 
 
+def test_shipped_suites_are_the_papers():
+    seeds, tasks = suite.load_suite(os.path.join(ROOT, "suites", "en_bio.py"))
+    assert len(seeds) == 5 and len(tasks) == 11
+    types = {t["name"]: t["task"] for t in tasks}
+    assert types["ncbi_disease"] == types["anatem"] == types["bc5cdr"] == types["jnlpba"] == "ner"
+    assert types["gad"] == types["chemprot"] == "cls" and types["hoc"] == types["phenotype"] == "multilabel"
+    assert all(t["epochs"] == (20 if t["task"] == "ner" else 10) and t["lr"] == 5e-5 and t["batch_size"] == 16
+               for t in tasks)
+    seeds, tasks = suite.load_suite(os.path.join(ROOT, "suites", "fr_bio.py"))
+    assert seeds == list(range(42, 51)) and len(tasks) == 8
+
+
 # -----------------------------------------------------------------------------
 # End to end on slices of the shared tasks: 3 tasks x 2 tiny models x 2 seeds
 
