@@ -399,6 +399,63 @@ class PredictionHead(nn.Module):
         return self.norm(F.gelu(self.dense(x)))
 
 
+# The LM loss in chunks of rows. The (rows, V) logits are the largest tensors of a training step:
+# at 32k CLM rows and V = 50368 they take 6.6 GB in float32, and plain autograd keeps them (as
+# log-softmax) for backward and then materialises their gradient too. But the loss is the last op
+# of the step, so its gradient with respect to a chunk's logits, softmax - onehot, is known as soon
+# as the chunk's forward is: forward computes each chunk's gradients right away and drops its
+# logits, and backward only scales the stored gradients by the incoming scalar. That is
+# Liger-Kernel's fused linear cross-entropy, written with torch ops; unlike checkpointing each
+# chunk it recomputes nothing.
+#
+# 2048 rows per chunk: at V = 50368 a chunk's float32 logits take 394 MiB (about 0.8 GiB with the
+# bf16 matmul output and the bf16 gradient beside them), against 13+ GB unchunked at 32k rows; and a
+# (2048 x 768) @ (768 x V) matmul is still big enough to keep the tensor cores busy. A CLM micro
+# batch of 4 x 8192 tokens is 16 chunks: the loop costs nothing next to the matmuls.
+LOSS_CHUNK_ROWS = 2048
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """sum_i cross_entropy(x_i @ weight.T + bias, targets_i) in float32, x: (N, H), targets: (N,),
+    holding at most one chunk's (chunk_rows, V) logits and their gradient at a time."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, targets, chunk_rows):
+        want_grad = any(ctx.needs_input_grad[:3])  # False under torch.no_grad (evaluation)
+        loss = torch.zeros((), device=x.device, dtype=torch.float32)
+        if want_grad:  # accumulated in float32 whatever the matmul dtype, cast to the inputs' dtype in backward
+            grad_x = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
+            grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
+            grad_b = torch.zeros(bias.shape, device=bias.device, dtype=torch.float32)
+        # The loop runs over the number of chunks, not over range(0, N, chunk_rows): under torch.compile
+        # that keeps N symbolic (the graph depends on the chunk count only), while a range up to N would
+        # compile a new graph for every MLM row count.
+        for i in range(-(-x.shape[0] // chunk_rows)):
+            start = i * chunk_rows
+            xc, yc = x[start:start + chunk_rows], targets[start:start + chunk_rows]  # (c, H), (c,)
+            logits = F.linear(xc, weight, bias)  # (c, V), in autocast's dtype under autocast
+            mm_dtype = logits.dtype
+            logits = logits.float()  # the softmax in float32, as F.cross_entropy(logits.float()) would
+            lse = logits.logsumexp(dim=-1)  # (c,)
+            loss += (lse - logits.gather(1, yc[:, None]).squeeze(1)).sum()
+            if want_grad:
+                grad = logits.sub_(lse[:, None]).exp_()  # (c, V) softmax, written over the logits
+                grad.scatter_add_(1, yc[:, None], grad.new_full((yc.numel(), 1), -1.0))  # - onehot
+                grad_b += grad.sum(dim=0)
+                grad = grad.to(mm_dtype)  # cast once for both matmuls (which autocast runs in mm_dtype)
+                grad_x[start:start + chunk_rows] = grad @ weight  # (c, V) @ (V, H)
+                grad_w += grad.T @ xc  # (V, c) @ (c, H)
+        if want_grad:
+            ctx.save_for_backward(grad_x, grad_w, grad_b)
+            ctx.dtypes = x.dtype, weight.dtype, bias.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        """d(grad_loss * loss) / d(x, weight, bias): the forward's gradients scaled by the upstream scalar."""
+        return (*((g * grad_loss).to(dtype) for g, dtype in zip(ctx.saved_tensors, ctx.dtypes)), None, None)
+
+
 def unpad(input_ids, attention_mask):
     """(B, S) padded batch -> flat tokens (T,), cu_seqlens (B+1,), max_seqlen, and
     the (T,) indices of the kept tokens in the flattened (B*S) batch."""
@@ -523,15 +580,32 @@ class ModernBertForMaskedLM(PreTrained):
         """(N, H) -> (N, V). Apply to selected rows only for sparse prediction."""
         return self.decoder(self.head(hidden))
 
-    def forward(self, input_ids, attention_mask=None, causal=False, *, cu_seqlens=None, max_seqlen=None, rows=None):
+    def loss_sum(self, hidden, targets, chunk_rows=LOSS_CHUNK_ROWS):
+        """(N, H) final hidden states of the predicted rows and their (N,) targets -> the float32 sum
+        of the N cross-entropies, as cross_entropy(self.logits(hidden).float(), targets, reduction="sum")
+        but with the decoder and the softmax in chunks of rows (ChunkedCrossEntropy). The dense, GELU,
+        LayerNorm part of the head runs on all rows at once: its activations are only (N, H)."""
+        return ChunkedCrossEntropy.apply(self.head(hidden), self.decoder.weight, self.decoder.bias, targets,
+                                         chunk_rows)
+
+    def forward(self, input_ids, attention_mask=None, causal=False, *, cu_seqlens=None, max_seqlen=None, rows=None,
+                targets=None):
         """Padded: (B, S) ids -> (B, S, V) logits (rows at padded positions are zero).
 
         Unpadded, as training calls it: flat (T,) ids with cu_seqlens and max_seqlen -> (T, V)
         logits, or (len(rows), V) when `rows` selects the positions that have a target
-        (sparse prediction: the head runs on those rows only).
+        (sparse prediction: the head runs on those rows only). With `targets`, one per selected
+        row, it returns their summed cross-entropy instead (loss_sum): training gets its loss
+        through forward, so that DDP's hooks see the call.
         """
         hidden, _, keep, shape = self.encode(input_ids, attention_mask, cu_seqlens, max_seqlen, causal)
-        logits = self.logits(hidden if rows is None else hidden[rows])
+        hidden = hidden if rows is None else hidden[rows]
+        if targets is not None:
+            if shape is not None:
+                raise ValueError("targets need the unpadded call: flat ids with cu_seqlens, max_seqlen and the "
+                                 "rows that have a target (see data.py's Batch)")
+            return self.loss_sum(hidden, targets)
+        logits = self.logits(hidden)
         return logits if shape is None else repad(logits, keep, *shape)
 
 

@@ -1,13 +1,124 @@
-"""The parts of model.py that are there for speed and memory, against plain references: RoPE in the
-activation dtype against the float32 rotation."""
+"""The parts of model.py that are there for speed and memory, against plain references: the chunked
+LM loss against full logits + F.cross_entropy, and RoPE in the activation dtype against the float32
+rotation."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import model as model_py
 from model import ModernBertForMaskedLM, apply_rope, rope_cos_sin
 from test_model import padded_batch, randomize_, small_config
+
+
+def flat_batch(vocab, lengths, objective, seed=0):
+    """Flat tokens, cu_seqlens, and the rows with a target and their targets: CLM = every position
+    but the last of each sequence (next token); MLM = a random 30% of positions."""
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    tokens = torch.randint(3, vocab, (T,), generator=g)
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    if objective == "clm":
+        last = torch.zeros(T, dtype=torch.bool)
+        last[cu[1:].long() - 1] = True
+        rows = (~last).nonzero().squeeze(1)
+        targets = tokens[rows + 1]
+    else:
+        rows = (torch.rand(T, generator=g) < 0.3).nonzero().squeeze(1)
+        targets = torch.randint(0, vocab, (rows.numel(),), generator=g)
+    return tokens, cu, max(lengths), rows, targets
+
+
+def loss_and_grads(model, loss_fn):
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def plain_loss(model, tokens, cu, S, rows, targets, causal):
+    """The reference: every logit of the rows materialised, then F.cross_entropy in float32."""
+    hidden = model.model(tokens, cu, S, causal=causal)[rows]
+    return F.cross_entropy(model.logits(hidden).float(), targets, reduction="sum")
+
+
+# -----------------------------------------------------------------------------
+# The chunked LM loss
+
+
+@pytest.mark.parametrize("objective", ["mlm", "clm"])
+def test_chunked_loss_and_gradients_match_full_logits(objective):
+    """Loss and every parameter's gradient (the tied embedding included) equal the plain path's within
+    1e-5 in float32, through forward(targets=...) and with chunk sizes that do not divide the rows."""
+    model = randomize_(ModernBertForMaskedLM(small_config("odd_vocab", attention_dropout=0.0))).train()
+    tokens, cu, S, rows, targets = flat_batch(1003, [70, 1, 33, 97], objective)
+    causal = objective == "clm"
+    assert rows.numel() % 7 and rows.numel() % 64  # the last chunk is a partial one
+    ref_loss, ref_grads = loss_and_grads(model, lambda: plain_loss(model, tokens, cu, S, rows, targets, causal))
+    variants = {
+        "forward": lambda: model(tokens, causal=causal, cu_seqlens=cu, max_seqlen=S, rows=rows, targets=targets),
+        **{f"chunk {c}": lambda c=c: model.loss_sum(model.model(tokens, cu, S, causal=causal)[rows], targets, c)
+           for c in (7, 64)},
+    }
+    for name, loss_fn in variants.items():
+        loss, grads = loss_and_grads(model, loss_fn)
+        assert loss.dtype == torch.float32
+        assert abs(loss - ref_loss) <= 1e-5 * ref_loss, name
+        for p, g in grads.items():
+            assert (g - ref_grads[p]).abs().max() <= 1e-5 * ref_grads[p].abs().max(), f"{name}: {p}"
+
+
+class LogitsProbe(TorchDispatchMode):
+    """Records the most rows of any (rows, V) tensor an op produces, forward and backward."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab, self.most_rows = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view:  # a transposed weight is no new tensor
+            return out
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] == self.vocab:
+                self.most_rows = max(self.most_rows, t.shape[0])
+        return out
+
+
+def test_chunked_loss_never_holds_more_than_a_chunk_of_logits():
+    model = randomize_(ModernBertForMaskedLM(small_config("odd_vocab"))).train()
+    tokens, cu, S, rows, targets = flat_batch(1003, [120, 80], "clm")
+    for name, loss_fn, most in [
+            ("plain", lambda: plain_loss(model, tokens, cu, S, rows, targets, True), rows.numel()),
+            ("chunked", lambda: model.loss_sum(model.model(tokens, cu, S, causal=True)[rows], targets, 16), 16)]:
+        with LogitsProbe(1003) as probe:
+            loss_fn().backward()
+        assert probe.most_rows == most, name  # the probe sees all rows on the plain path
+
+
+def test_chunked_loss_under_bf16_autocast_and_no_grad():
+    """Under bf16 autocast the logits come from a bf16 matmul and the softmax runs in float32, as on the
+    plain path; under no_grad (evaluation) the same loss comes out without computing gradients."""
+    model = randomize_(ModernBertForMaskedLM(small_config("odd_vocab"))).train()
+    tokens, cu, S, rows, targets = flat_batch(1003, [90, 50], "mlm")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss, ref_grads = loss_and_grads(model, lambda: plain_loss(model, tokens, cu, S, rows, targets, False))
+        loss, grads = loss_and_grads(model, lambda: model.loss_sum(model.model(tokens, cu, S)[rows], targets, 10))
+        with torch.no_grad():
+            eval_loss = model(tokens, cu_seqlens=cu, max_seqlen=S, rows=rows, targets=targets)
+    assert loss.dtype == eval_loss.dtype == torch.float32
+    assert abs(loss - ref_loss) <= 1e-3 * ref_loss and abs(eval_loss - ref_loss) <= 1e-3 * ref_loss
+    for p, g in grads.items():
+        assert g.dtype == torch.float32
+        assert (g - ref_grads[p]).abs().max() <= 2e-2 * ref_grads[p].abs().max(), p
+
+
+def test_targets_need_the_unpadded_call():
+    model = ModernBertForMaskedLM(small_config("odd_vocab"))
+    ids, mask = padded_batch(1003, [5, 3])
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        model(ids, mask, targets=ids[mask.bool()])
 
 
 # -----------------------------------------------------------------------------
