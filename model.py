@@ -16,6 +16,7 @@ import inspect
 import json
 import math
 import os
+import warnings
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -652,29 +653,61 @@ class ModernBertForTokenClassification(Classifier):
 # -----------------------------------------------------------------------------
 # FLOPs, for MFU
 
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12,
-              "4090": 165e12}  # dense bf16 tensor-core peak by GPU name
+# Dense bf16 tensor-core peak by GPU, as torch.cuda.get_device_name names it ("NVIDIA H100 80GB HBM3"
+# is the SXM board, "NVIDIA H100 PCIe", "NVIDIA H100 NVL"). Datasheet figures without sparsity. The first
+# key found in the name wins, so a variant comes before its family. Anything else: set peak_tflops.
+PEAK_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200 NVL", 835e12), ("H200", 989e12),
+              ("A100", 312e12), ("L40S", 362e12), ("RTX 4090", 165e12)]  # "H200" also matches "GH200": 989
 
 
-def training_flops(config, n_tokens, seq_len, causal, n_rows):
-    """FLOPs of forward + backward over n_tokens in sequences of seq_len: 6 x matmul params x tokens,
-    attention with the local window counted as it is (and halved under a causal mask), and the LM
-    head (dense + decoder) on the n_rows that are predicted only."""
+def attention_pairs(n, left, right):
+    """The (query, key) pairs attention computes on one sequence of n tokens when each query sees up
+    to `left` keys before it and `right` after it (-1: unlimited), clipped at the sequence's ends:
+    the n pairs (i, i), plus on each side, for every distance d = 1 .. m with m = min(window, n - 1),
+    the n - d queries that have a key at distance d: m * n - m * (m + 1) / 2."""
+
+    def side(window):
+        m = n - 1 if window < 0 else min(window, n - 1)
+        return m * n - m * (m + 1) // 2
+
+    return n + side(left) + side(right)
+
+
+def training_flops(config, seqlens, causal, n_rows):
+    """FLOPs of forward + backward on one batch: sequences of lengths `seqlens` (ints, e.g.
+    cu_seqlens.diff().tolist()), with the LM head on n_rows of their tokens.
+
+        6 x block matmul weights x tokens  +  6 x (head dense + decoder) x n_rows
+        + 12 x H x (query, key) pairs, over all layers and sequences
+
+    6 = 2 FLOPs per multiply-add x 3 (forward, and backward to inputs and to weights). A pair costs
+    2 x 2 x H forward (QK^T and AV over all heads), x 3 with backward, and only the pairs the mask
+    keeps count: each sequence's real length (not seq_len), the local window clipped at both ends,
+    and under the causal mask only keys at or before the query (attention_pairs)."""
     H, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    seqlens = [int(n) for n in seqlens]
     per_layer = 4 * H * H + 3 * H * config.intermediate_size  # Wqkv + Wo + Wi (2 branches) + Wo
-    attention = 0
-    for i in range(L):
-        keys = seq_len if config.is_global(i) else min(seq_len, config.local_attention + 1)
-        attention += 12 * H * n_tokens * (keys / 2 if causal else keys)  # QK^T and AV: 2 x 2 fwd, x 3 fwd+bwd
-    return 6 * L * per_layer * n_tokens + 6 * (H * H + H * V) * n_rows + attention
+    n_global = sum(config.is_global(i) for i in range(L))
+    half = config.local_attention // 2
+    pairs = sum(n_global * attention_pairs(n, -1, 0 if causal else -1)
+                + (L - n_global) * attention_pairs(n, half, 0 if causal else half) for n in seqlens)
+    return 6 * L * per_layer * sum(seqlens) + 6 * (H * H + H * V) * n_rows + 12 * H * pairs
 
 
-def peak_flops(device):
-    """The GPU's dense bf16 peak, or None (CPU, unknown GPU: no MFU)."""
+def peak_flops(device, peak_tflops=0.0):
+    """The device's dense bf16 peak in FLOP/s: `peak_tflops` x 1e12 when it is set (> 0), else looked up
+    by the GPU's name. None means no MFU: on CPU, or on a GPU not in PEAK_FLOPS (with a warning that
+    says which config key to set)."""
+    if peak_tflops > 0:
+        return peak_tflops * 1e12
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    peak = next((flops for key, flops in PEAK_FLOPS if key in name), None)
+    if peak is None:
+        warnings.warn(f"no peak FLOP/s known for the GPU {name!r}, so no MFU is reported; set peak_tflops to its "
+                      "dense bf16 tensor-core TFLOP/s (datasheet figure without sparsity), e.g. --peak_tflops=989")
+    return peak
 
 
 def load_config(path, **overrides):

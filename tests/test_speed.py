@@ -1,6 +1,8 @@
 """The parts of model.py that are there for speed and memory, against plain references: the chunked
-LM loss against full logits + F.cross_entropy, and RoPE in the activation dtype against the float32
-rotation."""
+LM loss against full logits + F.cross_entropy, RoPE in the activation dtype against the float32
+rotation, and the FLOPs count against a brute-force count over explicit masks."""
+
+import warnings
 
 import pytest
 import torch
@@ -8,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import model as model_py
-from model import ModernBertForMaskedLM, apply_rope, rope_cos_sin
+from model import ModernBertForMaskedLM, apply_rope, attention_pairs, peak_flops, rope_cos_sin, training_flops
 from test_model import padded_batch, randomize_, small_config
 
 
@@ -185,3 +187,66 @@ def test_rope_makes_no_float32_copy_of_q_and_k():
     x32 = x.float()
     assert (apply_rope(x32, *rope_cos_sin(positions, 16, 10000.0)) - float32_apply_rope(x32, cos32, sin32)).abs().max() \
         <= 1e-6
+
+
+# -----------------------------------------------------------------------------
+# FLOPs and the GPU's peak
+
+
+def brute_force_pairs(n, left, right):
+    """Count the allowed (query, key) pairs of an explicit (n, n) mask."""
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    ok = torch.ones(n, n, dtype=torch.bool)
+    if left >= 0:
+        ok &= i - j <= left
+    if right >= 0:
+        ok &= j - i <= right
+    return int(ok.sum())
+
+
+def test_attention_pairs_match_a_brute_force_count():
+    for n in [1, 2, 3, 5, 8, 9, 10, 17, 64, 65, 200]:
+        for left, right in [(-1, -1), (-1, 0), (4, 4), (4, 0), (0, 0), (64, 64), (64, 0), (3, 7)]:
+            assert attention_pairs(n, left, right) == brute_force_pairs(n, left, right), (n, left, right)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_training_flops_counts_every_matmul(causal):
+    """6 x the block matmul weights (counted on a real model) x tokens + 6 x the head's on the predicted
+    rows + 12 x H x the pairs each layer's mask keeps (built here per layer, as the float64 reference
+    of test_model does), per real sequence length."""
+    c = small_config("long_seqs")  # 4 layers: global, local, local, global; window +-4
+    m = ModernBertForMaskedLM(c)
+    block_weights = sum(p.numel() for n, p in m.named_parameters() if n.startswith("model.layers.") and p.ndim == 2)
+    head = m.head.dense.weight.numel() + m.decoder.weight.numel()
+    lengths, R = [1, 3, 9, 40, 100], 51
+    pairs = 0
+    for layer in range(c.num_hidden_layers):
+        for n in lengths:
+            q, k = torch.arange(n)[:, None], torch.arange(n)[None, :]
+            allowed = torch.ones(n, n, dtype=torch.bool)
+            if causal:
+                allowed &= k <= q
+            if not c.is_global(layer):
+                allowed &= (q - k).abs() <= c.local_attention // 2
+            pairs += int(allowed.sum())
+    expected = 6 * block_weights * sum(lengths) + 6 * head * R + 12 * c.hidden_size * pairs
+    assert training_flops(c, lengths, causal, R) == expected
+    assert training_flops(c, torch.tensor(lengths), causal, R) == expected  # cu_seqlens.diff() works too
+
+
+def test_peak_flops_by_exact_gpu_model(monkeypatch):
+    cuda = torch.device("cuda")
+    for name, tflops in [("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835),
+                         ("NVIDIA H200", 989), ("NVIDIA H200 NVL", 835), ("NVIDIA GH200 480GB", 989),
+                         ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A100 80GB PCIe", 312)]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+        assert peak_flops(cuda) == tflops * 1e12, name
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Mystery GPU")
+    with pytest.warns(UserWarning, match="peak_tflops"):
+        assert peak_flops(cuda) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert peak_flops(cuda, peak_tflops=123.0) == 123e12  # the override wins, silently
+        assert peak_flops(torch.device("cpu")) is None
+        assert peak_flops(torch.device("cpu"), peak_tflops=2.0) == 2e12
