@@ -108,17 +108,17 @@ def finished_runs(runs):
     for i, (path, options) in enumerate(runs):
         if not os.path.isfile(path):
             continue
-        try:
+        try:  # never raise here: under torchrun the other ranks are waiting for this answer
             with open(path) as f:
                 stored = json.load(f)
-        except (OSError, ValueError) as e:
-            problems.append(f"{path}: unreadable ({e})")
+            old, result = dict(stored["options"]), stored["result"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            problems.append(f"{path}: not a stored run ({type(e).__name__}: {e})")
             continue
         asked = json.loads(json.dumps(options))  # as it would read back from disk (tuples become lists)
-        if stored["options"] == asked:
-            done[i] = stored["result"]
+        if old == asked:
+            done[i] = result
         else:
-            old = stored["options"]
             changed = sorted(k for k in old.keys() | asked.keys() if old.get(k) != asked.get(k))
             problems.append(f"{path}: run with " + ", ".join(f"{k}={old.get(k)!r}" for k in changed)
                             + "; now " + ", ".join(f"{k}={asked.get(k)!r}" for k in changed))
