@@ -3,20 +3,26 @@ Throughput and memory of this ModernBERT against transformers' ModernBertForMask
 on the same config, weights, device, dtype and batch, measured in the same run.
 
     python bench.py                                   # CPU, a small config, a few minutes
-    python bench.py --size base --seq_len 8192 --compile   # GPU: ModernBERT-base, packed 8192
+    python bench.py --compile on                      # + ours under torch.compile (CPU: ~25 min more)
+    python bench.py --size base --seq_len 8192 --batch_size 4   # GPU: ModernBERT-base, packed 8192, bf16
     python bench.py --size tiny --steps 3              # what the test runs
 
 Prints one table per section and writes bench.json:
   1. training step (forward + backward + AdamW step), tokens/s (median of --steps timed steps
-     after warm-up) and peak memory, ours vs transformers, for
+     after warm-up), MFU and peak memory: ours eager, ours under torch.compile (--compile on;
+     the default on CUDA) and transformers' ModernBertForMaskedLM, same weights and batches, for
        a) variable-length batches (lengths from --lengths_from, else log-normal), where unpadding pays,
        b) fully packed sequences, where it cannot,
      for MLM (head on the 30% masked rows; transformers with sparse_prediction) and CLM (head on
-     all rows; transformers' ModernBERT has no causal mask, so it runs bidirectional there);
+     all rows; transformers' ModernBERT has no causal mask, so it runs bidirectional there).
+     MFU = model.training_flops (the batch's real sequence lengths) / step time / peak, the peak
+     being the GPU's datasheet figure (model.peak_flops, or --peak_tflops), else (CPU) the
+     rate of a large matmul measured here;
   2. attention alone, forward + backward, for every backend available on the device;
-  3. MFU on GPU: model FLOPs / (time x peak);
+  3. the LM loss's memory: one CLM forward + backward (vocab 50368, 8 x 1024 tokens, hidden 256)
+     with the loss from full float32 logits against model.py's chunked loss;
   4. data: prepare throughput against raw tiktoken on the same text, and loader time per step.
-Each measurement of section 1 runs in a fresh process, so peak memory is its own.
+Each measurement of sections 1 and 3 runs in a fresh process, so peak memory is its own.
 """
 
 import argparse
@@ -47,6 +53,27 @@ def rss_now():
     """Resident memory of this process now, bytes (Linux)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak_memory(device):
+    """Start a peak-memory measurement: CUDA's allocator statistics, or on CPU Linux's resident
+    high-water mark (so that what came before, torch.compile's compiling included, is not counted).
+    Returns the resident memory now."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM
+    return rss_now()
+
+
+def peak_memory(device, before):
+    """Since reset_peak_memory: CUDA's peak allocated bytes (weights and optimizer state included), or
+    on CPU the peak resident memory above `before` (what the measured code added)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")) - before
 
 
 def sync(device):
@@ -96,14 +123,16 @@ def make_inputs(lengths, vocab, objective, device, rng):
     rows = (flat_labels != -100).nonzero().squeeze(1)
     to = lambda x: x.to(device)  # noqa: E731
     return dict(ids=to(ids), mask=to(mask), labels=to(labels), tokens=to(tokens), cu=to(cu), max_len=S,
-                rows=to(rows), targets=to(flat_labels[rows]))
+                rows=to(rows), targets=to(flat_labels[rows]), lengths=lengths)
 
 
 def measure_step(spec):
-    """Runs in its own process: load the shared weights, time the training step, report peak memory."""
-    import torch.nn.functional as F
+    """Runs in its own process: load the shared weights, time the training step, report peak memory,
+    model FLOP/s and, under torch.compile, how many graphs were compiled."""
+    from model import load_config, training_flops
 
     device = torch.device(spec["device"])
+    config = load_config(spec["ckpt"])  # ours, for the FLOPs of either implementation
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec["dtype"]]
     rng = np.random.default_rng(0)
     torch.manual_seed(0)
@@ -122,28 +151,26 @@ def measure_step(spec):
         step_fn = torch.compile(model)
     lengths_from = np.load(spec["lengths_from"]) if spec["lengths_from"] else None
     batches = [make_inputs(batch_lengths(spec["case"], spec["batch_size"], spec["seq_len"], rng, lengths_from),
-                           model.config.vocab_size, spec["objective"], device, rng) for _ in range(3)]
+                           config.vocab_size, spec["objective"], device, rng) for _ in range(3)]
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
     def step(x):
         with autocast:
-            if spec["impl"] == "ours":
-                logits = step_fn(x["tokens"], causal=spec["objective"] == "clm", cu_seqlens=x["cu"],
-                                 max_seqlen=x["max_len"], rows=x["rows"])
-                loss = F.cross_entropy(logits.float(), x["targets"])
+            if spec["impl"] == "ours":  # as train.py: the chunked loss, through forward
+                loss = step_fn(x["tokens"], causal=spec["objective"] == "clm", cu_seqlens=x["cu"],
+                               max_seqlen=x["max_len"], rows=x["rows"], targets=x["targets"]) / x["targets"].numel()
             else:
                 loss = step_fn(input_ids=x["ids"], attention_mask=x["mask"], labels=x["labels"]).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    before = rss_now()  # the model and batches are loaded: what the steps add is theirs
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    for i in range(spec["warmup"]):
+    # Compiled: warm up on every batch, so that the timed steps run graphs compiled already.
+    for i in range(max(spec["warmup"], len(batches) if spec["compile"] else 0)):
         step(batches[i % len(batches)])
     sync(device)
-    times = []
+    before = reset_peak_memory(device)  # the memory of the timed steps only
+    times, flops_per_s = [], []
     for i in range(spec["steps"]):
         x = batches[i % len(batches)]
         sync(device)
@@ -151,21 +178,26 @@ def measure_step(spec):
         step(x)
         sync(device)
         times.append(time.perf_counter() - t0)
+        # The FLOPs this implementation has to do: transformers' ModernBERT runs CLM bidirectionally.
+        causal = spec["objective"] == "clm" and spec["impl"] == "ours"
+        flops_per_s.append(training_flops(config, x["lengths"], causal, x["targets"].numel()) / times[-1])
     n_tokens = statistics.median([int(b["mask"].sum()) for b in batches])
-    import resource
-    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
+    peak = peak_memory(device, before)
+    compiles = None
+    if spec["compile"]:
+        from torch._dynamo.utils import counters
+        compiles = counters["stats"]["unique_graphs"]  # every graph dynamo compiled, recompilations included
     return {"seconds": statistics.median(times), "tokens": n_tokens, "tokens_per_s": n_tokens / statistics.median(times),
-            "peak_memory": peak, "padded_tokens": statistics.median([b["ids"].numel() for b in batches])}
+            "flops_per_s": statistics.median(flops_per_s), "peak_memory": peak, "compiles": compiles,
+            "padded_tokens": statistics.median([b["ids"].numel() for b in batches])}
 
 
 def run_worker(spec):
-    """measure_step in a fresh process (python bench.py --worker SPEC)."""
+    """measure_step or measure_loss_memory (spec["task"]) in a fresh process: python bench.py --worker SPEC."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--worker", json.dumps(spec)],
                        capture_output=True, text=True, cwd=ROOT)
     if r.returncode != 0:
-        raise SystemExit(f"benchmark worker failed: {spec['impl']} {spec['case']} {spec['objective']}\n"
-                         f"{r.stderr[-3000:]}")
+        raise SystemExit(f"benchmark worker failed: {spec}\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -174,7 +206,9 @@ def run_worker(spec):
 
 
 def attention_backends(config, lengths, device, dtype, steps):
-    from model import BACKENDS, Packing, attention, flash_attn_varlen_func, varlen_attn
+    """Forward + backward ms per backend. The fused kernels take float16/bfloat16 only: asked for
+    float32, they run in bfloat16 (the row says which dtype ran)."""
+    from model import BACKENDS, KERNEL_DTYPES, Packing, attention, flash_attn_varlen_func, varlen_attn
 
     available = [b for b in BACKENDS if b == "sdpa" or (device.type == "cuda" and
                                                         {"flash": flash_attn_varlen_func, "varlen": varlen_attn}[b])]
@@ -182,10 +216,11 @@ def attention_backends(config, lengths, device, dtype, steps):
     cu = torch.nn.functional.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32).to(device)
     rows = []
     for backend in available:
+        run_dtype = dtype if backend == "sdpa" or dtype in KERNEL_DTYPES else torch.bfloat16
         for is_global in (True, False):
             for causal in (False, True):
                 packing = Packing(T, cu, max(lengths), causal, config.local_attention // 2, backend)
-                q, k, v = (torch.randn(T, nh, hd, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+                q, k, v = (torch.randn(T, nh, hd, device=device, dtype=run_dtype, requires_grad=True) for _ in range(3))
                 times = []
                 for i in range(steps + 2):
                     sync(device)
@@ -194,9 +229,59 @@ def attention_backends(config, lengths, device, dtype, steps):
                     sync(device)
                     if i >= 2:
                         times.append(time.perf_counter() - t0)
-                rows.append({"backend": backend, "layer": "global" if is_global else "local",
-                             "causal": causal, "ms": 1000 * statistics.median(times)})
+                rows.append({"backend": backend, "dtype": str(run_dtype).removeprefix("torch."),
+                             "layer": "global" if is_global else "local", "causal": causal,
+                             "ms": 1000 * statistics.median(times)})
     return rows
+
+
+def matmul_flops(device, dtype, n=2048, runs=5):
+    """FLOP/s of an (n x n) @ (n x n) matmul here: MFU's denominator where no datasheet peak is known."""
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    times = []
+    for _ in range(runs + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / statistics.median(times[1:])
+
+
+# -----------------------------------------------------------------------------
+# 3. The LM loss's memory: full float32 logits against the chunked loss, one process per measurement
+
+LOSS_CONFIG = dict(hidden_size=256, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4, **SMALL_IDS)
+
+
+def measure_loss_memory(spec):
+    """One CLM forward + backward on 8 packed sequences of spec["seq_len"] tokens in its own process:
+    the peak memory it adds, with the loss from full float32 logits (train.py before the chunked loss)
+    or chunked (model.loss_sum through forward, as train.py now)."""
+    import torch.nn.functional as F
+    from model import ModernBertConfig, ModernBertForMaskedLM
+
+    device = torch.device(spec["device"])
+    torch.manual_seed(0)
+    model = ModernBertForMaskedLM(ModernBertConfig(vocab_size=spec["vocab"], **LOSS_CONFIG)).to(device)
+    B, S = 8, spec["seq_len"]
+    tokens = torch.randint(5, model.config.vocab_size, (B * S,), device=device)
+    cu = torch.arange(0, B * S + 1, S, dtype=torch.int32, device=device)
+    rows = torch.arange(B * S, device=device).view(B, S)[:, :-1].flatten()  # every position with a next token
+    targets = tokens[rows + 1]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec["dtype"]]
+    before = reset_peak_memory(device)
+    t0 = time.perf_counter()
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        if spec["loss"] == "full_logits":
+            logits = model(tokens, causal=True, cu_seqlens=cu, max_seqlen=S, rows=rows)
+            loss = F.cross_entropy(logits.float(), targets, reduction="sum")
+        else:
+            loss = model(tokens, causal=True, cu_seqlens=cu, max_seqlen=S, rows=rows, targets=targets)
+    loss.backward()
+    sync(device)
+    seconds = time.perf_counter() - t0
+    return {"peak_memory": peak_memory(device, before), "seconds": seconds, "loss": loss.item()}
 
 
 # -----------------------------------------------------------------------------
@@ -252,28 +337,37 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--compile", action="store_true")
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                   help="add ours under torch.compile to section 1 (auto: on CUDA only; on CPU compiling a "
+                        "fresh process per case costs minutes)")
+    p.add_argument("--peak_tflops", type=float, default=0.0, help="the device's dense peak for MFU (0: known GPU "
+                                                                  "from its name, else a measured matmul)")
+    p.add_argument("--loss_runs", type=int, default=3, help="processes per loss in section 3 (the median is reported)")
+    p.add_argument("--loss_seq_len", type=int, default=1024, help="section 3: 8 sequences of this many tokens")
+    p.add_argument("--loss_vocab", type=int, default=50368, help="section 3: vocabulary size")
     p.add_argument("--hf_backend", default="auto", help="transformers' attn_implementation (auto: its best here)")
     p.add_argument("--lengths_from", help="a text file whose documents' token lengths make the variable batch")
     p.add_argument("--tokenizer", help="tokenizer.json for --lengths_from and the data section")
-    p.add_argument("--skip", nargs="*", default=[], choices=["step", "attention", "data"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["step", "attention", "loss", "data"])
     p.add_argument("--out", default="bench.json")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        print(json.dumps(measure_step(json.loads(args.worker))))
+        spec = json.loads(args.worker)
+        print(json.dumps({"step": measure_step, "loss_memory": measure_loss_memory}[spec["task"]](spec)))
         return
 
-    from model import ModernBertConfig, ModernBertForMaskedLM, peak_flops, training_flops
+    from model import ModernBertConfig, ModernBertForMaskedLM, peak_flops
 
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    compile_ = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
     config = ModernBertConfig(**SIZES[args.size])
     hf_backend = args.hf_backend
     if hf_backend == "auto":
         try:
             import flash_attn  # noqa: F401
-            hf_backend = "flash_attention_2" if device.type == "cuda" else "sdpa"
+            hf_backend = "flash_attention_2" if device.type == "cuda" and dtype == "bfloat16" else "sdpa"  # bf16 only
         except ImportError:
             hf_backend = "sdpa"
     print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'} "
@@ -288,9 +382,15 @@ def main(argv=None):
         lengths_from = [len(x) + 2 for x in tok.encode_batch(list(read_documents([args.lengths_from]))[:20000])]
 
     if "step" not in args.skip:
+        peak, peak_source = peak_flops(device, args.peak_tflops), "datasheet"
+        if peak is None:
+            peak = matmul_flops(device, torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+            peak_source = "a 2048^3 matmul measured here"
+        impls = [("ours", "auto", False)] + ([("ours compiled", "auto", True)] if compile_ else []) + [
+            ("transformers", hf_backend, False)]
         with tempfile.TemporaryDirectory() as ckpt:
             torch.manual_seed(0)
-            ModernBertForMaskedLM(config).save_pretrained(ckpt)  # the same weights for both
+            ModernBertForMaskedLM(config).save_pretrained(ckpt)  # the same weights for all
             lengths_file = None
             if lengths_from:
                 lengths_file = os.path.join(ckpt, "lengths.npy")
@@ -298,35 +398,34 @@ def main(argv=None):
             rows = []
             for case in ("variable", "packed"):
                 for objective in ("mlm", "clm"):
-                    row = {"case": case, "objective": objective}
-                    for impl, backend in (("ours", "auto"), ("transformers", hf_backend)):
-                        spec = dict(impl=impl, backend=backend, ckpt=ckpt, device=str(device), dtype=dtype,
-                                    compile=args.compile, case=case, objective=objective, seq_len=args.seq_len,
-                                    batch_size=args.batch_size, steps=args.steps, warmup=args.warmup,
-                                    lengths_from=lengths_file)
-                        r = run_worker(spec)
-                        row[f"{impl}_tok/s"] = f"{r['tokens_per_s']:,.0f}"
-                        row[f"{impl}_mem_MiB"] = f"{r['peak_memory'] / 2 ** 20:,.0f}"
-                        row[f"{impl}_raw"] = r
-                    ours, hf = row["ours_raw"], row["transformers_raw"]
-                    row["speedup"] = f"{ours['tokens_per_s'] / hf['tokens_per_s']:.2f}x"
-                    row["mem_ratio"] = f"{ours['peak_memory'] / max(hf['peak_memory'], 1):.2f}"
-                    row["pad_%"] = f"{100 * (1 - hf['tokens'] / hf['padded_tokens']):.0f}"
-                    peak = peak_flops(device)
-                    if peak:
-                        flops = training_flops(config, ours["tokens"], args.seq_len, objective == "clm",
-                                               ours["tokens"] * (0.3 if objective == "mlm" else 1))
-                        row["ours_MFU"] = f"{100 * flops / ours['seconds'] / peak:.1f}%"
-                    rows.append(row)
-                    print(f"  {case} {objective}: ours {row['ours_tok/s']} tok/s, transformers "
-                          f"{row['transformers_tok/s']} tok/s ({row['speedup']})", flush=True)
-        columns = ["case", "objective", "pad_%", "ours_tok/s", "transformers_tok/s", "speedup", "ours_mem_MiB",
-                   "transformers_mem_MiB", "mem_ratio"] + (["ours_MFU"] if peak_flops(device) else [])
+                    measured = {}
+                    for impl, backend, compiled in impls:
+                        spec = dict(task="step", impl=impl.split()[0], backend=backend, ckpt=ckpt, device=str(device),
+                                    dtype=dtype, compile=compiled, case=case, objective=objective,
+                                    seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps,
+                                    warmup=args.warmup, lengths_from=lengths_file)
+                        measured[impl] = run_worker(spec)
+                    hf = measured["transformers"]
+                    for impl, r in measured.items():
+                        rows.append({"case": case, "objective": objective, "impl": impl,
+                                     "pad_%": f"{100 * (1 - hf['tokens'] / hf['padded_tokens']):.0f}",
+                                     "tok/s": f"{r['tokens_per_s']:,.0f}",
+                                     "vs_transformers": f"{r['tokens_per_s'] / hf['tokens_per_s']:.2f}x",
+                                     "MFU": f"{100 * r['flops_per_s'] / peak:.1f}%",
+                                     "mem_MiB": f"{r['peak_memory'] / 2 ** 20:,.0f}",
+                                     "mem_vs_transformers": f"{r['peak_memory'] / max(hf['peak_memory'], 1):.2f}",
+                                     "compiles": "-" if r["compiles"] is None else r["compiles"], "raw": r})
+                    print(f"  {case} {objective}: " + ", ".join(f"{impl} {r['tokens_per_s']:,.0f} tok/s"
+                                                               for impl, r in measured.items()), flush=True)
         print(f"\n1. Training step (forward + backward + AdamW), median of {args.steps} steps; transformers with "
-              f"attn_implementation={hf_backend}; memory: peak {'allocated' if device.type == 'cuda' else 'RSS'} "
-              f"added by the steps")
-        print(table(rows, columns))
-        results["step"] = [{k: v for k, v in r.items()} for r in rows]
+              f"attn_implementation={hf_backend} (CLM: bidirectional, it has no causal mask); memory: peak "
+              f"{'allocated during' if device.type == 'cuda' else 'RSS added by'} the timed steps; MFU = model.training_flops "
+              f"(real sequence lengths) / step time / {peak / 1e12:,.3g} TFLOP/s ({peak_source}); compiles: graphs "
+              f"torch.compile made over warm-up and timed steps")
+        print(table(rows, ["case", "objective", "impl", "pad_%", "tok/s", "vs_transformers", "MFU", "mem_MiB",
+                           "mem_vs_transformers", "compiles"]))
+        results["step"] = rows
+        results["peak_flops"] = {"flops": peak, "source": peak_source}
 
     if "attention" not in args.skip:
         rng = np.random.default_rng(0)
@@ -336,9 +435,28 @@ def main(argv=None):
                                   args.steps)
         for r in rows:
             r["ms"] = f"{r['ms']:.2f}"
-        print(f"\n2. Attention forward + backward, {len(lengths)} sequences, {sum(lengths)} tokens")
-        print(table(rows, ["backend", "layer", "causal", "ms"]))
+        note = "; flash and varlen take bfloat16 only, so they ran in bfloat16" if any(
+            r["dtype"] != rows[0]["dtype"] for r in rows) else ""
+        print(f"\n2. Attention forward + backward, {len(lengths)} sequences, {sum(lengths)} tokens{note}")
+        print(table(rows, ["backend", "dtype", "layer", "causal", "ms"]))
         results["attention"] = rows
+
+    if "loss" not in args.skip:
+        rows = []
+        for loss in ("full_logits", "chunked"):
+            runs = [run_worker(dict(task="loss_memory", loss=loss, device=str(device), dtype=dtype,
+                                    seq_len=args.loss_seq_len, vocab=args.loss_vocab)) for _ in range(args.loss_runs)]
+            rows.append({"loss": loss, "peak_memory": statistics.median(r["peak_memory"] for r in runs),
+                         "seconds": statistics.median(r["seconds"] for r in runs), "loss_sum": runs[0]["loss"]})
+        for r in rows:
+            r.update(peak_MiB=f"{r['peak_memory'] / 2 ** 20:,.0f}", ms=f"{1000 * r['seconds']:,.0f}",
+                     vs_full_logits=f"{r['peak_memory'] / rows[0]['peak_memory']:.2f}", value=f"{r['loss_sum']:.6g}")
+        print(f"\n3. LM loss memory: one CLM forward + backward, vocab {args.loss_vocab}, 8 x {args.loss_seq_len} "
+              f"tokens, hidden {LOSS_CONFIG['hidden_size']}, {LOSS_CONFIG['num_hidden_layers']} layers, {dtype}; peak "
+              f"{'allocated during' if device.type == 'cuda' else 'RSS added by'} the step, median of {args.loss_runs} "
+              f"processes each")
+        print(table(rows, ["loss", "peak_MiB", "vs_full_logits", "ms", "value"]))
+        results["loss_memory"] = rows
 
     if "data" not in args.skip and args.lengths_from and args.tokenizer:
         d = data_throughput(args.lengths_from, args.tokenizer, args.seq_len, args.batch_size, [1, 2])
@@ -348,7 +466,8 @@ def main(argv=None):
                 rows.append({"what": f"prepare {w} workers / raw tiktoken",
                              "value": f"{d[f'prepare_{w}_workers_tokens_per_s'] / d['raw_tiktoken_tokens_per_s']:.2f}"})
         if "step" in results:
-            step_ms = 1000 * results["step"][2]["ours_raw"]["seconds"]  # packed MLM
+            ours = next(r for r in results["step"] if (r["case"], r["objective"], r["impl"]) == ("packed", "mlm", "ours"))
+            step_ms = 1000 * ours["raw"]["seconds"]
             rows.append({"what": "loader time / training step (packed MLM)",
                          "value": f"{d['loader_ms_per_batch'] / step_ms:.2%}"})
         print(f"\n4. Data ({args.lengths_from})")

@@ -409,10 +409,10 @@ class PredictionHead(nn.Module):
 # Liger-Kernel's fused linear cross-entropy, written with torch ops; unlike checkpointing each
 # chunk it recomputes nothing.
 #
-# 2048 rows per chunk: at V = 50368 a chunk's float32 logits take 394 MiB (about 0.8 GiB with the
-# bf16 matmul output and the bf16 gradient beside them), against 13+ GB unchunked at 32k rows; and a
-# (2048 x 768) @ (768 x V) matmul is still big enough to keep the tensor cores busy. A CLM micro
-# batch of 4 x 8192 tokens is 16 chunks: the loop costs nothing next to the matmuls.
+# 2048 rows per chunk: at V = 50368 a chunk's float32 logits take 394 MiB (0.6 GiB with their bf16
+# copy beside them under autocast), against 13+ GB unchunked at 32k rows; and a (2048 x 768) @
+# (768 x V) matmul is still big enough to keep the tensor cores busy. A CLM micro batch of 4 x 8192
+# tokens is 16 chunks: the loop costs nothing next to the matmuls.
 LOSS_CHUNK_ROWS = 2048
 
 

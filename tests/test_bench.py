@@ -16,20 +16,22 @@ def test_bench_tiny(tmp_path):
     text = tmp_path / "docs.txt"
     text.write_text("\n".join(f"document {i} " + "word " * (i % 37) for i in range(400)))
     args = ["--size", "tiny", "--seq_len", "64", "--batch_size", "2", "--steps", "2", "--warmup", "1",
-            "--out", str(tmp_path / "bench.json")]
+            "--loss_runs", "1", "--loss_seq_len", "32", "--loss_vocab", "1024", "--out", str(tmp_path / "bench.json")]
     tokenizer = os.path.join(SHARED, "tokenizers", "modernbert", "tokenizer.json")
     if os.path.isfile(tokenizer):  # the data section needs a real tokenizer.json
         args += ["--lengths_from", str(text), "--tokenizer", tokenizer]
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), *args], cwd=ROOT, capture_output=True,
                        text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert "1. Training step" in r.stdout and "2. Attention" in r.stdout
+    assert "1. Training step" in r.stdout and "2. Attention" in r.stdout and "3. LM loss memory" in r.stdout
     res = json.loads((tmp_path / "bench.json").read_text())
-    assert {(row["case"], row["objective"]) for row in res["step"]} == {
-        (c, o) for c in ("variable", "packed") for o in ("mlm", "clm")}
+    assert {(row["case"], row["objective"], row["impl"]) for row in res["step"]} == {  # no compile on CPU by default
+        (c, o, i) for c in ("variable", "packed") for o in ("mlm", "clm") for i in ("ours", "transformers")}
     for row in res["step"]:
-        for impl in ("ours", "transformers"):
-            assert row[f"{impl}_raw"]["tokens_per_s"] > 0 and row[f"{impl}_raw"]["peak_memory"] >= 0
+        assert row["raw"]["tokens_per_s"] > 0 and row["raw"]["flops_per_s"] > 0 and row["raw"]["peak_memory"] >= 0
     assert any(row["backend"] == "sdpa" for row in res["attention"])
+    full, chunked = res["loss_memory"]
+    assert (full["loss"], chunked["loss"]) == ("full_logits", "chunked")
+    assert abs(full["loss_sum"] - chunked["loss_sum"]) <= 1e-4 * full["loss_sum"]  # the same loss, both ways
     if os.path.isfile(tokenizer):
         assert "4. Data" in r.stdout and res["data"]["prepare_1_workers_tokens_per_s"] > 0
