@@ -50,14 +50,19 @@ def base_ckpt(data_dir, tmp_path_factory):
     return path
 
 
-def run_train(out_dir, data_dir, *overrides, check=True, env=None, nproc=1):
+def train_cmd(out_dir, data_dir, *overrides, nproc=1, port=29533):
+    """A tiny run: 16 main + 4 decay steps of 8 x 64 tokens, unless overridden."""
     args = [f"--data_dir={data_dir}", f"--out_dir={out_dir}", f"--model_config={TINY!r}", "--seq_len=64",
             "--global_batch_size=8", "--micro_batch_size=4", f"--tokens={16 * 8 * 64}", f"--warmup_tokens={4 * 8 * 64}",
             "--lr=3e-3", "--decay_frac=0.25", "--log_interval=1", "--eval_interval=8", "--eval_windows=16",
             "--ckpt_interval=8", "--device=cpu", *overrides]
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                     f"--nproc_per_node={nproc}", "--master_port=29533"]
-    r = subprocess.run(launcher + [os.path.join(ROOT, "train.py"), *args], capture_output=True, text=True,
+                                                     f"--nproc_per_node={nproc}", f"--master_port={port}"]
+    return launcher + [os.path.join(ROOT, "train.py"), *args]
+
+
+def run_train(out_dir, data_dir, *overrides, check=True, env=None, nproc=1):
+    r = subprocess.run(train_cmd(out_dir, data_dir, *overrides, nproc=nproc), capture_output=True, text=True,
                        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, cwd=ROOT)
     if check:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -159,9 +164,7 @@ def test_resume_after_sigkill_is_exact(data_dir, base_ckpt, tmp_path):
     args = [f"--init_from={base_ckpt}", f"--tokens={60 * 8 * 64}", "--ckpt_interval=20", "--eval_interval=20"]
     run_train(tmp_path / "whole", data_dir, *args)
     out = tmp_path / "killed"
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), f"--data_dir={data_dir}", f"--out_dir={out}",
-           "--seq_len=64", "--global_batch_size=8", "--micro_batch_size=4", f"--warmup_tokens={4 * 8 * 64}",
-           "--lr=3e-3", "--decay_frac=0.25", "--log_interval=1", "--eval_windows=16", "--device=cpu", *args]
+    cmd = train_cmd(out, data_dir, *args)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.time() + 120
