@@ -12,18 +12,20 @@ decay. The model, the head and the optimizer state are the same throughout;
 only the attention mask, the targets and the lr schedule change.
 
 Re-running the same command with an existing out_dir resumes from its latest
-checkpoint, exactly.
+valid checkpoint, exactly.
 """
 
 import ast
 import dataclasses
 import glob
+import hashlib
 import json
 import math
 import os
 import re
 import resource
 import shutil
+import socket
 from contextlib import nullcontext
 import sys
 import time
@@ -32,6 +34,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
@@ -223,11 +226,22 @@ def build_model(c, meta, path):
                    bos_token_id=meta["cls_id"], eos_token_id=meta["sep_id"])
         torch.manual_seed(c.seed)
         return ModernBertForMaskedLM(preset(**{"vocab_size": vocab, **ids, **c.model_config, **dropout}))
+    check_tokenizer(path, load_config(path), meta, c.data_dir)
+    try:
+        return ModernBertForMaskedLM.from_pretrained(path, **dropout)
+    except (SafetensorError, RuntimeError) as e:  # what a truncated weights file raises, without its name
+        weights = [f for f in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(os.path.join(path, f))]
+        raise SystemExit(f"cannot load {os.path.join(path, weights[0])} ({e}): is the file complete? Copy it again.")
+
+
+def check_init_from(path):
+    """init_from must exist; one of our checkpoints (it has a manifest) must also be intact."""
     if not os.path.isdir(path):
         raise SystemExit(f"init_from={path!r} is neither 'scratch' nor a checkpoint directory "
                          "(edit the path at the top of the config)")
-    check_tokenizer(path, load_config(path), meta, c.data_dir)
-    return ModernBertForMaskedLM.from_pretrained(path, **dropout)
+    problem = checkpoint_problem(path) if os.path.isfile(os.path.join(path, MANIFEST)) else None
+    if problem:
+        raise SystemExit(f"init_from={path} is damaged: {problem}. Copy it again, or use another checkpoint.")
 
 
 def check_tokenizer(ckpt, config, meta, data_dir):
@@ -260,29 +274,178 @@ def frozen_params(model, layers):
 
 
 # -----------------------------------------------------------------------------
-# Checkpoints: out_dir/ckpt-STEP/ = Hugging Face files + train_state.pt, written
-# to a temporary directory and renamed, so a kill never leaves a half checkpoint.
+# Checkpoints: out_dir/ckpt-STEP/ = Hugging Face files + train_state.pt + manifest.json.
+# Everything is written to a temporary directory, the manifest (size and sha256 of
+# every other file) last, synced to disk, then renamed: a kill at any moment leaves
+# the previous checkpoints as they were, and a checkpoint damaged later (a truncated
+# copy, a bad disk) fails its manifest and is skipped on resume.
+
+MANIFEST = "manifest.json"
 
 
-def save_checkpoint(path, model, optimizer, state, meta, c):
-    tmp = os.path.join(os.path.dirname(path), ".tmp-" + os.path.basename(path))
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        src = os.path.join(c.data_dir, name)
-        if os.path.isfile(src):
-            shutil.copyfile(src, os.path.join(tmp, name))
-    torch.save({**state, "optimizer": optimizer.state_dict(), "config": dataclasses.asdict(c)},
-               os.path.join(tmp, "train_state.pt"))
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
+def save_checkpoint(path, model, optimizer, state, c):
+    """Write the checkpoint directory `path`. If a write fails (a full disk, a quota) the partial copy is
+    removed, the previous checkpoints stay intact, and the run stops saying how much space it needs."""
+    out_dir = os.path.dirname(path)
+    tmp = os.path.join(out_dir, ".tmp-" + os.path.basename(path))
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            src = os.path.join(c.data_dir, name)
+            if os.path.isfile(src):
+                shutil.copyfile(src, os.path.join(tmp, name))
+        torch.save({**state, "optimizer": optimizer.state_dict(), "config": dataclasses.asdict(c)},
+                   os.path.join(tmp, "train_state.pt"))
+        # Hashing reads every file back: a few seconds for a Large checkpoint (about 5 GB with the optimizer).
+        manifest = {}
+        for name in sorted(os.listdir(tmp)):
+            file = os.path.join(tmp, name)
+            manifest[name] = {"bytes": os.path.getsize(file), "sha256": sha256(file)}
+            fsync(file)
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=1)
+        fsync(os.path.join(tmp, MANIFEST))
+        fsync(tmp)
+        shutil.rmtree(path, ignore_errors=True)  # "final" of a re-run, or a damaged copy of this step
+        os.replace(tmp, path)
+        fsync(out_dir)
+    except (OSError, RuntimeError, SafetensorError) as e:  # how open(), torch.save and safetensors report it
+        shutil.rmtree(tmp, ignore_errors=True)
+        moments = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        need = sum(t.numel() * t.element_size() for t in [*model.parameters(), *moments])
+        free = shutil.disk_usage(out_dir).free
+        raise SystemExit(f"could not write checkpoint {path}: {e}. A checkpoint needs about {need / 2 ** 30:.3g} GiB "
+                         f"and {out_dir} has {free / 2 ** 30:.3g} GiB free. The previous checkpoints are intact: free "
+                         "some space (or lower max_ckpts, or move out_dir) and re-run the same command to resume.")
+
+
+def sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fsync(path):
+    """Flush a file, or a directory's entries, to disk (a rename is only durable once its directory is)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def checkpoint_problem(path, checksums=True):
+    """What is wrong with the checkpoint directory `path`, or None if every file its manifest lists is
+    there with its size and (if checksums) its sha256."""
+    if not os.path.isdir(path):
+        return "no such directory"
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        return f"no {MANIFEST}: it was not written completely"
+    except (OSError, ValueError) as e:
+        return f"{MANIFEST} is unreadable ({e})"
+    for name, want in manifest.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"{name} is missing"
+        if os.path.getsize(file) != want["bytes"]:
+            return f"{name} has {os.path.getsize(file)} bytes, the manifest says {want['bytes']} (truncated?)"
+        if checksums and sha256(file) != want["sha256"]:
+            return f"{name} does not match its sha256 (corrupted)"
+    return None
 
 
 def checkpoints(out_dir):
-    """Our complete checkpoints in out_dir, oldest first."""
-    found = glob.glob(os.path.join(out_dir, "ckpt-*", "train_state.pt"))
-    return sorted((os.path.dirname(p) for p in found), key=lambda p: int(p.rsplit("-", 1)[1]))
+    """The ckpt-STEP directories in out_dir, complete or not, oldest first."""
+    found = [p for p in glob.glob(os.path.join(out_dir, "ckpt-*")) if re.fullmatch(r"ckpt-\d+", os.path.basename(p))]
+    return sorted(found, key=lambda p: int(p.rsplit("-", 1)[1]))
 
+
+def latest_valid_checkpoint(out_dir):
+    """The newest checkpoint in out_dir that passes its manifest (None if out_dir has none). Each damaged
+    newer one gets a warning; if all are damaged the run stops rather than start over silently."""
+    damaged = []
+    for path in reversed(checkpoints(out_dir)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        print(f"warning: checkpoint {path} is damaged ({problem}); trying the one before it", file=sys.stderr)
+        damaged.append(path)
+    if damaged:
+        raise SystemExit(f"no valid checkpoint in {out_dir}: {', '.join(damaged)} are damaged (see the warnings). "
+                         "Restore one from a copy, or move them away to start over from init_from.")
+    return None
+
+
+def trim_metrics(path, step):
+    """Keep the records of metrics.jsonl up to `step`, the resume point: a killed run may have logged
+    past its last checkpoint, or died in the middle of a line."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+
+
+# Random streams: every rank has its own (dropout; the CPU's, and on CUDA the GPU's, which is what
+# dropout draws from there). A checkpoint keeps them all, per rank, so a resume continues them exactly.
+
+def rng_state(device):
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state, device):
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:  # a CPU checkpoint resumed on GPU keeps the seed's GPU stream
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+# Rank 0 alone decides some things (which checkpoint to resume, writing one). Every rank gets the
+# outcome, errors included, so no rank is left waiting in a collective for one that stopped.
+
+def on_rank0(fn, rank, ddp):
+    """fn() on rank 0; its result, or the SystemExit it raised, on every rank."""
+    result = None
+    if rank == 0:
+        try:
+            result = fn()
+        except SystemExit as e:
+            result = e
+    if ddp:
+        box = [result]
+        dist.broadcast_object_list(box)
+        result = box[0]
+    if isinstance(result, SystemExit):
+        raise result
+    return result
+
+
+def every_rank_sees(path, world):
+    """Checkpoints are written by rank 0 and read by every rank on resume: a node that cannot see them would
+    resume from another step than the others. Each rank checks `path` (sizes only, cheap); all agree or stop."""
+    views = [None] * world
+    dist.all_gather_object(views, (socket.gethostname(), checkpoint_problem(path, checksums=False)))
+    blind = [f"rank {r} on {host} ({problem})" for r, (host, problem) in enumerate(views) if problem]
+    if blind:
+        raise SystemExit(f"not every rank can read checkpoint {path}: {', '.join(blind)}. out_dir must be on a "
+                         "filesystem shared by all nodes: rank 0 writes the checkpoints, every rank resumes from them.")
+
+
+def leave_process_group():
+    """Only once the DDP model is gone: torch frees a process group without holding the GIL when it drops
+    the last reference, but a DDP model freed later (at exit) frees it holding the GIL, and the exit then
+    deadlocks on gloo's threads, which need the GIL to free the last collectives' tensors."""
+    distributed.teardown()
 
 
 # -----------------------------------------------------------------------------
@@ -335,9 +498,21 @@ def main(argv):
              "bfloat16": torch.bfloat16}[c.dtype]
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
-    # Resume from our latest checkpoint in out_dir or, for phase="decay", from the phase-1
+    # Resume from the newest valid checkpoint in out_dir or, for phase="decay", from the phase-1
     # checkpoint named by init_from (weights, optimizer, step, data position, RNG).
-    resume_from = (checkpoints(c.out_dir) or [None])[-1]
+    # Rank 0 checks the manifests and chooses; every rank must see its choice.
+    def choose():
+        for tmp in glob.glob(os.path.join(c.out_dir, ".tmp-*")):  # a save that a kill interrupted
+            shutil.rmtree(tmp, ignore_errors=True)
+        latest = latest_valid_checkpoint(c.out_dir)
+        if latest is None and c.init_from != "scratch":
+            check_init_from(c.init_from)
+        return os.path.basename(latest) if latest else None
+
+    name = on_rank0(choose, rank, ddp)
+    resume_from = os.path.join(c.out_dir, name) if name else None
+    if ddp and resume_from:
+        every_rank_sees(resume_from, world)
     if resume_from is None and c.phase == "decay" and os.path.isfile(os.path.join(c.init_from, "train_state.pt")):
         resume_from = c.init_from
     model = build_model(c, meta, resume_from or c.init_from).to(device)
@@ -352,8 +527,9 @@ def main(argv):
         optimizer.load_state_dict(state["optimizer"])
         loader.load_state_dict(state["loader"])  # a global position: any world size continues from it
         step, tokens_seen = state["step"], state["tokens"]
-        if len(state["rng"]) == world:  # the same world size: every rank's dropout stream continues exactly
-            torch.set_rng_state(state["rng"][rank])
+        ranks = state["ranks"]  # one entry per rank of the run that wrote it
+        if len(ranks) == world:  # the same world size: every rank's random streams continue exactly (with
+            set_rng_state(ranks[rank]["rng"], device)  # another, rank r gets other batches: they restart from the seed)
     first, last = {"all": (0, sched.main_steps + sched.decay_steps), "main": (0, sched.main_steps),
                    "decay": (sched.main_steps, sched.main_steps + sched.decay_steps)}[c.phase]
     if c.phase == "decay" and step < first:
@@ -372,12 +548,7 @@ def main(argv):
         print(f"model: {n / 1e6:.2f}M parameters, {model.config.num_hidden_layers} layers; world {world}, "
               f"accumulation {accum}; {sched.main_steps} main + {sched.decay_steps} decay steps of "
               f"{c.global_batch_size * c.seq_len:,} tokens" + (f"; resuming at step {step}" if resume_from else ""))
-        metrics_path = os.path.join(c.out_dir, "metrics.jsonl")
-        if os.path.isfile(metrics_path):  # drop what a killed run logged after its last checkpoint
-            with open(metrics_path) as f:
-                kept = [line for line in f if json.loads(line)["step"] <= step]
-            with open(metrics_path, "w") as f:
-                f.writelines(kept)
+        trim_metrics(os.path.join(c.out_dir, "metrics.jsonl"), step)
 
     raw_model = model
     if c.compile:
@@ -386,17 +557,22 @@ def main(argv):
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
     def checkpoint(path):
-        rng = [torch.get_rng_state()]
+        """Every rank: gather the per-rank state; rank 0 writes; every rank checks that it sees the result."""
+        mine = dict(rng=rng_state(device))
+        ranks = [mine]
         if ddp:
-            rng = [None] * world
-            dist.all_gather_object(rng, torch.get_rng_state())
-        if master:
-            state = dict(step=step, tokens=tokens_seen, loader=loader.state_dict(), rng=rng, world_size=world)
-            save_checkpoint(path, raw_model, optimizer, state, meta, c)
+            ranks = [None] * world
+            dist.all_gather_object(ranks, mine)
+
+        def write():
+            state = dict(step=step, tokens=tokens_seen, loader=loader.state_dict(), ranks=ranks, world_size=world)
+            save_checkpoint(path, raw_model, optimizer, state, c)
             for old in checkpoints(c.out_dir)[:-c.max_ckpts]:
-                shutil.rmtree(old)
+                shutil.rmtree(old, ignore_errors=True)
+
+        on_rank0(write, rank, ddp)  # also the barrier: no rank reads the checkpoint before it is complete
         if ddp:
-            dist.barrier()
+            every_rank_sees(path, world)
 
     def log(record):
         if master:
@@ -475,7 +651,8 @@ def main(argv):
         mem = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         print(f"done: {c.out_dir}/final (step {step}, {tokens_seen:,} tokens); peak memory {mem / 2 ** 30:.2f} GiB")
-    distributed.teardown()
+    del model
+    leave_process_group()
 
 
 if __name__ == "__main__":

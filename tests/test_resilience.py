@@ -1,0 +1,212 @@
+"""train.py on a cluster: damaged checkpoints, a full disk, nodes that do not share out_dir, per-rank
+random streams."""
+
+import errno
+import json
+import os
+import re
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+
+import pytest
+import torch
+
+from data import load_meta
+from model import ModernBertConfig, ModernBertForMaskedLM
+from test_train import ROOT, TINY, base_ckpt, data_dir, train_cmd  # noqa: F401 (fixtures)
+from train import (Config, build_model, check_init_from, checkpoint_problem, latest_valid_checkpoint, make_optimizer,
+                   rng_state, save_checkpoint, set_rng_state, trim_metrics)
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def children(pid):
+    """The child processes of `pid` (Linux /proc): torchrun's workers."""
+    try:
+        return [int(child) for task in os.listdir(f"/proc/{pid}/task")
+                for child in open(f"/proc/{pid}/task/{task}/children").read().split()]
+    except FileNotFoundError:
+        return []
+
+
+@pytest.fixture
+def start():
+    """Start a training command; whatever is left of it when the test ends is killed, workers included
+    (torchrun puts them in sessions of their own)."""
+    procs = []
+
+    def launch(cmd):
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                      env=ENV))
+        return procs[-1]
+
+    yield launch
+    for proc in procs:
+        for pid in children(proc.pid) + [proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.communicate()
+
+
+def finish(proc, check=True, timeout=300):
+    """-> (exit code, stdout, stderr); a run that hangs (a rank left waiting) fails the test."""
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0 or not check, out[-3000:] + err[-3000:]
+    return proc.returncode, out, err
+
+
+# -----------------------------------------------------------------------------
+# 1. Checkpoint files: the manifest, a full disk, a damaged init_from
+
+
+@pytest.fixture()
+def tiny(data_dir):
+    torch.manual_seed(0)
+    model = ModernBertForMaskedLM(ModernBertConfig(vocab_size=320, **TINY))
+    c = Config(data_dir=data_dir, lr=1e-3)
+    optimizer = make_optimizer(model, c, torch.device("cpu"))
+    model(torch.randint(0, 320, (1, 16))).sum().backward()
+    optimizer.step()  # so that the optimizer has moments to save
+    return model, optimizer, c
+
+
+def test_manifest_catches_truncated_corrupted_and_unfinished_checkpoints(tiny, tmp_path, capsys):
+    model, optimizer, c = tiny
+    for step in (10, 20):
+        save_checkpoint(str(tmp_path / f"ckpt-{step}"), model, optimizer, {"step": step}, c)
+    assert checkpoint_problem(str(tmp_path / "ckpt-20")) is None
+    assert latest_valid_checkpoint(str(tmp_path)) == str(tmp_path / "ckpt-20")
+
+    damaged = tmp_path / "damaged"
+    for name, damage, expect in [
+            ("train_state.pt", lambda f: os.truncate(f, 100), "train_state.pt has 100 bytes"),
+            ("model.safetensors", lambda f: f.write_bytes(b"x" + f.read_bytes()[1:]), "model.safetensors does not "
+                                                                                      "match its sha256"),
+            ("config.json", os.remove, "config.json is missing"),
+            ("manifest.json", os.remove, "no manifest.json")]:
+        shutil.copytree(tmp_path / "ckpt-20", damaged)
+        damage(damaged / name)
+        assert expect in checkpoint_problem(str(damaged))
+        shutil.rmtree(damaged)
+    assert "sha256" not in (checkpoint_problem(str(tmp_path / "ckpt-20"), checksums=False) or "")
+
+    os.truncate(tmp_path / "ckpt-20" / "train_state.pt", 100)
+    capsys.readouterr()
+    assert latest_valid_checkpoint(str(tmp_path)) == str(tmp_path / "ckpt-10")
+    assert "warning: checkpoint " + str(tmp_path / "ckpt-20") + " is damaged" in capsys.readouterr().err
+    os.remove(tmp_path / "ckpt-10" / "manifest.json")
+    with pytest.raises(SystemExit, match="no valid checkpoint in .*ckpt-20, .*ckpt-10 are damaged"):
+        latest_valid_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize("failure", ["ENOSPC", "file size limit"])
+def test_failed_write_keeps_the_previous_checkpoint_and_says_how_much_space(tiny, tmp_path, monkeypatch, failure):
+    model, optimizer, c = tiny
+    save_checkpoint(str(tmp_path / "ckpt-10"), model, optimizer, {"step": 10}, c)
+    if failure == "ENOSPC":  # a full disk half-way through train_state.pt, as an OSError
+        real_save = torch.save
+
+        def full_disk(obj, f):
+            real_save(obj, f)
+            os.truncate(f, os.path.getsize(f) // 2)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f)
+
+        monkeypatch.setattr(torch, "save", full_disk)
+    else:  # a real failed write: torch.save raises a RuntimeError then, safetensors its own error
+        sizes = json.loads((tmp_path / "ckpt-10" / "manifest.json").read_text())
+        limit = (sizes["model.safetensors"]["bytes"] + sizes["train_state.pt"]["bytes"]) // 2
+        old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a killed process
+        old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old_limit[1]))
+    try:
+        with pytest.raises(SystemExit) as e:
+            save_checkpoint(str(tmp_path / "ckpt-20"), model, optimizer, {"step": 20}, c)
+    finally:
+        if failure != "ENOSPC":
+            resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+            signal.signal(signal.SIGXFSZ, old_handler)
+        monkeypatch.undo()
+    message = str(e.value)
+    assert f"could not write checkpoint {tmp_path / 'ckpt-20'}" in message, message
+    assert "GiB free" in message and "previous checkpoints are intact" in message
+    assert failure != "ENOSPC" or "No space left on device" in message
+    need = sum(p.numel() * 4 for p in model.parameters()) * 3  # weights and two Adam moments, float32
+    said = float(re.search(r"needs about (\S+) GiB", message)[1]) * 2 ** 30
+    assert abs(said / need - 1) < 0.01, message
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-10"]  # no partial ckpt-20, no temporary directory
+    assert checkpoint_problem(str(tmp_path / "ckpt-10")) is None
+    ModernBertForMaskedLM.from_pretrained(str(tmp_path / "ckpt-10"))
+    assert torch.load(tmp_path / "ckpt-10" / "train_state.pt", weights_only=False)["step"] == 10
+
+
+def test_damaged_init_from_names_the_file(tiny, data_dir, tmp_path):
+    model, optimizer, c = tiny
+    ours = str(tmp_path / "ours")
+    save_checkpoint(ours, model, optimizer, {"step": 16}, c)
+    os.truncate(os.path.join(ours, "model.safetensors"), 1000)
+    with pytest.raises(SystemExit, match=f"init_from={ours} is damaged: model.safetensors has 1000 bytes"):
+        check_init_from(ours)
+    hf = tmp_path / "hf"  # a Hugging Face directory has no manifest: the load itself must name the file
+    model.save_pretrained(hf)
+    os.truncate(hf / "model.safetensors", 1000)
+    c.init_from = str(hf)
+    with pytest.raises(SystemExit, match=f"cannot load {hf / 'model.safetensors'} .*is the file complete"):
+        build_model(c, load_meta(data_dir), str(hf))
+
+
+# -----------------------------------------------------------------------------
+# 2. Random streams and metrics.jsonl
+
+
+def test_rng_state_round_trips_cpu_and_cuda(monkeypatch, tmp_path):
+    cpu = torch.device("cpu")
+    state = rng_state(cpu)
+    expect = torch.rand(3)
+    torch.save(state, tmp_path / "rng.pt")  # through a checkpoint file, as train_state.pt holds it
+    set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=False), cpu)
+    assert torch.equal(torch.rand(3), expect) and set(state) == {"cpu"}
+
+    # The CUDA branch without a GPU: it must read and restore the stream of this rank's device.
+    streams, restored = {1: torch.tensor([7], dtype=torch.uint8)}, []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: streams[device.index])
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device: restored.append((s, device)))
+    gpu = torch.device("cuda", 1)
+    state = rng_state(gpu)
+    assert set(state) == {"cpu", "cuda"} and torch.equal(state["cuda"], streams[1])
+    set_rng_state(state, gpu)
+    assert restored == [(state["cuda"], gpu)]
+    set_rng_state(state, cpu)  # a GPU checkpoint resumed on CPU: the CPU stream only
+    set_rng_state({"cpu": state["cpu"]}, gpu)  # a CPU checkpoint resumed on GPU: the GPU keeps its seed
+    assert len(restored) == 1
+
+
+def test_trim_metrics_drops_records_past_the_resume_point_and_a_cut_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (4, 8, 12)) + '{"step": 1')
+    trim_metrics(str(path), 8)
+    assert path.read_text() == '{"step": 4}\n{"step": 8}\n'
+
+
+# -----------------------------------------------------------------------------
+# 3. Nodes that do not share out_dir (torchrun, 2 processes): a clear error, no rank left waiting
+
+
+def test_nodes_without_a_shared_out_dir_stop_with_a_clear_error(data_dir, base_ckpt, tmp_path, start):
+    # Each rank gets its own out_dir, as two nodes with node-local disks would.
+    (tmp_path / "node_local.py").write_text(f"import os\nout_dir = {str(tmp_path)!r} + '/node' + os.environ['RANK']\n")
+    cmd = train_cmd(tmp_path, data_dir, f"--init_from={base_ckpt}", "--ckpt_interval=4",
+                    str(tmp_path / "node_local.py"), nproc=2, port=29545)
+    code, out, err = finish(start(cmd), check=False)
+    assert code != 0 and (tmp_path / "node0" / "ckpt-4").is_dir()
+    assert f"rank 1 on {socket.gethostname()} (no such directory)" in err and "shared by all nodes" in err, err[-3000:]
+    assert "rank 0 on" not in err
+
+    # Re-run: rank 0 would resume from its ckpt-4, which rank 1 cannot see.
+    code, out, err = finish(start(cmd), check=False)
+    assert code != 0 and "resuming" not in out
+    assert f"checkpoint {tmp_path / 'node1' / 'ckpt-4'}" in err and "shared by all nodes" in err, err[-3000:]
