@@ -12,7 +12,9 @@ decay. The model, the head and the optimizer state are the same throughout;
 only the attention mask, the targets and the lr schedule change.
 
 Re-running the same command with an existing out_dir resumes from its latest
-valid checkpoint, exactly.
+valid checkpoint, exactly. SIGTERM or SIGINT (a cluster's preemption, Ctrl-C)
+finishes the step, writes a checkpoint and exits with 128 + the signal number
+(143 for SIGTERM), so a scheduler can requeue the same command.
 """
 
 import ast
@@ -25,6 +27,7 @@ import os
 import re
 import resource
 import shutil
+import signal
 import socket
 from contextlib import nullcontext
 import sys
@@ -95,6 +98,7 @@ class Config:
     eval_interval: int = 500  # also at the end of each phase
     eval_windows: int = 64  # val windows per evaluation (all of val.bin if fewer)
     ckpt_interval: int = 1000
+    ckpt_every_minutes: float = 60.0  # also checkpoint when this long has passed since the last one; 0: off
     max_ckpts: int = 3
 
 
@@ -499,7 +503,7 @@ def main(argv):
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
     # Resume from the newest valid checkpoint in out_dir or, for phase="decay", from the phase-1
-    # checkpoint named by init_from (weights, optimizer, step, data position, RNG).
+    # checkpoint named by init_from (weights, optimizer, step, data position, RNG, loss sums).
     # Rank 0 checks the manifests and chooses; every rank must see its choice.
     def choose():
         for tmp in glob.glob(os.path.join(c.out_dir, ".tmp-*")):  # a save that a kill interrupted
@@ -521,15 +525,19 @@ def main(argv):
     optimizer = make_optimizer(model, c, device)
     loader = Loader(c.data_dir, "train", c.seq_len, c.micro_batch_size, c.data_seed, rank, world)
     step, tokens_seen = 0, 0
+    loss_acc, loss_steps = torch.zeros((), device=device), 0  # this rank's share of the loss, summed since the last log
     torch.manual_seed(c.seed + rank)  # dropout
     if resume_from:
         state = torch.load(os.path.join(resume_from, "train_state.pt"), map_location="cpu", weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
         loader.load_state_dict(state["loader"])  # a global position: any world size continues from it
-        step, tokens_seen = state["step"], state["tokens"]
+        step, tokens_seen, loss_steps = state["step"], state["tokens"], state["loss_steps"]
         ranks = state["ranks"]  # one entry per rank of the run that wrote it
-        if len(ranks) == world:  # the same world size: every rank's random streams continue exactly (with
-            set_rng_state(ranks[rank]["rng"], device)  # another, rank r gets other batches: they restart from the seed)
+        if len(ranks) == world:  # the same world size: every rank's random streams and loss sum continue exactly
+            set_rng_state(ranks[rank]["rng"], device)
+            loss_acc = torch.tensor(ranks[rank]["loss_acc"], device=device)
+        else:  # rank r now gets other micro batches than the old rank r: its streams restart from the seed,
+            loss_acc = torch.tensor(sum(r["loss_acc"] for r in ranks) if master else 0.0, device=device)  # one total
     first, last = {"all": (0, sched.main_steps + sched.decay_steps), "main": (0, sched.main_steps),
                    "decay": (sched.main_steps, sched.main_steps + sched.decay_steps)}[c.phase]
     if c.phase == "decay" and step < first:
@@ -556,16 +564,24 @@ def main(argv):
     if ddp:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
-    def checkpoint(path):
+    def loss_error(loss):
+        return SystemExit(f"step {step}: loss is {loss}; stopping. The last good checkpoint is "
+                          f"{(checkpoints(c.out_dir) or ['(none)'])[-1]}; lower lr or check the data.")
+
+    def checkpoint(path, loader_state):
         """Every rank: gather the per-rank state; rank 0 writes; every rank checks that it sees the result."""
-        mine = dict(rng=rng_state(device))
+        mine = dict(rng=rng_state(device), loss_acc=loss_acc.item())
         ranks = [mine]
         if ddp:
             ranks = [None] * world
             dist.all_gather_object(ranks, mine)
+        bad = [r["loss_acc"] for r in ranks if not math.isfinite(r["loss_acc"])]
+        if bad:  # a checkpoint between two logs: its loss was not checked yet
+            raise loss_error(bad[0])
 
         def write():
-            state = dict(step=step, tokens=tokens_seen, loader=loader.state_dict(), ranks=ranks, world_size=world)
+            state = dict(step=step, tokens=tokens_seen, loader=loader_state, ranks=ranks, loss_steps=loss_steps,
+                         world_size=world)
             save_checkpoint(path, raw_model, optimizer, state, c)
             for old in checkpoints(c.out_dir)[:-c.max_ckpts]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -579,9 +595,21 @@ def main(argv):
             with open(os.path.join(c.out_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    # Preemption (SIGTERM from a scheduler, SIGINT from Ctrl-C) only raises a flag: the ranks agree on it at
+    # the next step boundary, write a checkpoint there and exit. A second signal during the save changes nothing.
+    stop_signal = 0
+
+    def on_signal(signum, frame):
+        nonlocal stop_signal
+        stop_signal = signum
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
     peak = peak_flops(device)
     bar = tqdm(total=last - first, initial=step - first, desc=c.phase, disable=not master or None, unit="step")
-    t0, timed_steps, timed_tokens, loss_acc = time.time(), 0, 0, torch.zeros((), device=device)
+    t0, timed_steps, timed_tokens = time.time(), 0, 0
+    saved, saved_at = resume_from or c.init_from, time.monotonic()  # where the state at `step` is already
     while step < last:
         phase = sched.phase(step)
         objective, mask_prob = (c.objective, c.mask_prob) if phase == "main" else ("mlm", c.decay_mask_prob)
@@ -591,11 +619,32 @@ def main(argv):
         freeze = frozen if c.freeze_phase in (phase, "both") else set()
 
         # The whole step's micro batches first: the loss divides by the global number of targets.
+        loader_state = loader.state_dict()  # the step boundary, before this step's batches
         batches = [make_batch(loader.next(), objective, mask_prob, meta, [c.seed, step, k * world + rank],
                               c.split_docs) for k in range(accum)]
-        n_targets = torch.tensor(float(sum(b.targets.numel() for b in batches)), device=device)
+        # The one all-reduce of a step also carries what the ranks must agree on at its boundary: a signal
+        # that reached any of them, a time-based checkpoint that any rank's clock says is due.
+        due = c.ckpt_every_minutes > 0 and time.monotonic() - saved_at >= 60 * c.ckpt_every_minutes
+        agreed = torch.tensor([sum(b.targets.numel() for b in batches), stop_signal, due], dtype=torch.float32,
+                              device=device)
         if ddp:
-            dist.all_reduce(n_targets)
+            dist.all_reduce(agreed)
+        n_targets = agreed[0]
+        stopping, due = (agreed[1:] > 0).tolist()  # waits for the previous step, as the batch copy to GPU does
+        path = os.path.join(c.out_dir, f"ckpt-{step}")
+        if (stopping or due) and path != saved:
+            checkpoint(path, loader_state)
+            saved, saved_at = path, time.monotonic()
+        if stopping:
+            bar.close()
+            code = 128 + (stop_signal or signal.SIGTERM)  # what a shell reports for a process the signal killed
+            if master:
+                why = signal.Signals(stop_signal).name if stop_signal else "a signal to another rank"
+                print(f"stopped by {why} at step {step}: re-run the same command to resume from {saved} "
+                      f"(exit code {code})", flush=True)
+            del model
+            leave_process_group()
+            sys.exit(code)
         for k, batch in enumerate(batches):
             batch = batch.to(device, non_blocking=True)
             sync = not ddp or k == accum - 1
@@ -611,20 +660,20 @@ def main(argv):
         tokens_seen += c.global_batch_size * c.seq_len
         timed_steps += 1
         timed_tokens += c.global_batch_size * c.seq_len
+        loss_steps += 1
         bar.update(1)
 
-        # Log (and check the loss) at every log interval, phase end and checkpoint: a checkpoint
-        # is only written after its loss was seen finite, and the logged loss averages restart
-        # there, so a resumed run logs exactly what an uninterrupted one does.
+        # Log (and check the loss) at every log interval, phase end and interval checkpoint. The
+        # checkpoints between two logs (on a signal, on time) keep the loss sums instead, so a
+        # resumed run logs exactly what an uninterrupted one does.
         end_of_phase = step == last or sched.phase(step) != phase
         save = step % c.ckpt_interval == 0 or end_of_phase
         if step % c.log_interval == 0 or save:
             if ddp:
                 dist.all_reduce(loss_acc)
-            loss_value = loss_acc.item() / timed_steps
+            loss_value = loss_acc.item() / loss_steps
             if not math.isfinite(loss_value):
-                raise SystemExit(f"step {step}: loss is {loss_value}; stopping. The last good checkpoint is "
-                                 f"{(checkpoints(c.out_dir) or ['(none)'])[-1]}; lower lr or check the data.")
+                raise loss_error(loss_value)
             dt = time.time() - t0
             tok_s = timed_tokens / dt
             record = dict(step=step, phase=phase, objective=objective, tokens=tokens_seen, loss=loss_value,
@@ -642,11 +691,14 @@ def main(argv):
                 mfu = f" mfu {100 * record['mfu']:.1f}%" if "mfu" in record else ""
                 bar.write(f"{phase} {objective} step {step}/{last} loss {loss_value:.4f} lr {lr:.2e} "
                           f"{tok_s:,.0f} tok/s{mfu}{extra} eta {eta / 60:.1f} min")
-            t0, timed_steps, timed_tokens, loss_acc = time.time(), 0, 0, torch.zeros((), device=device)
+            t0, timed_steps, timed_tokens = time.time(), 0, 0
+            loss_acc, loss_steps = torch.zeros((), device=device), 0
         if save:
-            checkpoint(os.path.join(c.out_dir, f"ckpt-{step}"))
+            saved = os.path.join(c.out_dir, f"ckpt-{step}")
+            checkpoint(saved, loader.state_dict())
+            saved_at = time.monotonic()
     bar.close()
-    checkpoint(os.path.join(c.out_dir, "final"))
+    checkpoint(os.path.join(c.out_dir, "final"), loader.state_dict())
     if master:
         mem = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)

@@ -1,5 +1,6 @@
-"""train.py on a cluster: damaged checkpoints, a full disk, nodes that do not share out_dir, per-rank
-random streams."""
+"""train.py on a cluster: preemption by SIGTERM (one process and torchrun), time-based checkpoints,
+damaged checkpoints, a full disk, nodes that do not share out_dir, per-rank random streams. Tiny
+CPU runs as in test_train.py; every interrupted run must log what an uninterrupted one does, bit for bit."""
 
 import errno
 import json
@@ -10,13 +11,14 @@ import shutil
 import signal
 import socket
 import subprocess
+import time
 
 import pytest
 import torch
 
 from data import load_meta
 from model import ModernBertConfig, ModernBertForMaskedLM
-from test_train import ROOT, TINY, base_ckpt, data_dir, train_cmd  # noqa: F401 (fixtures)
+from test_train import ROOT, TINY, base_ckpt, data_dir, metrics, train_cmd  # noqa: F401 (fixtures)
 from train import (Config, build_model, check_init_from, checkpoint_problem, latest_valid_checkpoint, make_optimizer,
                    rng_state, save_checkpoint, set_rng_state, trim_metrics)
 
@@ -210,3 +212,160 @@ def test_nodes_without_a_shared_out_dir_stop_with_a_clear_error(data_dir, base_c
     code, out, err = finish(start(cmd), check=False)
     assert code != 0 and "resuming" not in out
     assert f"checkpoint {tmp_path / 'node1' / 'ckpt-4'}" in err and "shared by all nodes" in err, err[-3000:]
+
+
+# -----------------------------------------------------------------------------
+# Preemption: tiny runs stopped by a signal (or a kill), then resumed
+
+# 40 main + 10 decay steps, a log every 4 steps and a checkpoint every 10: a checkpoint between two
+# logs (a signal, a timer) must carry the half-summed loss of the next log into the resumed run.
+ARGS = [f"--tokens={40 * 8 * 64}", "--log_interval=4", "--ckpt_interval=10", "--eval_interval=20"]
+
+
+def losses(records):
+    return [(m["step"], m["loss"], m.get("val_mlm_loss"), m.get("val_clm_loss")) for m in records]
+
+
+def max_diff(a, b):
+    return max(abs(x[1] - y[1]) for x, y in zip(a, b))
+
+
+def logged(out):
+    """The last step in out/metrics.jsonl so far (0 before the first record)."""
+    try:
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            return max((json.loads(line)["step"] for line in f if line.endswith("\n")), default=0)
+    except FileNotFoundError:
+        return 0
+
+
+def ckpt_steps(out):
+    return sorted(int(p.name.split("-")[1]) for p in out.glob("ckpt-*"))
+
+
+def stopped_at(stdout, cause):
+    """The step of the one line train.py logs when a signal stops it."""
+    said = [line for line in stdout.splitlines() if line.startswith(f"stopped by {cause} at step ")]
+    assert len(said) == 1 and "re-run the same command to resume" in said[0], stdout[-3000:]
+    return int(said[0].split(" at step ")[1].split(":")[0])
+
+
+def worker_pids(proc):
+    """{rank: pid} of a torchrun process's workers."""
+    pids = {}
+    for pid in children(proc.pid):
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+        pids[int(env[b"RANK"])] = pid
+    return pids
+
+
+def wait_for(condition, proc, what, timeout=120):
+    deadline = time.time() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the run ended before {what}"
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def stop(proc, pid=None):
+    """SIGTERM to `pid` (default: the process itself) -> (exit code, stdout, stderr, seconds from signal to exit)."""
+    t = time.time()
+    os.kill(pid or proc.pid, signal.SIGTERM)
+    code, out, err = finish(proc, check=False, timeout=60)
+    return code, out, err, time.time() - t
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir, base_ckpt, tmp_path_factory):
+    """The metrics of an uninterrupted run: what every interrupted and resumed run must log."""
+    out = tmp_path_factory.mktemp("reference")
+    r = subprocess.run(train_cmd(out, data_dir, f"--init_from={base_ckpt}", *ARGS), capture_output=True, text=True,
+                       cwd=ROOT, env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return losses(metrics(out))
+
+
+# -----------------------------------------------------------------------------
+# 4. SIGTERM: finish the step, checkpoint, exit 143; the re-run continues bit for bit
+
+
+def test_sigterm_checkpoints_exits_and_resumes_exactly(data_dir, base_ckpt, reference, tmp_path, start):
+    cmd = train_cmd(tmp_path, data_dir, f"--init_from={base_ckpt}", *ARGS)
+    proc = start(cmd)
+    wait_for(lambda: logged(tmp_path) >= 4, proc, "step 4")
+    code, out, err, seconds = stop(proc)
+    assert code == 143 and seconds < 20, out[-2000:] + err[-2000:]
+    at = stopped_at(out, "SIGTERM")
+    assert ckpt_steps(tmp_path)[-1] == at and at % 10, "a checkpoint between interval checkpoints"
+    assert logged(tmp_path) <= at and not (tmp_path / "final").exists()
+
+    code, out, err = finish(start(cmd))
+    assert f"resuming at step {at}" in out
+    resumed = losses(metrics(tmp_path))
+    assert resumed == reference
+    print(f"SIGTERM: stopped at step {at} with its checkpoint (0 steps lost, a {'mid' if at % 4 else 'log'}-window "
+          f"step), exited {seconds:.2f} s after the signal; resumed, max loss diff {max_diff(reference, resumed)}")
+
+
+# -----------------------------------------------------------------------------
+# 5. kill -9 in a run with time-based checkpoints (here: at every step), then a damaged latest
+#    checkpoint: a warning, the resume uses the one before it, and no logged number changes
+
+
+def test_kill9_and_a_truncated_checkpoint_resume_from_the_one_before(data_dir, base_ckpt, reference, tmp_path,
+                                                                     start):
+    cmd = train_cmd(tmp_path, data_dir, f"--init_from={base_ckpt}", *ARGS, "--ckpt_every_minutes=1e-9")
+    proc = start(cmd)
+    wait_for(lambda: (tmp_path / "ckpt-14").exists(), proc, "ckpt-14")
+    proc.kill()
+    proc.communicate()
+    newest = ckpt_steps(tmp_path)[-1]
+    assert newest - 1 in ckpt_steps(tmp_path) and newest < 40, ckpt_steps(tmp_path)
+    for name in ("model.safetensors", "train_state.pt"):  # a copy cut short
+        file = tmp_path / f"ckpt-{newest}" / name
+        os.truncate(file, file.stat().st_size // 2)
+
+    code, out, err = finish(start(cmd))
+    warning = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and f"ckpt-{newest} is damaged" in warning[0] and "bytes" in warning[0], err[-2000:]
+    assert f"resuming at step {newest - 1}" in out and not list(tmp_path.glob(".tmp-*"))
+    resumed = losses(metrics(tmp_path))
+    assert resumed == reference, "checkpoints between logs must not change the logged numbers"
+    print(f"kill -9 after ckpt-{newest}, truncated: warned, resumed from ckpt-{newest - 1} (1 step redone, "
+          f"{'mid' if (newest - 1) % 4 else 'log'}-window); max loss diff {max_diff(reference, resumed)}")
+
+
+# -----------------------------------------------------------------------------
+# 6. torchrun: a signal to one rank stops both at the same step; SIGTERM to torchrun too;
+#    the resumed run equals the uninterrupted one, dropout included (per-rank random streams)
+
+
+def test_torchrun_ranks_stop_together_and_resume_exactly(data_dir, base_ckpt, tmp_path, start):
+    args = [f"--init_from={base_ckpt}", "--micro_batch_size=2", *ARGS, f"--tokens={24 * 8 * 64}"]  # dropout 0.1
+    finish(start(train_cmd(tmp_path / "whole", data_dir, *args, nproc=2, port=29541)))
+    out = tmp_path / "stopped"
+
+    # SIGTERM to rank 1 alone: rank 0 learns it through the step's all-reduce and stops at the same step.
+    proc = start(train_cmd(out, data_dir, *args, nproc=2, port=29542))
+    wait_for(lambda: logged(out) >= 4, proc, "step 4")
+    code, stdout, err, seconds_one = stop(proc, worker_pids(proc)[1])
+    first = stopped_at(stdout, "a signal to another rank")  # what rank 0 says
+    assert ckpt_steps(out)[-1] == first and logged(out) <= first
+    ranks = torch.load(out / f"ckpt-{first}" / "train_state.pt", weights_only=False)["ranks"]
+    assert len(ranks) == 2 and not torch.equal(ranks[0]["rng"]["cpu"], ranks[1]["rng"]["cpu"])
+
+    # SIGTERM to torchrun, which forwards it to both workers.
+    proc = start(train_cmd(out, data_dir, *args, nproc=2, port=29543))
+    wait_for(lambda: logged(out) >= first + 4, proc, f"step {first + 4}")
+    code, stdout, err, seconds_all = stop(proc)
+    second = stopped_at(stdout, "SIGTERM")
+    assert code != 0 and ckpt_steps(out)[-1] == second > first
+    assert seconds_one < 20 and seconds_all < 20, "an exit that hangs until torchrun kills it (after 30 s)"
+
+    finish(start(train_cmd(out, data_dir, *args, nproc=2, port=29544)))
+    whole, resumed = losses(metrics(tmp_path / "whole")), losses(metrics(out))
+    assert resumed == whole
+    print(f"torchrun: stopped at step {first} (SIGTERM to rank 1, exit after {seconds_one:.2f} s) and {second} "
+          f"(SIGTERM to torchrun, which exits with {code} after {seconds_all:.2f} s), 0 steps lost; resumed, "
+          f"max loss diff {max_diff(whole, resumed)}")
