@@ -36,7 +36,6 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from safetensors import SafetensorError
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
@@ -93,6 +92,7 @@ class Config:
     dtype: str = "auto"  # "auto" (bfloat16 autocast on GPU, float32 on CPU), "float32", "bfloat16"
     compile: bool = False
     attn_backend: str = "auto"  # "auto", "flash", "varlen", "sdpa"
+    peak_tflops: float = 0.0  # the GPU's dense bf16 peak for MFU; 0: known from its name (model.PEAK_FLOPS)
     # logging, evaluation, checkpoints
     log_interval: int = 10
     eval_interval: int = 500  # also at the end of each phase
@@ -200,10 +200,11 @@ class Schedule:
 
 
 def loss_sum(model, batch, causal):
-    """Sum of cross-entropies over the batch's targets, in float32."""
-    logits = model(batch.tokens, causal=causal, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen,
-                   rows=batch.rows)
-    return F.cross_entropy(logits.float(), batch.targets, reduction="sum")
+    """Sum of cross-entropies over the batch's targets, in float32. The model computes it in chunks of
+    rows (model.ChunkedCrossEntropy), never holding (rows, vocab) logits; through forward, so DDP's
+    gradient hooks see the call."""
+    return model(batch.tokens, causal=causal, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen,
+                 rows=batch.rows, targets=batch.targets)
 
 
 def make_batch(windows, objective, mask_prob, meta, seed, split_docs):
