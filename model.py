@@ -417,44 +417,53 @@ LOSS_CHUNK_ROWS = 2048
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """sum_i cross_entropy(x_i @ weight.T + bias, targets_i) in float32, x: (N, H), targets: (N,),
-    holding at most one chunk's (chunk_rows, V) logits and their gradient at a time."""
+    """sum_i cross_entropy(x_i @ weight.T + bias, targets_i) in float32, x: (N, H), targets: (N,), in
+    n_chunks chunks of ceil(N / n_chunks) rows, holding one chunk's (rows, V) logits and their
+    gradient at a time.
+
+    The number of chunks is fixed by the caller from a bound on N that does not change between steps
+    (the batch's token count), and N varies only the chunk size: under torch.compile the loop has a
+    fixed length and N stays symbolic, so an MLM step with another number of masked tokens reuses the
+    compiled graph instead of compiling one per row count. The rows are padded to n_chunks x chunk
+    with ignored targets (-100) to make every chunk the same size."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, targets, chunk_rows):
-        want_grad = any(ctx.needs_input_grad[:3])  # False under torch.no_grad (evaluation)
+    def forward(ctx, x, weight, bias, targets, n_chunks, want_grad):
+        N = x.shape[0]
+        chunk = -(-N // n_chunks)
+        pad = n_chunks * chunk - N
+        x, targets = F.pad(x, (0, 0, 0, pad)), F.pad(targets, (0, pad), value=-100)  # (n_chunks * chunk, ...)
         loss = torch.zeros((), device=x.device, dtype=torch.float32)
         if want_grad:  # accumulated in float32 whatever the matmul dtype, cast to the inputs' dtype in backward
             grad_x = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
             grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
             grad_b = torch.zeros(bias.shape, device=bias.device, dtype=torch.float32)
-        # The loop runs over the number of chunks, not over range(0, N, chunk_rows): under torch.compile
-        # that keeps N symbolic (the graph depends on the chunk count only), while a range up to N would
-        # compile a new graph for every MLM row count.
-        for i in range(-(-x.shape[0] // chunk_rows)):
-            start = i * chunk_rows
-            xc, yc = x[start:start + chunk_rows], targets[start:start + chunk_rows]  # (c, H), (c,)
+        for i in range(n_chunks):
+            xc, yc = x[i * chunk:(i + 1) * chunk], targets[i * chunk:(i + 1) * chunk]  # (c, H), (c,)
+            valid = yc >= 0  # (c,) False on the padding rows
+            yc = yc.clamp_min(0)
             logits = F.linear(xc, weight, bias)  # (c, V), in autocast's dtype under autocast
             mm_dtype = logits.dtype
             logits = logits.float()  # the softmax in float32, as F.cross_entropy(logits.float()) would
             lse = logits.logsumexp(dim=-1)  # (c,)
-            loss += (lse - logits.gather(1, yc[:, None]).squeeze(1)).sum()
+            loss += ((lse - logits.gather(1, yc[:, None]).squeeze(1)) * valid).sum()
             if want_grad:
                 grad = logits.sub_(lse[:, None]).exp_()  # (c, V) softmax, written over the logits
-                grad.scatter_add_(1, yc[:, None], grad.new_full((yc.numel(), 1), -1.0))  # - onehot
+                grad.scatter_add_(1, yc[:, None], -valid[:, None].float())  # - onehot
+                grad.mul_(valid[:, None])  # padding rows: no gradient
                 grad_b += grad.sum(dim=0)
                 grad = grad.to(mm_dtype)  # cast once for both matmuls (which autocast runs in mm_dtype)
-                grad_x[start:start + chunk_rows] = grad @ weight  # (c, V) @ (V, H)
+                grad_x[i * chunk:(i + 1) * chunk] = grad @ weight  # (c, V) @ (V, H)
                 grad_w += grad.T @ xc  # (V, c) @ (c, H)
         if want_grad:
-            ctx.save_for_backward(grad_x, grad_w, grad_b)
+            ctx.save_for_backward(grad_x[:N], grad_w, grad_b)
             ctx.dtypes = x.dtype, weight.dtype, bias.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         """d(grad_loss * loss) / d(x, weight, bias): the forward's gradients scaled by the upstream scalar."""
-        return (*((g * grad_loss).to(dtype) for g, dtype in zip(ctx.saved_tensors, ctx.dtypes)), None, None)
+        return (*((g * grad_loss).to(dtype) for g, dtype in zip(ctx.saved_tensors, ctx.dtypes)), None, None, None)
 
 
 def unpad(input_ids, attention_mask):
@@ -581,13 +590,18 @@ class ModernBertForMaskedLM(PreTrained):
         """(N, H) -> (N, V). Apply to selected rows only for sparse prediction."""
         return self.decoder(self.head(hidden))
 
-    def loss_sum(self, hidden, targets, chunk_rows=LOSS_CHUNK_ROWS):
+    def loss_sum(self, hidden, targets, chunk_rows=LOSS_CHUNK_ROWS, max_rows=None):
         """(N, H) final hidden states of the predicted rows and their (N,) targets -> the float32 sum
         of the N cross-entropies, as cross_entropy(self.logits(hidden).float(), targets, reduction="sum")
-        but with the decoder and the softmax in chunks of rows (ChunkedCrossEntropy). The dense, GELU,
-        LayerNorm part of the head runs on all rows at once: its activations are only (N, H)."""
+        but with the decoder and the softmax in chunks of at most chunk_rows rows (ChunkedCrossEntropy).
+        max_rows, a bound on N that does not change between steps (the batch's token count), fixes
+        the number of chunks. The dense, GELU, LayerNorm part of the head runs on all rows at once: its
+        activations are only (N, H). Gradients are computed only where autograd will ask for them:
+        not under torch.no_grad (evaluation)."""
+        n_chunks = max(1, -(-(max_rows or hidden.shape[0]) // chunk_rows))
+        want_grad = torch.is_grad_enabled() and (hidden.requires_grad or self.decoder.weight.requires_grad)
         return ChunkedCrossEntropy.apply(self.head(hidden), self.decoder.weight, self.decoder.bias, targets,
-                                         chunk_rows)
+                                         n_chunks, want_grad)
 
     def forward(self, input_ids, attention_mask=None, causal=False, *, cu_seqlens=None, max_seqlen=None, rows=None,
                 targets=None):
@@ -605,7 +619,7 @@ class ModernBertForMaskedLM(PreTrained):
             if shape is not None:
                 raise ValueError("targets need the unpadded call: flat ids with cu_seqlens, max_seqlen and the "
                                  "rows that have a target (see data.py's Batch)")
-            return self.loss_sum(hidden, targets)
+            return self.loss_sum(hidden, targets, max_rows=input_ids.shape[0])  # T: fixed between steps
         logits = self.logits(hidden)
         return logits if shape is None else repad(logits, keep, *shape)
 
