@@ -583,10 +583,12 @@ class Batch:
     rows: torch.Tensor  # (N,) positions in tokens that have a target
     targets: torch.Tensor  # (N,) the target ids
 
+    def map(self, fn):
+        """The same batch with fn applied to each of its tensors (to a device, to pinned memory)."""
+        return Batch(fn(self.tokens), fn(self.cu_seqlens), self.max_seqlen, fn(self.rows), fn(self.targets))
+
     def to(self, device, non_blocking=False):
-        return Batch(self.tokens.to(device, non_blocking=non_blocking),
-                     self.cu_seqlens.to(device, non_blocking=non_blocking), self.max_seqlen,
-                     self.rows.to(device, non_blocking=non_blocking), self.targets.to(device, non_blocking=non_blocking))
+        return self.map(lambda t: t.to(device, non_blocking=non_blocking))
 
 
 def _layout(windows, eos_id, split_docs):

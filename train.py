@@ -19,6 +19,8 @@ finishes the step, writes a checkpoint and exits with 128 + the signal number
 
 import ast
 import dataclasses
+import queue
+import threading
 import glob
 import hashlib
 import json
@@ -41,6 +43,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import distributed
+from checkpoint import (MANIFEST, checkpoint_problem, checkpoints, latest_valid_checkpoint, rng_state, save_checkpoint,
+                        set_rng_state, trim_metrics)
 from data import SPECIAL_NAMES, Loader, clm_batch, load_meta, mlm_batch
 from model import ModernBertConfig, ModernBertForMaskedLM, load_config, peak_flops, training_flops
 
@@ -90,7 +94,7 @@ class Config:
     # system
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
     dtype: str = "auto"  # "auto" (bfloat16 autocast on GPU, float32 on CPU), "float32", "bfloat16"
-    compile: bool = False
+    compile: str = "auto"  # "auto": on for CUDA, off on CPU (where inductor compiles for minutes); True or False
     attn_backend: str = "auto"  # "auto", "flash", "varlen", "sdpa"
     peak_tflops: float = 0.0  # the GPU's dense bf16 peak for MFU; 0: known from its name (model.PEAK_FLOPS)
     # logging, evaluation, checkpoints
@@ -213,6 +217,39 @@ def make_batch(windows, objective, mask_prob, meta, seed, split_docs):
     return mlm_batch(windows, mask_prob, {k: meta[k] for k in SPECIAL_NAMES}, meta["vocab_size"], seed, split_docs)
 
 
+def prefetch(produce, steps, depth=2):
+    """Yield produce(step) for each of `steps`, built up to `depth` steps ahead by a background thread,
+    so that the CPU work of a step's batches (reading, masking, targets, pinning) overlaps the GPU work
+    of the steps before. produce() runs in step order in one thread: the stream is what it would be
+    without the thread, and an exception in it is raised here, at the step it belongs to."""
+    ready, done = queue.Queue(maxsize=depth), threading.Event()
+
+    def work():
+        for step in steps:
+            try:
+                item = (produce(step), None)
+            except BaseException as e:  # noqa: BLE001 (raised again in the consumer)
+                item = (None, e)
+            while not done.is_set():  # a consumer that stopped (signal, error) reads no more
+                try:
+                    ready.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    pass
+            if item[1] is not None or done.is_set():
+                return
+
+    threading.Thread(target=work, daemon=True, name="prefetch").start()
+    try:
+        for _ in steps:
+            item, error = ready.get()
+            if error is not None:
+                raise error
+            yield item
+    finally:
+        done.set()
+
+
 # -----------------------------------------------------------------------------
 # Model, optimizer, freezing
 
@@ -257,7 +294,6 @@ def check_tokenizer(ckpt, config, meta, data_dir):
                          f"{ckpt} has {config.vocab_size} embeddings; {fix}")
     tok_file = os.path.join(ckpt, "tokenizer.json")
     if os.path.isfile(tok_file) and meta.get("tokenizer_sha256"):
-        import hashlib
         if hashlib.sha256(open(tok_file, "rb").read()).hexdigest() != meta["tokenizer_sha256"]:
             raise SystemExit(f"tokenizer mismatch: {ckpt}/tokenizer.json differs from the one {data_dir} was "
                              f"prepared with; {fix}")
@@ -276,143 +312,6 @@ def make_optimizer(model, c, device):
 
 def frozen_params(model, layers):
     return [p for i in sorted(layers) for p in model.model.layers[i].parameters()]
-
-
-# -----------------------------------------------------------------------------
-# Checkpoints: out_dir/ckpt-STEP/ = Hugging Face files + train_state.pt + manifest.json.
-# Everything is written to a temporary directory, the manifest (size and sha256 of
-# every other file) last, synced to disk, then renamed: a kill at any moment leaves
-# the previous checkpoints as they were, and a checkpoint damaged later (a truncated
-# copy, a bad disk) fails its manifest and is skipped on resume.
-
-MANIFEST = "manifest.json"
-
-
-def save_checkpoint(path, model, optimizer, state, c):
-    """Write the checkpoint directory `path`. If a write fails (a full disk, a quota) the partial copy is
-    removed, the previous checkpoints stay intact, and the run stops saying how much space it needs."""
-    out_dir = os.path.dirname(path)
-    tmp = os.path.join(out_dir, ".tmp-" + os.path.basename(path))
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            src = os.path.join(c.data_dir, name)
-            if os.path.isfile(src):
-                shutil.copyfile(src, os.path.join(tmp, name))
-        torch.save({**state, "optimizer": optimizer.state_dict(), "config": dataclasses.asdict(c)},
-                   os.path.join(tmp, "train_state.pt"))
-        # Hashing reads every file back: a few seconds for a Large checkpoint (about 5 GB with the optimizer).
-        manifest = {}
-        for name in sorted(os.listdir(tmp)):
-            file = os.path.join(tmp, name)
-            manifest[name] = {"bytes": os.path.getsize(file), "sha256": sha256(file)}
-            fsync(file)
-        with open(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=1)
-        fsync(os.path.join(tmp, MANIFEST))
-        fsync(tmp)
-        shutil.rmtree(path, ignore_errors=True)  # "final" of a re-run, or a damaged copy of this step
-        os.replace(tmp, path)
-        fsync(out_dir)
-    except (OSError, RuntimeError, SafetensorError) as e:  # how open(), torch.save and safetensors report it
-        shutil.rmtree(tmp, ignore_errors=True)
-        moments = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-        need = sum(t.numel() * t.element_size() for t in [*model.parameters(), *moments])
-        free = shutil.disk_usage(out_dir).free
-        raise SystemExit(f"could not write checkpoint {path}: {e}. A checkpoint needs about {need / 2 ** 30:.3g} GiB "
-                         f"and {out_dir} has {free / 2 ** 30:.3g} GiB free. The previous checkpoints are intact: free "
-                         "some space (or lower max_ckpts, or move out_dir) and re-run the same command to resume.")
-
-
-def sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def fsync(path):
-    """Flush a file, or a directory's entries, to disk (a rename is only durable once its directory is)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def checkpoint_problem(path, checksums=True):
-    """What is wrong with the checkpoint directory `path`, or None if every file its manifest lists is
-    there with its size and (if checksums) its sha256."""
-    if not os.path.isdir(path):
-        return "no such directory"
-    try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        return f"no {MANIFEST}: it was not written completely"
-    except (OSError, ValueError) as e:
-        return f"{MANIFEST} is unreadable ({e})"
-    for name, want in manifest.items():
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            return f"{name} is missing"
-        if os.path.getsize(file) != want["bytes"]:
-            return f"{name} has {os.path.getsize(file)} bytes, the manifest says {want['bytes']} (truncated?)"
-        if checksums and sha256(file) != want["sha256"]:
-            return f"{name} does not match its sha256 (corrupted)"
-    return None
-
-
-def checkpoints(out_dir):
-    """The ckpt-STEP directories in out_dir, complete or not, oldest first."""
-    found = [p for p in glob.glob(os.path.join(out_dir, "ckpt-*")) if re.fullmatch(r"ckpt-\d+", os.path.basename(p))]
-    return sorted(found, key=lambda p: int(p.rsplit("-", 1)[1]))
-
-
-def latest_valid_checkpoint(out_dir):
-    """The newest checkpoint in out_dir that passes its manifest (None if out_dir has none). Each damaged
-    newer one gets a warning; if all are damaged the run stops rather than start over silently."""
-    damaged = []
-    for path in reversed(checkpoints(out_dir)):
-        problem = checkpoint_problem(path)
-        if problem is None:
-            return path
-        print(f"warning: checkpoint {path} is damaged ({problem}); trying the one before it", file=sys.stderr)
-        damaged.append(path)
-    if damaged:
-        raise SystemExit(f"no valid checkpoint in {out_dir}: {', '.join(damaged)} are damaged (see the warnings). "
-                         "Restore one from a copy, or move them away to start over from init_from.")
-    return None
-
-
-def trim_metrics(path, step):
-    """Keep the records of metrics.jsonl up to `step`, the resume point: a killed run may have logged
-    past its last checkpoint, or died in the middle of a line."""
-    if not os.path.isfile(path):
-        return
-    with open(path) as f:
-        kept = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= step]
-    with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)
-
-
-# Random streams: every rank has its own (dropout; the CPU's, and on CUDA the GPU's, which is what
-# dropout draws from there). A checkpoint keeps them all, per rank, so a resume continues them exactly.
-
-def rng_state(device):
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state, device):
-    torch.set_rng_state(state["cpu"])
-    if device.type == "cuda" and "cuda" in state:  # a CPU checkpoint resumed on GPU keeps the seed's GPU stream
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 # Rank 0 alone decides some things (which checkpoint to resume, writing one). Every rank gets the
@@ -497,11 +396,10 @@ def main(argv):
         raise SystemExit(f"global_batch_size={c.global_batch_size} is not a multiple of micro_batch_size="
                          f"{c.micro_batch_size} x world size {world}")
     accum = c.global_batch_size // (c.micro_batch_size * world)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
-             "bfloat16": torch.bfloat16}[c.dtype]
-    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    autocast, dtype = distributed.autocast(device, c.dtype)
+    compiled = {"auto": device.type == "cuda", "true": True, "false": False}.get(c.compile.lower())
+    if compiled is None:
+        raise SystemExit(f"compile={c.compile!r}: choose auto, True or False")
 
     # Resume from the newest valid checkpoint in out_dir or, for phase="decay", from the phase-1
     # checkpoint named by init_from (weights, optimizer, step, data position, RNG, loss sums).
@@ -554,13 +452,20 @@ def main(argv):
             json.dump(dataclasses.asdict(c), f, indent=2)
         print(json.dumps(dataclasses.asdict(c), indent=2))
         n = model.num_params()
+        with autocast:
+            backend = model.model.attention_backend(device)
         print(f"model: {n / 1e6:.2f}M parameters, {model.config.num_hidden_layers} layers; world {world}, "
               f"accumulation {accum}; {sched.main_steps} main + {sched.decay_steps} decay steps of "
               f"{c.global_batch_size * c.seq_len:,} tokens" + (f"; resuming at step {step}" if resume_from else ""))
+        print(f"{device}, {str(dtype).removeprefix('torch.')}, attention {backend}, compile {'on' if compiled else 'off'}")
         trim_metrics(os.path.join(c.out_dir, "metrics.jsonl"), step)
 
     raw_model = model
-    if c.compile:
+    if compiled:
+        # One graph for the whole forward, loss included (no graph break), and one more when causal flips
+        # at the phase boundary; the MLM row count is marked dynamic below. DDP wraps the compiled model,
+        # so its gradient all-reduce follows the whole backward instead of overlapping it: a few ms once
+        # per optimizer step, against seconds of accumulated micro batches.
         model = torch.compile(model)
     if ddp:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -571,6 +476,8 @@ def main(argv):
 
     def checkpoint(path, loader_state):
         """Every rank: gather the per-rank state; rank 0 writes; every rank checks that it sees the result."""
+        nonlocal paused
+        started = time.time()
         mine = dict(rng=rng_state(device), loss_acc=loss_acc.item())
         ranks = [mine]
         if ddp:
@@ -590,6 +497,7 @@ def main(argv):
         on_rank0(write, rank, ddp)  # also the barrier: no rank reads the checkpoint before it is complete
         if ddp:
             every_rank_sees(path, world)
+        paused += time.time() - started  # not training time: left out of tokens/s and MFU
 
     def log(record):
         if master:
@@ -607,36 +515,51 @@ def main(argv):
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
-    peak = peak_flops(device)
-    bar = tqdm(total=last - first, initial=step - first, desc=c.phase, disable=not master or None, unit="step")
-    t0, timed_steps, timed_tokens = time.time(), 0, 0
-    saved, saved_at = resume_from or c.init_from, time.monotonic()  # where the state at `step` is already
-    while step < last:
+    def objective_at(step):
+        """(phase, objective, mask_prob) of a step: phase 1 has the config's objective, the decay MLM."""
         phase = sched.phase(step)
-        objective, mask_prob = (c.objective, c.mask_prob) if phase == "main" else ("mlm", c.decay_mask_prob)
+        return (phase, c.objective, c.mask_prob) if phase == "main" else (phase, "mlm", c.decay_mask_prob)
+
+    def step_batches(step):
+        """This rank's micro batches of `step` (all of them first: the loss divides by the global number of
+        targets), the loader position after them, and their FLOPs from the real sequence lengths."""
+        _, objective, mask_prob = objective_at(step)
+        batches = [make_batch(loader.next(), objective, mask_prob, meta, [c.seed, step, k * world + rank],
+                              c.split_docs) for k in range(accum)]
+        if device.type == "cuda":  # pinned: the copy to the GPU is then asynchronous
+            batches = [b.map(torch.Tensor.pin_memory) for b in batches]
+        seqlens = [n for b in batches for n in (b.cu_seqlens[1:] - b.cu_seqlens[:-1]).tolist()]
+        flops = training_flops(raw_model.config, seqlens, objective == "clm", sum(b.targets.numel() for b in batches))
+        return batches, loader.state_dict(), flops
+
+    peak = peak_flops(device, c.peak_tflops)
+    bar = tqdm(total=last - first, initial=step - first, desc=c.phase, disable=not master or None, unit="step")
+    t0, timed_steps, timed_tokens, timed_flops, paused = time.time(), 0, 0, 0.0, 0.0
+    saved, saved_at = resume_from or c.init_from, time.monotonic()  # where the state at `step` is already
+    loader_state = loader.state_dict()  # at the step boundary; from here on only the prefetch thread reads data
+    stream = prefetch(step_batches, range(step, last))
+    while step < last:
+        phase, objective, mask_prob = objective_at(step)
         lr = sched.lr_at(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
         freeze = frozen if c.freeze_phase in (phase, "both") else set()
-
-        # The whole step's micro batches first: the loss divides by the global number of targets.
-        loader_state = loader.state_dict()  # the step boundary, before this step's batches
-        batches = [make_batch(loader.next(), objective, mask_prob, meta, [c.seed, step, k * world + rank],
-                              c.split_docs) for k in range(accum)]
+        batches, next_loader_state, flops = next(stream)
         # The one all-reduce of a step also carries what the ranks must agree on at its boundary: a signal
         # that reached any of them, a time-based checkpoint that any rank's clock says is due.
         due = c.ckpt_every_minutes > 0 and time.monotonic() - saved_at >= 60 * c.ckpt_every_minutes
-        agreed = torch.tensor([sum(b.targets.numel() for b in batches), stop_signal, due], dtype=torch.float32,
-                              device=device)
+        agreed = torch.tensor([sum(b.targets.numel() for b in batches), stop_signal, due, flops],
+                              dtype=torch.float32, device=device)
         if ddp:
             dist.all_reduce(agreed)
         n_targets = agreed[0]
-        stopping, due = (agreed[1:] > 0).tolist()  # waits for the previous step, as the batch copy to GPU does
+        stopping, due, flops = agreed[1:].tolist()  # waits for the previous step, as the batch copy to GPU does
         path = os.path.join(c.out_dir, f"ckpt-{step}")
         if (stopping or due) and path != saved:
             checkpoint(path, loader_state)
             saved, saved_at = path, time.monotonic()
         if stopping:
+            stream.close()
             bar.close()
             code = 128 + (stop_signal or signal.SIGTERM)  # what a shell reports for a process the signal killed
             if master:
@@ -648,6 +571,9 @@ def main(argv):
             sys.exit(code)
         for k, batch in enumerate(batches):
             batch = batch.to(device, non_blocking=True)
+            if compiled:  # the number of MLM targets changes every step: one graph for all of them
+                torch._dynamo.mark_dynamic(batch.rows, 0)
+                torch._dynamo.mark_dynamic(batch.targets, 0)
             sync = not ddp or k == accum - 1
             with (model.no_sync() if not sync else nullcontext()), autocast:
                 loss = loss_sum(model, batch, causal=objective == "clm") * world / n_targets  # DDP averages ranks
@@ -658,9 +584,11 @@ def main(argv):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
+        loader_state = next_loader_state
         tokens_seen += c.global_batch_size * c.seq_len
         timed_steps += 1
         timed_tokens += c.global_batch_size * c.seq_len
+        timed_flops += flops
         loss_steps += 1
         bar.update(1)
 
@@ -675,14 +603,12 @@ def main(argv):
             loss_value = loss_acc.item() / loss_steps
             if not math.isfinite(loss_value):
                 raise loss_error(loss_value)
-            dt = time.time() - t0
+            dt = time.time() - t0 - paused  # training time only: checkpoints and evaluations are left out
             tok_s = timed_tokens / dt
             record = dict(step=step, phase=phase, objective=objective, tokens=tokens_seen, loss=loss_value,
                           lr=lr, tokens_per_s=tok_s)
-            if peak:
-                flops = training_flops(raw_model.config, c.global_batch_size * c.seq_len, c.seq_len,
-                                       objective == "clm", n_targets.item())
-                record["mfu"] = flops * timed_steps / dt / world / peak
+            if peak:  # model FLOPs (model.training_flops, from the real sequence lengths) / time / peak per GPU
+                record["mfu"] = timed_flops / dt / world / peak
             if step % c.eval_interval == 0 or end_of_phase:
                 record.update(evaluate(raw_model, c, meta, rank, world, device, autocast))
             log(record)
@@ -692,14 +618,14 @@ def main(argv):
                 mfu = f" mfu {100 * record['mfu']:.1f}%" if "mfu" in record else ""
                 bar.write(f"{phase} {objective} step {step}/{last} loss {loss_value:.4f} lr {lr:.2e} "
                           f"{tok_s:,.0f} tok/s{mfu}{extra} eta {eta / 60:.1f} min")
-            t0, timed_steps, timed_tokens = time.time(), 0, 0
+            t0, timed_steps, timed_tokens, timed_flops, paused = time.time(), 0, 0, 0.0, 0.0
             loss_acc, loss_steps = torch.zeros((), device=device), 0
         if save:
             saved = os.path.join(c.out_dir, f"ckpt-{step}")
-            checkpoint(saved, loader.state_dict())
+            checkpoint(saved, loader_state)
             saved_at = time.monotonic()
     bar.close()
-    checkpoint(os.path.join(c.out_dir, "final"), loader.state_dict())
+    checkpoint(os.path.join(c.out_dir, "final"), loader_state)
     if master:
         mem = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)

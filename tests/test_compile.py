@@ -1,0 +1,130 @@
+"""torch.compile as train.py uses it on GPU, checked on CPU: how many graphs a run compiles (dynamo's
+counters, with the aot_eager backend: the same tracing and guards as inductor, without its C++ build),
+no graph break, compiled = eager with inductor, and the two pieces around it: the chunked loss does no
+gradient work under no_grad, and the prefetch thread keeps the batch stream as it is."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import train
+from model import ModernBertConfig
+from test_gpu_path import SPECIAL, randomized, tiny, train_losses  # noqa: F401 (tiny is a fixture)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Each process: torch.compile with aot_eager, and the number of graphs it compiled printed on exit.
+AOT_EAGER = ("import atexit, functools, runpy, sys, torch; from torch._dynamo.utils import counters; "
+             "torch.compile = functools.partial(torch.compile, backend='aot_eager'); "
+             "atexit.register(lambda: print('compiled graphs', counters['stats']['unique_graphs'], 'graph breaks', "
+             "sum(counters['graph_break'].values()), file=sys.stderr)); "
+             "sys.argv = sys.argv[1:]; sys.path.insert(0, '.'); runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def run_args(tiny, out, **over):
+    """A CLM phase of 2 steps, then an MLM decay of 10 steps: the mask flips once, the target count moves."""
+    args = dict(data_dir=tiny / "shards", init_from=tiny / "a", out_dir=out, seq_len=32, global_batch_size=4,
+                micro_batch_size=2, tokens=2 * 4 * 32, warmup_tokens=0, lr=1e-3, decay_frac=5.0, log_interval=4,
+                eval_interval=100, eval_windows=4, ckpt_interval=100, device="cpu", attn_out_dropout=0.0)
+    return [f"--{k}={v}" for k, v in {**args, **over}.items()]
+
+
+@pytest.fixture
+def keep_signal_handlers():
+    """train.main installs SIGTERM/SIGINT handlers: give pytest its own back."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+def test_a_run_compiles_one_graph_per_mask(tiny, tmp_path, monkeypatch, keep_signal_handlers):
+    orig = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: orig(model, backend="aot_eager", **kw))
+    torch._dynamo.reset()
+    counters.clear()
+    train.main(run_args(tiny, tmp_path / "compiled", compile=True))
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    print(f"12 steps (2 CLM, 10 MLM with 4 micro batches each): {graphs} compiled graphs, {breaks} graph breaks")
+    assert breaks == 0 and graphs == 2  # causal and bidirectional; no graph per MLM target count
+    train.main(run_args(tiny, tmp_path / "eager", compile=False))
+    for (s, a, _), (t, b, _) in zip(train_losses(tmp_path / "compiled"), train_losses(tmp_path / "eager")):
+        assert s == t and abs(a - b) <= 1e-5 * abs(b)
+
+
+def test_ddp_of_the_compiled_model_under_torchrun(tiny, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29583",
+           "--no-python", sys.executable, "-c", AOT_EAGER, os.path.join(ROOT, "train.py"),
+           *run_args(tiny, tmp_path / "ddp", compile=True)]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    per_rank = [tuple(map(int, m)) for m in re.findall(r"compiled graphs (\d+) graph breaks (\d+)", r.stderr)]
+    print(f"torchrun 2 processes, DDP(compiled): (graphs, breaks) per rank {per_rank}")
+    assert per_rank == [(2, 0), (2, 0)]
+
+
+def test_inductor_step_equals_eager():
+    """One MLM forward + backward through inductor (C++ on CPU) against eager, float32."""
+    config = ModernBertConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                              num_attention_heads=2, local_attention=8, **SPECIAL)
+    model = randomized(config)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, 256, (3 * 24,), generator=g)
+    cu = torch.tensor([0, 24, 48, 72], dtype=torch.int32)
+    rows = torch.randperm(72, generator=g)[:20].sort().values
+    targets = torch.randint(3, 256, (20,), generator=g)
+
+    def step(m):
+        model.zero_grad()
+        loss = m(tokens, cu_seqlens=cu, max_seqlen=24, rows=rows, targets=targets)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    torch._dynamo.reset()
+    loss, grads = step(torch.compile(model))
+    ref, ref_grads = step(model)
+    assert abs(loss - ref) <= 1e-5 * abs(ref)
+    for n, gr in ref_grads.items():
+        assert (grads[n] - gr).abs().max() <= 1e-5 * gr.abs().max() + 1e-7, n
+
+
+class CountMatmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func.__name__ in ("mm.default", "addmm.default")
+        return func(*args, **(kwargs or {}))
+
+
+def test_chunked_loss_does_no_gradient_work_under_no_grad():
+    model = randomized(ModernBertConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                        num_attention_heads=2, local_attention=8, **SPECIAL))
+    hidden, targets = torch.randn(50, 32), torch.randint(0, 256, (50,))
+    counts = {}
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), CountMatmuls() as mode:
+            model.loss_sum(hidden, targets, 16)  # 4 chunks: the head's dense + 1 (or 3 with gradients) per chunk
+        counts[grad] = mode.n
+    assert counts == {True: 1 + 3 * 4, False: 1 + 4}
+
+
+def test_prefetch_keeps_the_stream_and_raises_at_the_step():
+    def produce(step):
+        if step == 7:
+            raise ValueError("no data for step 7")
+        return torch.randn(3, generator=torch.Generator().manual_seed(step))
+
+    stream = train.prefetch(produce, range(3, 10))
+    for step in range(3, 7):
+        assert torch.equal(next(stream), torch.randn(3, generator=torch.Generator().manual_seed(step)))
+    with pytest.raises(ValueError, match="step 7"):
+        next(stream)
