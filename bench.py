@@ -26,6 +26,7 @@ Each measurement of sections 1 and 3 runs in a fresh process, so peak memory is 
 """
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -62,6 +63,9 @@ def reset_peak_memory(device):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     else:
+        # glibc keeps freed memory resident for reuse: give it back first, so that what the measured
+        # code allocates shows up as new resident memory, as on a first step.
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM
     return rss_now()
