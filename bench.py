@@ -212,7 +212,8 @@ def run_worker(spec):
 def attention_backends(config, lengths, device, dtype, steps):
     """Forward + backward ms per backend. The fused kernels take float16/bfloat16 only: asked for
     float32, they run in bfloat16 (the row says which dtype ran)."""
-    from model import BACKENDS, KERNEL_DTYPES, Packing, attention, flash_attn_varlen_func, varlen_attn
+    from model import BACKENDS, KERNEL_DTYPES, Packing, attention, find_varlen_attn, flash_attn_varlen_func
+    varlen_attn = find_varlen_attn()
 
     available = [b for b in BACKENDS if b == "sdpa" or (device.type == "cuda" and
                                                         {"flash": flash_attn_varlen_func, "varlen": varlen_attn}[b])]

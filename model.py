@@ -143,13 +143,23 @@ try:
     from flash_attn import flash_attn_varlen_func
 except ImportError:
     flash_attn_varlen_func = None
-try:
-    from torch.nn.attention.varlen import varlen_attn
-    # Early versions of varlen_attn have no sliding window; ModernBERT needs one.
-    if "window_size" not in inspect.signature(varlen_attn).parameters:
-        varlen_attn = None
-except ImportError:
-    varlen_attn = None
+# PyTorch's own varlen_attn is looked up on the first forward on the kernel device, not here: its
+# module imports torch._dynamo, seconds at every start of a CPU run that never uses it.
+varlen_attn, varlen_looked_up = None, False
+
+
+def find_varlen_attn():
+    """torch.nn.attention.varlen.varlen_attn if this PyTorch has it with a sliding window (2.10+), else None."""
+    global varlen_attn, varlen_looked_up
+    if not varlen_looked_up:
+        varlen_looked_up = True
+        try:
+            from torch.nn.attention.varlen import varlen_attn as fn
+            # Early versions of varlen_attn have no sliding window; ModernBERT needs one.
+            varlen_attn = fn if "window_size" in inspect.signature(fn).parameters else None
+        except ImportError:
+            varlen_attn = None
+    return varlen_attn
 
 BACKENDS = ("flash", "varlen", "sdpa")
 # The fused kernels run on CUDA and take float16 / bfloat16 q, k, v only (both check it and raise);
@@ -164,6 +174,8 @@ def pick_backend(requested, device, dtype, dropout_p):
     config, else ("auto") the fastest one that runs here."""
     name = os.environ.get("MODERNBERT_ATTN") or requested
     kernels = device.type == KERNEL_DEVICE and dtype in KERNEL_DTYPES
+    if device.type == KERNEL_DEVICE:
+        find_varlen_attn()
     if name == "auto":
         if kernels and flash_attn_varlen_func is not None:
             return "flash"

@@ -446,14 +446,14 @@ def main(argv):
         step = first  # a checkpoint without optimizer state: the decay starts fresh
     step = max(step, first)
 
+    with autocast:  # on every rank, before compile: the first call also looks up torch's varlen_attn
+        backend = model.model.attention_backend(device)
     if master:
         os.makedirs(c.out_dir, exist_ok=True)
         with open(os.path.join(c.out_dir, "config.json"), "w") as f:
             json.dump(dataclasses.asdict(c), f, indent=2)
         print(json.dumps(dataclasses.asdict(c), indent=2))
         n = model.num_params()
-        with autocast:
-            backend = model.model.attention_backend(device)
         print(f"model: {n / 1e6:.2f}M parameters, {model.config.num_hidden_layers} layers; world {world}, "
               f"accumulation {accum}; {sched.main_steps} main + {sched.decay_steps} decay steps of "
               f"{c.global_batch_size * c.seq_len:,} tokens" + (f"; resuming at step {step}" if resume_from else ""))

@@ -122,6 +122,7 @@ def install(monkeypatch, backends=("flash", "varlen")):
     monkeypatch.setattr(model, "KERNEL_DEVICE", "cpu")
     monkeypatch.setattr(model, "flash_attn_varlen_func", flash_attn_varlen_func if "flash" in backends else None)
     monkeypatch.setattr(model, "varlen_attn", varlen_attn if "varlen" in backends else None)
+    monkeypatch.setattr(model, "varlen_looked_up", True)  # not torch's: the stand-in, or none
     monkeypatch.delenv("MODERNBERT_ATTN", raising=False)
     for v in calls.values():
         v.clear()
@@ -139,6 +140,7 @@ if __name__ == "__main__":
     model.KERNEL_DEVICE = "cpu"
     model.flash_attn_varlen_func = flash_attn_varlen_func if "flash" in backends else None
     model.varlen_attn = varlen_attn if "varlen" in backends else None
+    model.varlen_looked_up = True
     atexit.register(_report)
     script, sys.argv = sys.argv[1], sys.argv[1:]
     sys.path[0] = os.path.dirname(os.path.abspath(script))

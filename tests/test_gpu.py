@@ -18,7 +18,7 @@ from test_gpu_path import SPECIAL, randomized, run_model, tiny, train_losses  # 
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (no CUDA device here)")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KERNELS = [b for b, fn in (("flash", M.flash_attn_varlen_func), ("varlen", M.varlen_attn)) if fn is not None]
+KERNELS = [b for b, fn in (("flash", M.flash_attn_varlen_func), ("varlen", M.find_varlen_attn())) if fn is not None]
 CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=192, num_hidden_layers=3, num_attention_heads=2,
               local_attention=16, **SPECIAL)  # head_dim 64, as ModernBERT's
 
