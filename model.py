@@ -270,6 +270,11 @@ def attention(q, k, v, packing, is_global, dropout_p):
 # Rotary position embedding (rotate-half / NeoX style, on the full head dim)
 
 
+def compute_dtype(device_type, default):
+    """The dtype of matmul outputs (q, k, v) on this device type now: autocast's when it is on, else `default`."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else default
+
+
 def rope_cos_sin(positions, head_dim, theta):
     """cos and signed sin tables, (T, head_dim), for apply_rope: built once per forward.
 
@@ -280,8 +285,7 @@ def rope_cos_sin(positions, head_dim, theta):
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
     angles = positions.float()[:, None] * inv_freq[None, :]  # (T, hd/2)
     cos, sin = angles.cos(), angles.sin()
-    device = positions.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.float32
+    dtype = compute_dtype(positions.device.type, torch.float32)
     # rotate_half(x) = cat(-x2, x1) = roll(x, hd/2) * [-1 .. -1, 1 .. 1]: that sign goes into sin.
     return torch.cat([cos, cos], dim=-1).to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)  # (T, hd) each
 
@@ -373,10 +377,7 @@ class ModernBertModel(nn.Module):
     def attention_backend(self, device):
         """The attention backend of a forward on `device` now: it depends on the dtype that reaches
         the kernel (autocast's, else the weights'), and on dropout in training mode."""
-        if torch.is_autocast_enabled(device.type):
-            dtype = torch.get_autocast_dtype(device.type)
-        else:
-            dtype = self.embeddings.tok_embeddings.weight.dtype
+        dtype = compute_dtype(device.type, self.embeddings.tok_embeddings.weight.dtype)
         c = self.config
         return pick_backend(c.attn_backend, device, dtype, c.attention_dropout if self.training else 0.0)
 
