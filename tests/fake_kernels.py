@@ -132,7 +132,9 @@ def _report():
     for name, seen in calls.items():
         dtypes = sorted({str(c["dtype"]).removeprefix("torch.") for c in seen})
         windows = sorted({c["window"] for c in seen})
-        print(f"fake_kernels: {name} calls={len(seen)} dtypes={','.join(dtypes)} windows={windows}", file=sys.stderr)
+        # One write per line: with PYTHONUNBUFFERED (as in CI) print() writes each piece separately, and two
+        # ranks' lines on the same pipe could interleave; one write below PIPE_BUF bytes cannot.
+        os.write(2, f"fake_kernels: {name} calls={len(seen)} dtypes={','.join(dtypes)} windows={windows}\n".encode())
 
 
 if __name__ == "__main__":

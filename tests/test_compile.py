@@ -20,10 +20,12 @@ from test_gpu_path import SPECIAL, randomized, tiny, train_losses  # noqa: F401 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Each process: torch.compile with aot_eager, and the number of graphs it compiled printed on exit.
-AOT_EAGER = ("import atexit, functools, runpy, sys, torch; from torch._dynamo.utils import counters; "
+# One os.write per line: under PYTHONUNBUFFERED (as in CI) print() writes each piece on its own, and the two
+# ranks' lines could interleave on the shared pipe.
+AOT_EAGER = ("import atexit, functools, os, runpy, sys, torch; from torch._dynamo.utils import counters; "
              "torch.compile = functools.partial(torch.compile, backend='aot_eager'); "
-             "atexit.register(lambda: print('compiled graphs', counters['stats']['unique_graphs'], 'graph breaks', "
-             "sum(counters['graph_break'].values()), file=sys.stderr)); "
+             "atexit.register(lambda: os.write(2, f\"compiled graphs {counters['stats']['unique_graphs']} graph breaks "
+             "{sum(counters['graph_break'].values())}\\n\".encode())); "
              "sys.argv = sys.argv[1:]; sys.path.insert(0, '.'); runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
