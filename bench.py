@@ -38,6 +38,9 @@ import time
 import numpy as np
 import torch
 
+from model import (BACKENDS, KERNEL_DTYPES, ModernBertConfig, ModernBertForMaskedLM, Packing, attention, cu_seqlens_of,
+                   find_varlen_attn, flash_attn_varlen_func, load_config, peak_flops, training_flops, unpad)
+
 ROOT = os.path.dirname(os.path.abspath(__file__))
 SMALL_IDS = dict(pad_token_id=0, cls_token_id=1, sep_token_id=2, bos_token_id=1, eos_token_id=2)  # inside small vocabs
 SIZES = {  # ModernBertConfig fields
@@ -119,10 +122,7 @@ def make_inputs(lengths, vocab, objective, device, rng):
         labels[chosen] = ids[chosen]
     else:  # next token wherever there is one
         labels[:, :-1] = torch.where(mask[:, 1:].bool(), ids[:, 1:], -100)
-    flat = mask.bool().flatten()
-    keep = flat.nonzero().squeeze(1)
-    tokens = ids.flatten()[keep]
-    cu = torch.nn.functional.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32)
+    tokens, cu, _, keep = unpad(ids, mask)
     flat_labels = labels.flatten()[keep]
     rows = (flat_labels != -100).nonzero().squeeze(1)
     to = lambda x: x.to(device)  # noqa: E731
@@ -133,15 +133,12 @@ def make_inputs(lengths, vocab, objective, device, rng):
 def measure_step(spec):
     """Runs in its own process: load the shared weights, time the training step, report peak memory,
     model FLOP/s and, under torch.compile, how many graphs were compiled."""
-    from model import load_config, training_flops
-
     device = torch.device(spec["device"])
     config = load_config(spec["ckpt"])  # ours, for the FLOPs of either implementation
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec["dtype"]]
     rng = np.random.default_rng(0)
     torch.manual_seed(0)
     if spec["impl"] == "ours":
-        from model import ModernBertForMaskedLM
         model = ModernBertForMaskedLM.from_pretrained(spec["ckpt"], attn_backend=spec["backend"]).to(device)
     else:
         import transformers
@@ -212,13 +209,12 @@ def run_worker(spec):
 def attention_backends(config, lengths, device, dtype, steps):
     """Forward + backward ms per backend. The fused kernels take float16/bfloat16 only: asked for
     float32, they run in bfloat16 (the row says which dtype ran)."""
-    from model import BACKENDS, KERNEL_DTYPES, Packing, attention, find_varlen_attn, flash_attn_varlen_func
     varlen_attn = find_varlen_attn()
 
     available = [b for b in BACKENDS if b == "sdpa" or (device.type == "cuda" and
                                                         {"flash": flash_attn_varlen_func, "varlen": varlen_attn}[b])]
     T, nh, hd = sum(lengths), config.num_attention_heads, config.head_dim
-    cu = torch.nn.functional.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32).to(device)
+    cu = cu_seqlens_of(lengths).to(device)
     rows = []
     for backend in available:
         run_dtype = dtype if backend == "sdpa" or dtype in KERNEL_DTYPES else torch.bfloat16
@@ -264,7 +260,6 @@ def measure_loss_memory(spec):
     the peak memory it adds, with the loss from full float32 logits (train.py before the chunked loss)
     or chunked (model.loss_sum through forward, as train.py now)."""
     import torch.nn.functional as F
-    from model import ModernBertConfig, ModernBertForMaskedLM
 
     device = torch.device(spec["device"])
     torch.manual_seed(0)
@@ -361,8 +356,6 @@ def main(argv=None):
         spec = json.loads(args.worker)
         print(json.dumps({"step": measure_step, "loss_memory": measure_loss_memory}[spec["task"]](spec)))
         return
-
-    from model import ModernBertConfig, ModernBertForMaskedLM, peak_flops
 
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")

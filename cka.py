@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 import distributed
 from data import load_tokenizer, read_documents
-from model import ModernBertForMaskedLM
+from model import ModernBertForMaskedLM, cu_seqlens_of, mean_pool
 
 # -----------------------------------------------------------------------------
 # Linear CKA in feature space: only (d1 x d2) matrices, so n can be large.
@@ -116,22 +116,21 @@ def pooled_layers(model, encoded, indices, pool, device, autocast, batch_tokens,
         cur.append(k)
     batches.append(cur)
     for batch in tqdm(batches, desc=desc, disable=None, leave=False):
-        lengths = torch.tensor([len(encoded[k]) for k in batch])
+        lengths = [len(encoded[k]) for k in batch]
         tokens = torch.tensor([t for k in batch for t in encoded[k]], device=device)
-        cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        cu = cu_seqlens_of(lengths).to(device)
         with autocast:
-            _, layers = model.model(tokens, cu.to(device), int(lengths.max()), return_layers=True)
-        seq = torch.repeat_interleave(torch.arange(len(batch)), lengths).to(device)
+            _, layers = model.model(tokens, cu, max(lengths), return_layers=True)
+        starts = cu.tolist()  # pool="tokens": the first row of each text
         for layer, h in enumerate(layers):  # h: (T, H)
             if pool == "mean":
-                sums = torch.zeros(len(batch), h.shape[1], device=device).index_add_(0, seq, h.float())
-                h = (sums / lengths.to(device)[:, None]).double().cpu().numpy()  # (B, H)
+                h = mean_pool(h.float(), cu).double().cpu().numpy()  # (B, H)
                 for j, k in enumerate(batch):
                     out[layer][indices[k]] = h[j:j + 1]
             else:
                 h = h.double().cpu().numpy()
                 for j, k in enumerate(batch):
-                    out[layer][indices[k]] = h[int(cu[j]) + _token_sample(len(encoded[k]), indices[k])]
+                    out[layer][indices[k]] = h[starts[j] + _token_sample(lengths[j], indices[k])]
     return out
 
 

@@ -31,7 +31,8 @@ from tqdm import tqdm
 import distributed
 import suite
 from data import load_tokenizer
-from model import ModernBertForSequenceClassification, ModernBertForTokenClassification, load_config, pick_backend
+from model import (ModernBertForSequenceClassification, ModernBertForTokenClassification, cu_seqlens_of, load_config,
+                   pick_backend)
 
 # -----------------------------------------------------------------------------
 # Metrics (checked against scikit-learn and seqeval in the tests)
@@ -234,14 +235,14 @@ def encode_splits(raw, tok, task, labels, max_len):
 
 def flat_batch(items, task, device):
     """A list of (ids, target) -> flat unpadded tokens, cu_seqlens, max_seqlen, targets."""
-    lengths = torch.tensor([len(x) for x, _ in items])
+    lengths = [len(x) for x, _ in items]
     tokens = torch.tensor([t for x, _ in items for t in x], device=device)
-    cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32).to(device)
+    cu = cu_seqlens_of(lengths).to(device)
     if task == "ner":
         targets = torch.tensor([t for _, y in items for t in y], device=device)
     else:
         targets = torch.tensor([y for _, y in items], device=device)
-    return tokens, cu, int(lengths.max()), targets
+    return tokens, cu, max(lengths), targets
 
 
 # -----------------------------------------------------------------------------

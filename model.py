@@ -479,6 +479,11 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return (*((g * grad_loss).to(dtype) for g, dtype in zip(ctx.saved_tensors, ctx.dtypes)), None, None, None)
 
 
+def cu_seqlens_of(lengths):
+    """Sequence lengths (B,), a list or a tensor -> cu_seqlens (B+1,) int32: 0, then where each sequence ends."""
+    return F.pad(torch.as_tensor(lengths).cumsum(0, dtype=torch.int32), (1, 0))
+
+
 def unpad(input_ids, attention_mask):
     """(B, S) padded batch -> flat tokens (T,), cu_seqlens (B+1,), max_seqlen, and
     the (T,) indices of the kept tokens in the flattened (B*S) batch."""
@@ -486,8 +491,16 @@ def unpad(input_ids, attention_mask):
         attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
     keep = attention_mask.bool().flatten().nonzero().squeeze(1)  # (T,)
     lengths = attention_mask.bool().sum(dim=1, dtype=torch.int32)  # (B,)
-    cu_seqlens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
-    return input_ids.flatten()[keep], cu_seqlens, int(lengths.max()), keep
+    return input_ids.flatten()[keep], cu_seqlens_of(lengths), int(lengths.max()), keep
+
+
+def mean_pool(hidden, cu_seqlens):
+    """Flat hidden states (T, H) -> (B, H): the mean over each sequence's tokens (no padding to mask out)."""
+    lengths = cu_seqlens.diff()  # (B,)
+    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=hidden.device), lengths,
+                                  output_size=hidden.shape[0])  # (T,) the sequence of each token
+    sums = hidden.new_zeros(lengths.numel(), hidden.shape[1]).index_add_(0, seq, hidden)  # (B, H)
+    return sums / lengths[:, None].to(hidden.dtype)
 
 
 def repad(x, keep, B, S):
@@ -656,14 +669,10 @@ class ModernBertForSequenceClassification(Classifier):
     def forward(self, input_ids, attention_mask=None, *, cu_seqlens=None, max_seqlen=None):
         """(B, S) padded or flat (T,) with cu_seqlens -> (B, num_labels) logits."""
         hidden, cu_seqlens, _, _ = self.encode(input_ids, attention_mask, cu_seqlens, max_seqlen)
-        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # (B,)
         if self.config.classifier_pooling == "cls":
             pooled = hidden[cu_seqlens[:-1].long()]
-        else:  # masked mean over each sequence's tokens
-            seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=hidden.device), lengths,
-                                          output_size=hidden.shape[0])
-            pooled = hidden.new_zeros(lengths.numel(), hidden.shape[1]).index_add_(0, seq, hidden)
-            pooled = pooled / lengths[:, None].to(hidden.dtype)
+        else:
+            pooled = mean_pool(hidden, cu_seqlens)
         return self.classifier(self.drop(self.head(pooled)))
 
 
