@@ -319,10 +319,7 @@ def finetune(args, seed, splits, labels, tok, device, rank, world, autocast):
     steps_per_epoch = math.ceil(len(train[0]) / args.batch_size)
     total = steps_per_epoch * args.epochs
     warmup = int(args.warmup_ratio * total)
-    params = [p for p in core.parameters()]
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
-                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.999), eps=1e-8)
+    opt = torch.optim.AdamW(core.param_groups(args.weight_decay), lr=args.lr, betas=(0.9, 0.999), eps=1e-8)
     sched = torch.optim.lr_scheduler.LambdaLR(  # linear warmup, then linear decay to 0 (transformers' schedule)
         opt, lambda s: s / max(1, warmup) if s < warmup else max(0.0, (total - s) / max(1, total - warmup)))
     g = torch.Generator().manual_seed(seed)

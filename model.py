@@ -544,6 +544,13 @@ class PreTrained(nn.Module):
         """Parameter count with the tied decoder weight counted once (as transformers reports)."""
         return sum(p.numel() for p in self.parameters())
 
+    def param_groups(self, weight_decay):
+        """AdamW groups of the trainable parameters: weight_decay on the matrices, none on biases and norm
+        weights (the 1-D parameters)."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+                {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+
     # Hugging Face checkpoints: config.json + model.safetensors (or pytorch_model.bin)
 
     def save_pretrained(self, path):

@@ -303,11 +303,8 @@ def make_optimizer(model, c, device):
     """Decoupled AdamW. torch's AdamW decays p <- p * (1 - lr_t * wd); with wd = weight_decay / lr
     that is exactly p <- p * (1 - weight_decay * lr_t / lr), the ModernBERT/Composer form.
     No decay on biases and norm weights (the 1-D parameters)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": c.weight_decay / c.lr},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=c.lr, betas=c.betas, eps=c.eps, **fast)
+    return torch.optim.AdamW(model.param_groups(c.weight_decay / c.lr), lr=c.lr, betas=c.betas, eps=c.eps, **fast)
 
 
 def frozen_params(model, layers):
