@@ -33,6 +33,7 @@ from tqdm import tqdm
 import distributed
 from data import load_tokenizer, read_documents
 from model import ModernBertForMaskedLM, cu_seqlens_of, mean_pool
+from suite import mean_std
 
 # -----------------------------------------------------------------------------
 # Linear CKA in feature space: only (d1 x d2) matrices, so n can be large.
@@ -164,12 +165,7 @@ def ratio(pair, control):
     """Pair divergence over control divergence, per seed; None where the control does not diverge at all."""
     if min(control) < 1e-9:
         return None
-    return summarize([p / c for p, c in zip(pair, control)])
-
-
-def summarize(values):
-    a = np.asarray(values, dtype=np.float64)
-    return {"mean": float(a.mean()), "std": float(a.std(ddof=1)) if len(a) > 1 else 0.0}
+    return mean_std([p / c for p, c in zip(pair, control)])
 
 
 def run(args):
@@ -226,7 +222,7 @@ def run(args):
         entry = {}
         for name in pairs:
             for key in ("cka", "divergence", "cka_debiased", "cka_without_top", "top_var_share_x", "top_var_share_y"):
-                entry[f"{name}_{key}"] = summarize([results["per_seed"][name][str(s)][layer][key] for s in seeds])
+                entry[f"{name}_{key}"] = mean_std([results["per_seed"][name][str(s)][layer][key] for s in seeds])
         if "control" in pairs:
             entry["ratio"] = ratio([results["per_seed"]["pair"][str(s)][layer]["divergence"] for s in seeds],
                                    [results["per_seed"]["control"][str(s)][layer]["divergence"] for s in seeds])
@@ -235,8 +231,8 @@ def run(args):
     for lo, hi in regions(n_layers):
         region = {"layers": f"{lo}-{hi - 1}"}
         for name in pairs:
-            region[f"{name}_divergence"] = summarize([np.mean([results["per_seed"][name][str(s)][layer]["divergence"]
-                                                               for layer in range(lo, hi)]) for s in seeds])
+            region[f"{name}_divergence"] = mean_std([np.mean([results["per_seed"][name][str(s)][layer]["divergence"]
+                                                              for layer in range(lo, hi)]) for s in seeds])
         if "control" in pairs:
             region["ratio"] = ratio([region["pair_divergence"]["mean"]], [region["control_divergence"]["mean"]])
         results["regions"].append(region)

@@ -506,9 +506,7 @@ def main(argv=None):
             model.save_pretrained(os.path.join(args.out, f"model-seed{seed}"))
     if rank == 0:
         keys = [k for k, v in runs[0]["test"].items() if isinstance(v, float)]
-        summary = {k: {"mean": float(np.mean([r["test"][k] for r in runs])),
-                       "std": float(np.std([r["test"][k] for r in runs], ddof=1)) if len(runs) > 1 else 0.0}
-                   for k in keys}
+        summary = {k: suite.mean_std([r["test"][k] for r in runs]) for k in keys}
         lines = [f"| metric (test, {len(runs)} seeds) | mean ± std |", "|---|---|"]
         lines += [f"| {k} | {100 * v['mean']:.2f} ± {100 * v['std']:.2f} |" for k, v in summary.items()]
         table = "\n".join(lines) + "\n"

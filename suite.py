@@ -153,6 +153,7 @@ def t975(df):
 
 
 def mean_std(values):
+    """Mean and sample std (ddof=1; 0 from one value) of the values, kept beside them."""
     values = [float(v) for v in values]
     return {"mean": float(np.mean(values)), "std": float(np.std(values, ddof=1)) if len(values) > 1 else 0.0,
             "per_seed": values}
