@@ -43,13 +43,13 @@ from model import (BACKENDS, KERNEL_DTYPES, ModernBertConfig, ModernBertForMaske
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 SMALL_IDS = dict(pad_token_id=0, cls_token_id=1, sep_token_id=2, bos_token_id=1, eos_token_id=2)  # inside small vocabs
-SIZES = {  # ModernBertConfig fields
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2,
-                 **SMALL_IDS),
-    "small": dict(vocab_size=8192, hidden_size=256, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
-                  **SMALL_IDS),
-    "base": {},  # ModernBERT-base: 22 x 768, vocab 50368
-    "large": dict(hidden_size=1024, intermediate_size=2624, num_hidden_layers=28, num_attention_heads=16),
+SIZES = {
+    "tiny": ModernBertConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                             num_attention_heads=2, **SMALL_IDS),
+    "small": ModernBertConfig(vocab_size=8192, hidden_size=256, intermediate_size=384, num_hidden_layers=6,
+                              num_attention_heads=4, **SMALL_IDS),
+    "base": ModernBertConfig.base(),  # 22 x 768, vocab 50368
+    "large": ModernBertConfig.large(),  # 28 x 1024
 }
 
 
@@ -360,7 +360,7 @@ def main(argv=None):
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     compile_ = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
-    config = ModernBertConfig(**SIZES[args.size])
+    config = SIZES[args.size]
     hf_backend = args.hf_backend
     if hf_backend == "auto":
         try:
