@@ -102,7 +102,7 @@ def checkpoint_problem(path, checksums=True):
     return None
 
 
-def checkpoints(out_dir):
+def step_checkpoints(out_dir):
     """The ckpt-STEP directories in out_dir, complete or not, oldest first."""
     found = [p for p in glob.glob(os.path.join(out_dir, "ckpt-*")) if re.fullmatch(r"ckpt-\d+", os.path.basename(p))]
     return sorted(found, key=lambda p: int(p.rsplit("-", 1)[1]))
@@ -112,7 +112,7 @@ def latest_valid_checkpoint(out_dir):
     """The newest checkpoint in out_dir that passes its manifest (None if out_dir has none). Each damaged
     newer one gets a warning; if all are damaged the run stops rather than start over silently."""
     damaged = []
-    for path in reversed(checkpoints(out_dir)):
+    for path in reversed(step_checkpoints(out_dir)):
         problem = checkpoint_problem(path)
         if problem is None:
             return path

@@ -19,21 +19,21 @@ finishes the step, writes a checkpoint and exits with 128 + the signal number
 
 import ast
 import dataclasses
-import queue
-import threading
 import glob
 import hashlib
 import json
 import math
 import os
+import queue
 import re
 import resource
 import shutil
 import signal
 import socket
-from contextlib import nullcontext
 import sys
+import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, fields
 
 import torch
@@ -43,8 +43,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import distributed
-from checkpoint import (MANIFEST, checkpoint_problem, checkpoints, latest_valid_checkpoint, rng_state, save_checkpoint,
-                        set_rng_state, trim_metrics)
+from checkpoint import (MANIFEST, checkpoint_problem, latest_valid_checkpoint, rng_state, save_checkpoint,
+                        set_rng_state, step_checkpoints, trim_metrics)
 from data import SPECIAL_NAMES, Loader, clm_batch, load_meta, mlm_batch
 from model import ModernBertConfig, ModernBertForMaskedLM, load_config, peak_flops, training_flops
 
@@ -135,7 +135,14 @@ def parse_config(argv):
             for key, value in scope.items():
                 if not key.startswith("_") and not callable(value) and type(value).__name__ != "module":
                     set_key(key, value, arg)
-    return Config(**values)
+    c = Config(**values)
+    for key, allowed in [("objective", ("clm", "mlm")), ("phase", ("all", "main", "decay")),
+                         ("freeze_phase", ("main", "decay", "both"))]:
+        if getattr(c, key) not in allowed:
+            raise SystemExit(f"{key}={getattr(c, key)!r}: choose one of {', '.join(allowed)}")
+    if c.compile.lower() not in ("auto", "true", "false"):
+        raise SystemExit(f"compile={c.compile!r}: choose auto, True or False")
+    return c
 
 
 def _check_type(key, value, typ, where):
@@ -178,16 +185,23 @@ class Schedule:
     warmup_steps: int
     lr: float
     final_lr_frac: float
+    main_objective: tuple  # (objective, mask_prob) of phase 1; the decay is ("mlm", decay_mask_prob)
+    decay_objective: tuple
 
     @classmethod
     def from_config(cls, c):
         tokens_per_step = c.global_batch_size * c.seq_len
         return cls(main_steps=math.ceil(c.tokens / tokens_per_step),
                    decay_steps=math.ceil(c.decay_frac * c.tokens / tokens_per_step),
-                   warmup_steps=math.ceil(c.warmup_tokens / tokens_per_step), lr=c.lr, final_lr_frac=c.final_lr_frac)
+                   warmup_steps=math.ceil(c.warmup_tokens / tokens_per_step), lr=c.lr, final_lr_frac=c.final_lr_frac,
+                   main_objective=(c.objective, c.mask_prob), decay_objective=("mlm", c.decay_mask_prob))
 
     def phase(self, step):
         return "main" if step < self.main_steps else "decay"
+
+    def objective(self, step):
+        """(objective, mask_prob) of a step: phase 1 has the config's objective, the decay MLM."""
+        return self.main_objective if step < self.main_steps else self.decay_objective
 
     def lr_at(self, step):
         """Phase 1: linear warmup, then constant. Decay: no warmup, 1-sqrt from lr to final_lr_frac * lr."""
@@ -209,6 +223,23 @@ def loss_sum(model, batch, causal):
     gradient hooks see the call."""
     return model(batch.tokens, causal=causal, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen,
                  rows=batch.rows, targets=batch.targets)
+
+
+def backward(model, batches, causal, n_targets, world, device, autocast, compiled):
+    """Sum the micro batches' gradients into .grad, each loss divided by the global number of targets;
+    return this rank's share of the step's loss. DDP all-reduces the gradients after the last one."""
+    total = 0.0
+    for k, batch in enumerate(batches):
+        batch = batch.to(device, non_blocking=True)
+        if compiled:  # the number of MLM targets changes every step: one graph for all of them
+            torch._dynamo.mark_dynamic(batch.rows, 0)
+            torch._dynamo.mark_dynamic(batch.targets, 0)
+        last = k == len(batches) - 1
+        with (model.no_sync() if world > 1 and not last else nullcontext()), autocast:
+            loss = loss_sum(model, batch, causal) * world / n_targets  # * world: DDP averages the ranks
+        loss.backward()
+        total = total + loss.detach() / world
+    return total
 
 
 def make_batch(windows, objective, mask_prob, meta, seed, split_docs):
@@ -307,7 +338,7 @@ def make_optimizer(model, c, device):
     return torch.optim.AdamW(model.param_groups(c.weight_decay / c.lr), lr=c.lr, betas=c.betas, eps=c.eps, **fast)
 
 
-def frozen_params(model, layers):
+def layer_params(model, layers):
     return [p for i in sorted(layers) for p in model.model.layers[i].parameters()]
 
 
@@ -374,33 +405,14 @@ def evaluate(model, c, meta, rank, world, device, autocast):
 
 
 # -----------------------------------------------------------------------------
-# Training
+# Resume: from the newest valid checkpoint in out_dir or, for phase="decay", from the
+# phase-1 checkpoint named by init_from. A checkpoint holds the weights, the optimizer,
+# the step, the data position, every rank's random streams and its loss sum since the last log.
 
 
-def main(argv):
-    c = parse_config(argv)
-    for key, allowed in [("objective", ("clm", "mlm")), ("phase", ("all", "main", "decay")),
-                         ("freeze_phase", ("main", "decay", "both"))]:
-        if getattr(c, key) not in allowed:
-            raise SystemExit(f"{key}={getattr(c, key)!r}: choose one of {', '.join(allowed)}")
-    if not c.data_dir:
-        raise SystemExit("data_dir is not set: point it at a directory made by `python data.py prepare`")
-    meta = load_meta(c.data_dir)
-
-    rank, world, device = distributed.setup(c.device)  # the same without torchrun: one process
-    ddp, master = world > 1, rank == 0
-    if c.global_batch_size % (c.micro_batch_size * world):
-        raise SystemExit(f"global_batch_size={c.global_batch_size} is not a multiple of micro_batch_size="
-                         f"{c.micro_batch_size} x world size {world}")
-    accum = c.global_batch_size // (c.micro_batch_size * world)
-    autocast, dtype = distributed.autocast(device, c.dtype)
-    compiled = {"auto": device.type == "cuda", "true": True, "false": False}.get(c.compile.lower())
-    if compiled is None:
-        raise SystemExit(f"compile={c.compile!r}: choose auto, True or False")
-
-    # Resume from the newest valid checkpoint in out_dir or, for phase="decay", from the phase-1
-    # checkpoint named by init_from (weights, optimizer, step, data position, RNG, loss sums).
-    # Rank 0 checks the manifests and chooses; every rank must see its choice.
+def resume_point(c, rank, world):
+    """The checkpoint to resume from, or None to start from init_from. Rank 0 checks the manifests and
+    chooses; every rank must see its choice."""
     def choose():
         for tmp in glob.glob(os.path.join(c.out_dir, ".tmp-*")):  # a save that a kill interrupted
             shutil.rmtree(tmp, ignore_errors=True)
@@ -409,40 +421,100 @@ def main(argv):
             check_init_from(c.init_from)
         return os.path.basename(latest) if latest else None
 
-    name = on_rank0(choose, rank, ddp)
-    resume_from = os.path.join(c.out_dir, name) if name else None
-    if ddp and resume_from:
-        every_rank_sees(resume_from, world)
-    if resume_from is None and c.phase == "decay" and os.path.isfile(os.path.join(c.init_from, "train_state.pt")):
-        resume_from = c.init_from
-    model = build_model(c, meta, resume_from or c.init_from).to(device)
-    sched = Schedule.from_config(c)
-    frozen = layer_set(c.freeze_layers, model.config.num_hidden_layers)
-    optimizer = make_optimizer(model, c, device)
-    loader = Loader(c.data_dir, "train", c.seq_len, c.micro_batch_size, c.data_seed, rank, world)
-    step, tokens_seen = 0, 0
-    loss_acc, loss_steps = torch.zeros((), device=device), 0  # this rank's share of the loss, summed since the last log
-    torch.manual_seed(c.seed + rank)  # dropout
-    if resume_from:
-        state = torch.load(os.path.join(resume_from, "train_state.pt"), map_location="cpu", weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
-        loader.load_state_dict(state["loader"])  # a global position: any world size continues from it
-        step, tokens_seen, loss_steps = state["step"], state["tokens"], state["loss_steps"]
-        ranks = state["ranks"]  # one entry per rank of the run that wrote it
-        if len(ranks) == world:  # the same world size: every rank's random streams and loss sum continue exactly
-            set_rng_state(ranks[rank]["rng"], device)
-            loss_acc = torch.tensor(ranks[rank]["loss_acc"], device=device)
-        else:  # rank r now gets other micro batches than the old rank r: its streams restart from the seed,
-            loss_acc = torch.tensor(sum(r["loss_acc"] for r in ranks) if master else 0.0, device=device)  # one total
+    name = on_rank0(choose, rank, world > 1)
+    if name:
+        path = os.path.join(c.out_dir, name)
+        if world > 1:
+            every_rank_sees(path, world)
+        return path
+    if c.phase == "decay" and os.path.isfile(os.path.join(c.init_from, "train_state.pt")):
+        return c.init_from
+    return None
+
+
+def restore(path, optimizer, loader, rank, world, device):
+    """Load checkpoint `path`'s train state into the optimizer, the loader and this rank's random streams;
+    return (step, tokens seen, this rank's loss sum since the last log, the number of steps in that sum)."""
+    if path is None:
+        return 0, 0, torch.zeros((), device=device), 0
+    state = torch.load(os.path.join(path, "train_state.pt"), map_location="cpu", weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    loader.load_state_dict(state["loader"])  # a global position: any world size continues from it
+    ranks = state["ranks"]  # one entry per rank of the run that wrote it
+    if len(ranks) == world:  # the same world size: every rank's random streams and loss sum continue exactly
+        set_rng_state(ranks[rank]["rng"], device)
+        loss_acc = ranks[rank]["loss_acc"]
+    else:  # rank r now gets other micro batches than the old rank r: its streams restart from the seed,
+        loss_acc = sum(r["loss_acc"] for r in ranks) if rank == 0 else 0.0  # and rank 0 carries the loss total
+    return state["step"], state["tokens"], torch.tensor(loss_acc, device=device), state["loss_steps"]
+
+
+def step_range(c, sched, step):
+    """[first, last): the steps of the phases this run does, and the step it starts at."""
     first, last = {"all": (0, sched.main_steps + sched.decay_steps), "main": (0, sched.main_steps),
                    "decay": (sched.main_steps, sched.main_steps + sched.decay_steps)}[c.phase]
-    if c.phase == "decay" and step < first:
+    if step < first:  # phase "decay"
         if step > 0:
             raise SystemExit(f"phase='decay' needs a checkpoint from the end of phase 1 (step {first}); "
-                             f"{resume_from} is at step {step}")
-        step = first  # a checkpoint without optimizer state: the decay starts fresh
-    step = max(step, first)
+                             f"the one found is at step {step}")
+        step = first  # weights without a train state (a Hugging Face model): the decay starts fresh
+    return first, last, step
 
+
+def save(path, state, model, optimizer, c, rank, world, device):
+    """Every rank: gather the per-rank state (random streams, loss sum); rank 0 writes the checkpoint and
+    drops the oldest beyond max_ckpts; every rank checks that it sees the result."""
+    mine = dict(rng=rng_state(device), loss_acc=state.pop("loss_acc"))
+    ranks = [mine]
+    if world > 1:
+        ranks = [None] * world
+        dist.all_gather_object(ranks, mine)
+    bad = [r["loss_acc"] for r in ranks if not math.isfinite(r["loss_acc"])]
+    if bad:  # a checkpoint between two logs: its loss was not checked yet
+        raise loss_error(bad[0], state["step"], c.out_dir)
+
+    def write():
+        save_checkpoint(path, model, optimizer, {**state, "ranks": ranks}, c)
+        for old in step_checkpoints(c.out_dir)[:-c.max_ckpts]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    on_rank0(write, rank, world > 1)  # also the barrier: no rank reads the checkpoint before it is complete
+    if world > 1:
+        every_rank_sees(path, world)
+
+
+def loss_error(loss, step, out_dir):
+    return SystemExit(f"step {step}: loss is {loss}; stopping. The last good checkpoint is "
+                      f"{(step_checkpoints(out_dir) or ['(none)'])[-1]}; lower lr or check the data.")
+
+
+# -----------------------------------------------------------------------------
+# Training
+
+
+def main(argv):
+    c = parse_config(argv)
+    if not c.data_dir:
+        raise SystemExit("data_dir is not set: point it at a directory made by `python data.py prepare`")
+    meta = load_meta(c.data_dir)
+    rank, world, device = distributed.setup(c.device)  # the same without torchrun: one process
+    ddp, master = world > 1, rank == 0
+    if c.global_batch_size % (c.micro_batch_size * world):
+        raise SystemExit(f"global_batch_size={c.global_batch_size} is not a multiple of micro_batch_size="
+                         f"{c.micro_batch_size} x world size {world}")
+    accum = c.global_batch_size // (c.micro_batch_size * world)
+    autocast, dtype = distributed.autocast(device, c.dtype)
+    compiled = {"auto": device.type == "cuda", "true": True, "false": False}[c.compile.lower()]
+
+    resume_from = resume_point(c, rank, world)
+    model = build_model(c, meta, resume_from or c.init_from).to(device)
+    sched = Schedule.from_config(c)
+    freeze_layers = layer_set(c.freeze_layers, model.config.num_hidden_layers)
+    optimizer = make_optimizer(model, c, device)
+    loader = Loader(c.data_dir, "train", c.seq_len, c.micro_batch_size, c.data_seed, rank, world)
+    torch.manual_seed(c.seed + rank)  # dropout; a checkpoint's random streams replace it
+    step, tokens_seen, loss_acc, loss_steps = restore(resume_from, optimizer, loader, rank, world, device)
+    first, last, step = step_range(c, sched, step)
     with autocast:  # on every rank, before compile: the first call also looks up torch's varlen_attn
         backend = model.model.attention_backend(device)
     if master:
@@ -450,9 +522,8 @@ def main(argv):
         with open(os.path.join(c.out_dir, "config.json"), "w") as f:
             json.dump(dataclasses.asdict(c), f, indent=2)
         print(json.dumps(dataclasses.asdict(c), indent=2))
-        n = model.num_params()
-        print(f"model: {n / 1e6:.2f}M parameters, {model.config.num_hidden_layers} layers; world {world}, "
-              f"accumulation {accum}; {sched.main_steps} main + {sched.decay_steps} decay steps of "
+        print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.config.num_hidden_layers} layers; world "
+              f"{world}, accumulation {accum}; {sched.main_steps} main + {sched.decay_steps} decay steps of "
               f"{c.global_batch_size * c.seq_len:,} tokens" + (f"; resuming at step {step}" if resume_from else ""))
         print(f"{device}, {str(dtype).removeprefix('torch.')}, attention {backend}, compile {'on' if compiled else 'off'}")
         trim_metrics(os.path.join(c.out_dir, "metrics.jsonl"), step)
@@ -467,168 +538,133 @@ def main(argv):
     if ddp:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
-    def loss_error(loss):
-        return SystemExit(f"step {step}: loss is {loss}; stopping. The last good checkpoint is "
-                          f"{(checkpoints(c.out_dir) or ['(none)'])[-1]}; lower lr or check the data.")
-
-    def checkpoint(path, loader_state):
-        """Every rank: gather the per-rank state; rank 0 writes; every rank checks that it sees the result."""
-        nonlocal paused
-        started = time.time()
-        mine = dict(rng=rng_state(device), loss_acc=loss_acc.item())
-        ranks = [mine]
-        if ddp:
-            ranks = [None] * world
-            dist.all_gather_object(ranks, mine)
-        bad = [r["loss_acc"] for r in ranks if not math.isfinite(r["loss_acc"])]
-        if bad:  # a checkpoint between two logs: its loss was not checked yet
-            raise loss_error(bad[0])
-
-        def write():
-            state = dict(step=step, tokens=tokens_seen, loader=loader_state, ranks=ranks, loss_steps=loss_steps,
-                         world_size=world)
-            save_checkpoint(path, raw_model, optimizer, state, c)
-            for old in checkpoints(c.out_dir)[:-c.max_ckpts]:
-                shutil.rmtree(old, ignore_errors=True)
-
-        on_rank0(write, rank, ddp)  # also the barrier: no rank reads the checkpoint before it is complete
-        if ddp:
-            every_rank_sees(path, world)
-        paused += time.time() - started  # not training time: left out of tokens/s and MFU
-
-    def log(record):
-        if master:
-            with open(os.path.join(c.out_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-    # Preemption (SIGTERM from a scheduler, SIGINT from Ctrl-C) only raises a flag: the ranks agree on it at
-    # the next step boundary, write a checkpoint there and exit. A second signal during the save changes nothing.
-    stop_signal = 0
-
-    def on_signal(signum, frame):
-        nonlocal stop_signal
-        stop_signal = signum
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-
-    def objective_at(step):
-        """(phase, objective, mask_prob) of a step: phase 1 has the config's objective, the decay MLM."""
-        phase = sched.phase(step)
-        return (phase, c.objective, c.mask_prob) if phase == "main" else (phase, "mlm", c.decay_mask_prob)
-
     def step_batches(step):
         """This rank's micro batches of `step` (all of them first: the loss divides by the global number of
         targets), the loader position after them, and their FLOPs from the real sequence lengths."""
-        _, objective, mask_prob = objective_at(step)
+        objective, mask_prob = sched.objective(step)
         batches = [make_batch(loader.next(), objective, mask_prob, meta, [c.seed, step, k * world + rank],
                               c.split_docs) for k in range(accum)]
         if device.type == "cuda":  # pinned: the copy to the GPU is then asynchronous
             batches = [b.map(torch.Tensor.pin_memory) for b in batches]
-        seqlens = [n for b in batches for n in (b.cu_seqlens[1:] - b.cu_seqlens[:-1]).tolist()]
+        seqlens = [n for b in batches for n in b.cu_seqlens.diff().tolist()]
         flops = training_flops(raw_model.config, seqlens, objective == "clm", sum(b.targets.numel() for b in batches))
         return batches, loader.state_dict(), flops
 
+    def save_here(path):
+        """The state at this step boundary, to `path`; returns the seconds it took (not training time)."""
+        started = time.time()
+        state = dict(step=step, tokens=tokens_seen, loader=loader_state, loss_steps=loss_steps, loss_acc=loss_acc.item())
+        save(path, state, raw_model, optimizer, c, rank, world, device)
+        return time.time() - started
+
+    # Preemption (SIGTERM from a scheduler, SIGINT from Ctrl-C) only raises a flag: the ranks agree on it at
+    # the next step boundary, write a checkpoint there and exit. A second signal during the save changes nothing.
+    caught = {"signal": 0}
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, lambda signum, frame: caught.update(signal=signum))
+
     peak = peak_flops(device, c.peak_tflops)
     bar = tqdm(total=last - first, initial=step - first, desc=c.phase, disable=not master or None, unit="step")
-    t0, timed_steps, timed_tokens, timed_flops, paused = time.time(), 0, 0, 0.0, 0.0
+    t0, timed_steps, timed_flops, paused = time.time(), 0, 0.0, 0.0  # since the last log
     saved, saved_at = resume_from or c.init_from, time.monotonic()  # where the state at `step` is already
     loader_state = loader.state_dict()  # at the step boundary; from here on only the prefetch thread reads data
     stream = prefetch(step_batches, range(step, last))
     while step < last:
-        phase, objective, mask_prob = objective_at(step)
-        lr = sched.lr_at(step)
+        phase, objective, lr = sched.phase(step), sched.objective(step)[0], sched.lr_at(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        freeze = frozen if c.freeze_phase in (phase, "both") else set()
         batches, next_loader_state, flops = next(stream)
         # The one all-reduce of a step also carries what the ranks must agree on at its boundary: a signal
         # that reached any of them, a time-based checkpoint that any rank's clock says is due.
         due = c.ckpt_every_minutes > 0 and time.monotonic() - saved_at >= 60 * c.ckpt_every_minutes
-        agreed = torch.tensor([sum(b.targets.numel() for b in batches), stop_signal, due, flops],
+        agreed = torch.tensor([sum(b.targets.numel() for b in batches), caught["signal"], due, flops],
                               dtype=torch.float32, device=device)
         if ddp:
             dist.all_reduce(agreed)
         n_targets = agreed[0]
         stopping, due, flops = agreed[1:].tolist()  # waits for the previous step, as the batch copy to GPU does
+
+        # On a signal or on time: checkpoint this boundary (once). On a signal, then stop.
         path = os.path.join(c.out_dir, f"ckpt-{step}")
         if (stopping or due) and path != saved:
-            checkpoint(path, loader_state)
+            paused += save_here(path)
             saved, saved_at = path, time.monotonic()
         if stopping:
             stream.close()
             bar.close()
-            code = 128 + (stop_signal or signal.SIGTERM)  # what a shell reports for a process the signal killed
+            code = 128 + (caught["signal"] or signal.SIGTERM)  # what a shell reports for a process the signal killed
             if master:
-                why = signal.Signals(stop_signal).name if stop_signal else "a signal to another rank"
+                why = signal.Signals(caught["signal"]).name if caught["signal"] else "a signal to another rank"
                 print(f"stopped by {why} at step {step}: re-run the same command to resume from {saved} "
                       f"(exit code {code})", flush=True)
             del model
             leave_process_group()
             sys.exit(code)
-        for k, batch in enumerate(batches):
-            batch = batch.to(device, non_blocking=True)
-            if compiled:  # the number of MLM targets changes every step: one graph for all of them
-                torch._dynamo.mark_dynamic(batch.rows, 0)
-                torch._dynamo.mark_dynamic(batch.targets, 0)
-            sync = not ddp or k == accum - 1
-            with (model.no_sync() if not sync else nullcontext()), autocast:
-                loss = loss_sum(model, batch, causal=objective == "clm") * world / n_targets  # DDP averages ranks
-            loss.backward()
-            loss_acc += loss.detach() / world
-        for p in frozen_params(raw_model, freeze):
-            p.grad = None  # AdamW skips a parameter with no gradient: no decay, no moment update
+
+        # One optimizer step: the micro batches' gradients summed, the frozen layers left as they are.
+        loss_acc += backward(model, batches, objective == "clm", n_targets, world, device, autocast, compiled)
+        if c.freeze_phase in (phase, "both"):
+            for p in layer_params(raw_model, freeze_layers):
+                p.grad = None  # AdamW skips a parameter with no gradient: no decay, no moment update
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
         loader_state = next_loader_state
         tokens_seen += c.global_batch_size * c.seq_len
-        timed_steps += 1
-        timed_tokens += c.global_batch_size * c.seq_len
-        timed_flops += flops
-        loss_steps += 1
+        timed_steps, timed_flops, loss_steps = timed_steps + 1, timed_flops + flops, loss_steps + 1
         bar.update(1)
-
-        # Log (and check the loss) at every log interval, phase end and interval checkpoint. The
-        # checkpoints between two logs (on a signal, on time) keep the loss sums instead, so a
-        # resumed run logs exactly what an uninterrupted one does.
         end_of_phase = step == last or sched.phase(step) != phase
-        save = step % c.ckpt_interval == 0 or end_of_phase
-        if step % c.log_interval == 0 or save:
+        checkpoint_step = step % c.ckpt_interval == 0 or end_of_phase
+
+        # Once in a while: evaluate, every eval_interval steps and at the end of each phase.
+        val = {}
+        if step % c.eval_interval == 0 or end_of_phase:
+            started = time.time()
+            val = evaluate(raw_model, c, meta, rank, world, device, autocast)
+            paused += time.time() - started
+
+        # Log every log_interval steps, and with each evaluation and interval checkpoint. The checkpoints
+        # between two logs (on a signal, on time) keep the loss sums instead, so a resumed run logs
+        # exactly what an uninterrupted one does.
+        if step % c.log_interval == 0 or val or checkpoint_step:
             if ddp:
                 dist.all_reduce(loss_acc)
             loss_value = loss_acc.item() / loss_steps
             if not math.isfinite(loss_value):
-                raise loss_error(loss_value)
+                raise loss_error(loss_value, step, c.out_dir)
             dt = time.time() - t0 - paused  # training time only: checkpoints and evaluations are left out
-            tok_s = timed_tokens / dt
-            record = dict(step=step, phase=phase, objective=objective, tokens=tokens_seen, loss=loss_value,
-                          lr=lr, tokens_per_s=tok_s)
+            record = dict(step=step, phase=phase, objective=objective, tokens=tokens_seen, loss=loss_value, lr=lr,
+                          tokens_per_s=timed_steps * c.global_batch_size * c.seq_len / dt, **val)
             if peak:  # model FLOPs (model.training_flops, from the real sequence lengths) / time / peak per GPU
                 record["mfu"] = timed_flops / dt / world / peak
-            if step % c.eval_interval == 0 or end_of_phase:
-                record.update(evaluate(raw_model, c, meta, rank, world, device, autocast))
-            log(record)
             if master:
-                eta = (last - step) * dt / timed_steps
-                extra = "".join(f" {k} {record[k]:.4f}" for k in ("val_mlm_loss", "val_clm_loss") if k in record)
-                mfu = f" mfu {100 * record['mfu']:.1f}%" if "mfu" in record else ""
-                bar.write(f"{phase} {objective} step {step}/{last} loss {loss_value:.4f} lr {lr:.2e} "
-                          f"{tok_s:,.0f} tok/s{mfu}{extra} eta {eta / 60:.1f} min")
-            t0, timed_steps, timed_tokens, timed_flops, paused = time.time(), 0, 0, 0.0, 0.0
+                log(record, c.out_dir, bar, last, eta=(last - step) * dt / timed_steps)
+            t0, timed_steps, timed_flops, paused = time.time(), 0, 0.0, 0.0
             loss_acc, loss_steps = torch.zeros((), device=device), 0
-        if save:
+
+        # Once in a while: checkpoint, every ckpt_interval steps and at the end of each phase.
+        if checkpoint_step:
             saved = os.path.join(c.out_dir, f"ckpt-{step}")
-            checkpoint(saved, loader_state)
+            paused += save_here(saved)  # after the log: left out of the next log's tokens/s
             saved_at = time.monotonic()
     bar.close()
-    checkpoint(os.path.join(c.out_dir, "final"), loader_state)
+    save_here(os.path.join(c.out_dir, "final"))
     if master:
         mem = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         print(f"done: {c.out_dir}/final (step {step}, {tokens_seen:,} tokens); peak memory {mem / 2 ** 30:.2f} GiB")
     del model
     leave_process_group()
+
+
+def log(record, out_dir, bar, last, eta):
+    """A log step: one line of metrics.jsonl, one line on the console."""
+    with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+    mfu = f" mfu {100 * record['mfu']:.1f}%" if "mfu" in record else ""
+    val = "".join(f" {k} {record[k]:.4f}" for k in ("val_mlm_loss", "val_clm_loss") if k in record)
+    bar.write(f"{record['phase']} {record['objective']} step {record['step']}/{last} loss {record['loss']:.4f} "
+              f"lr {record['lr']:.2e} {record['tokens_per_s']:,.0f} tok/s{mfu}{val} eta {eta / 60:.1f} min")
 
 
 if __name__ == "__main__":

@@ -137,6 +137,16 @@ def test_main_then_decay_equals_all(data_dir, base_ckpt, tmp_path):
     assert decay_records and all(m["objective"] == "mlm" for m in decay_records)
 
 
+def test_evaluation_follows_eval_interval_not_log_interval(data_dir, base_ckpt, tmp_path):
+    """eval_interval 3 with log_interval 4: evaluations at 3, 6, 9, ... and at each phase end (16, 20), each
+    logged with the training loss of its step, whether or not it is also a log step."""
+    run_train(tmp_path / "run", data_dir, f"--init_from={base_ckpt}", "--log_interval=4", "--eval_interval=3")
+    records = metrics(tmp_path / "run")
+    assert [m["step"] for m in records if "val_mlm_loss" in m] == [3, 6, 9, 12, 15, 16, 18, 20]
+    assert [m["step"] for m in records] == [3, 4, 6, 8, 9, 12, 15, 16, 18, 20]
+    assert all("loss" in m and "val_clm_loss" in m for m in records if "val_mlm_loss" in m)
+
+
 # -----------------------------------------------------------------------------
 # 3. Freezing: bit-identical frozen layers, everything else trains
 
