@@ -548,10 +548,6 @@ class Loader:
             self._perm_epoch = epoch
         return self._perm[pos]
 
-    @property
-    def epoch(self):
-        return self.consumed / self.n_windows
-
     def next(self):
         """This rank's next micro batch: (micro_batch_size, seq_len) int64 tokens."""
         start = self.consumed + self.rank * self.micro_batch_size
