@@ -289,7 +289,8 @@ def measure_loss_memory(spec):
 
 
 def data_throughput(text_path, tokenizer_path, seq_len, batch_size, workers):
-    from data import Loader, load_tokenizer, mlm_batch, prepare, read_documents
+    from data import Loader, mlm_batch, prepare, read_documents
+    from tokenizer import load_tokenizer
 
     docs = list(read_documents([text_path]))
     tok = load_tokenizer(tokenizer_path)
@@ -375,7 +376,8 @@ def main(argv=None):
     results = {"settings": {**vars(args), "device_name": str(device), "dtype": dtype, "hf_backend": hf_backend}}
     lengths_from = None
     if args.lengths_from:
-        from data import load_tokenizer, read_documents
+        from data import read_documents
+        from tokenizer import load_tokenizer
         tok = load_tokenizer(args.tokenizer)
         lengths_from = [len(x) + 2 for x in tok.encode_batch(list(read_documents([args.lengths_from]))[:20000])]
 

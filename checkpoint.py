@@ -22,6 +22,8 @@ import sys
 import torch
 from safetensors import SafetensorError
 
+from tokenizer import TOKENIZER_FILES
+
 MANIFEST = "manifest.json"
 
 
@@ -33,7 +35,7 @@ def save_checkpoint(path, model, optimizer, state, c):
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        for name in TOKENIZER_FILES:
             src = os.path.join(c.data_dir, name)
             if os.path.isfile(src):
                 shutil.copyfile(src, os.path.join(tmp, name))

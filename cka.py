@@ -31,9 +31,10 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import distributed
-from data import load_tokenizer, read_documents
+from data import read_documents
 from model import ModernBertForMaskedLM, cu_seqlens_of, mean_pool
 from suite import mean_std
+from tokenizer import load_tokenizer
 
 # -----------------------------------------------------------------------------
 # Linear CKA in feature space: only (d1 x d2) matrices, so n can be large.

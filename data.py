@@ -1,6 +1,6 @@
 """
-Data for the CLM detour: tokenizers, token shards, the packed loader, and the two
-objectives' batches.
+Data for the CLM detour: token shards, the packed loader, and the two objectives'
+batches. The tokenizers are in tokenizer.py.
 
 One direction: text files -> `python data.py prepare` -> train.bin / val.bin
 (token ids, documents separated by the tokenizer's end-of-document id) +
@@ -18,284 +18,15 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
-import re
 import shutil
 import sysconfig
-import unicodedata
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-# -----------------------------------------------------------------------------
-# Tokenizers. One small interface over three sources:
-#   - a Hugging Face tokenizer.json (or a checkpoint directory holding one).
-#     Byte-level BPE (ModernBERT) runs on tiktoken, made to give exactly the ids
-#     Hugging Face's `tokenizers` gives; anything else (WordPiece: ModernCamemBERT)
-#     runs on `tokenizers` itself.
-#   - a tiktoken encoding name (gpt2, cl100k_base, ...), if cached locally.
-#   - "bpe:N": train a byte-level BPE of N tokens on the input (offline demo).
-
-SPECIAL_NAMES = ("cls_id", "sep_id", "pad_id", "mask_id", "eos_id")
-
-
-def _byte_decoder():
-    """Inverse of GPT-2's bytes_to_unicode: printable char -> byte."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    chars, n = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + n)] = b
-            n += 1
-    return chars
-
-
-NEVER_IN_UTF8 = {0xC0, 0xC1, *range(0xF5, 0x100)}  # bytes a vocabulary may leave out
-GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-
-
-class Tokenizer:
-    """encode(text) -> ids (no special tokens added), encode_batch, decode, vocab_size,
-    and the special ids cls_id, sep_id, pad_id, mask_id, eos_id (eos separates documents)."""
-
-    def __init__(self, spec, vocab_size, special, encode_batch, decode, file=None, tiktoken=None):
-        self.spec, self.vocab_size, self.file = spec, vocab_size, file
-        self.tiktoken = tiktoken  # the underlying tiktoken Encoding, where there is one
-        self._encode_batch, self._decode = encode_batch, decode
-        for name in SPECIAL_NAMES:
-            setattr(self, name, special[name])
-
-    def encode(self, text):
-        return self.encode_batch([text])[0]
-
-    def encode_batch(self, texts):
-        return self._encode_batch(texts)
-
-    def decode(self, ids):
-        return self._decode(ids)
-
-    @property
-    def special_ids(self):
-        return {name: getattr(self, name) for name in SPECIAL_NAMES}
-
-
-def load_tokenizer(spec):
-    """spec: a tokenizer.json path, a directory holding one, or a tiktoken encoding name."""
-    path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            d = json.load(f)
-        if _is_gpt2_byte_level_bpe(d):
-            return _tiktoken_from_hf(d, path)
-        return _hf_tokenizer(path)
-    if os.sep in spec or spec.endswith(".json"):
-        raise FileNotFoundError(f"tokenizer {spec!r} not found: give a tokenizer.json, a checkpoint directory "
-                                "holding one, or a tiktoken encoding name")
-    return _tiktoken_by_name(spec)
-
-
-def _special_ids_from_tokens(lookup, where):
-    """Special ids of a BERT-style vocabulary: [CLS] [SEP] [PAD] [MASK]; documents end with [SEP]."""
-    ids = {}
-    for name, token in [("cls_id", "[CLS]"), ("sep_id", "[SEP]"), ("pad_id", "[PAD]"), ("mask_id", "[MASK]")]:
-        if lookup(token) is None:
-            raise ValueError(f"{where}: the tokenizer has no {token} token, which MLM training needs")
-        ids[name] = lookup(token)
-    ids["eos_id"] = ids["sep_id"]
-    return ids
-
-
-def _is_gpt2_byte_level_bpe(d):
-    m, pre, norm = d.get("model", {}), d.get("pre_tokenizer") or {}, d.get("normalizer")
-    return (m.get("type") == "BPE" and pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
-            and not pre.get("add_prefix_space", False) and not m.get("ignore_merges", False)
-            and m.get("dropout") is None and (norm is None or norm.get("type") == "NFC"))
-
-
-def _tiktoken_from_hf(d, path):
-    """Byte-level BPE from a tokenizer.json on tiktoken, exact to Hugging Face `tokenizers`.
-
-    Three things make it exact: the added tokens (ModernBERT's runs of 2-24 spaces,
-    [MASK] with lstrip, ...) are split off before BPE, leftmost-longest and in the
-    same two passes as Hugging Face; NFC (the file's normalizer) runs between them;
-    and tiktoken ranks follow the merge order, mapped back to the file's ids afterwards.
-    """
-    import tiktoken
-
-    byte_of = _byte_decoder()
-    char_of = {b: ch for ch, b in byte_of.items()}
-    to_bytes = lambda tok: bytes(byte_of[ch] for ch in tok)  # noqa: E731
-    vocab = d["model"]["vocab"]
-    ranks = {bytes([b]): b for b in range(256)}
-    for merge in d["model"]["merges"]:
-        a, b = merge.split(" ") if isinstance(merge, str) else merge
-        ranks.setdefault(to_bytes(a) + to_bytes(b), len(ranks))
-    rank_to_id = np.zeros(len(ranks), dtype=np.int64)
-    for tok_bytes, rank in ranks.items():
-        tok = "".join(char_of[x] for x in tok_bytes)
-        if tok in vocab:
-            rank_to_id[rank] = vocab[tok]
-        elif not (len(tok_bytes) == 1 and tok_bytes[0] in NEVER_IN_UTF8):
-            raise ValueError(f"{path}: BPE token {tok!r} is not in the vocabulary")
-    enc = tiktoken.Encoding(name=f"hf:{path}", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={})
-
-    added = {a["content"]: a for a in d.get("added_tokens", [])}
-    # Hugging Face matches added tokens in two passes: the non-normalized ones (special
-    # tokens) on the raw text, then the normalized ones (the space runs) on each
-    # remaining piece after normalization.
-    passes = []
-    for normalized in (False, True):
-        table = {c: a for c, a in added.items() if a.get("normalized", not a.get("special")) == normalized}
-        passes.append((table, re.compile(_trie_pattern(table)) if table else None))
-    nfc = d.get("normalizer") is not None
-
-    def split_added(text, table, pattern):
-        """text -> list of plain strings and added-token ids."""
-        parts, pos = [], 0
-        for m in (pattern.finditer(text) if pattern else ()):
-            a = table[m.group()]
-            if a.get("single_word") and not _is_single_word(text, m.start(), m.end()):
-                continue
-            start, end = m.start(), m.end()
-            while a.get("lstrip") and start > pos and _is_ws(text[start - 1]):
-                start -= 1
-            while a.get("rstrip") and end < len(text) and _is_ws(text[end]):
-                end += 1
-            if start > pos:
-                parts.append(text[pos:start])
-            parts.append(a["id"])
-            pos = end
-        if pos < len(text):
-            parts.append(text[pos:])
-        return parts
-
-    def split_text(text):
-        out = []
-        for p in split_added(text, *passes[0]):
-            if isinstance(p, str):
-                out.extend(split_added(unicodedata.normalize("NFC", p) if nfc else p, *passes[1]))
-            else:
-                out.append(p)
-        return out
-
-    def encode_batch(texts):
-        # Split every text into plain segments and added tokens; BPE all plain segments in one batch.
-        plans = [split_text(t) for t in texts]
-        segments = [p for plan in plans for p in plan if isinstance(p, str)]
-        # A plain loop: encode_ordinary_batch's thread pool costs more than it gains on short texts.
-        encoded = map(enc.encode_ordinary, segments)
-        out = []
-        for plan in plans:
-            ids = []
-            for p in plan:
-                if isinstance(p, str):
-                    ids.extend(next(encoded))
-                else:
-                    ids.append(-1 - p)  # keep added ids apart from BPE ranks until the remap below
-            out.append(ids)
-        flat = np.fromiter((i for ids in out for i in ids), dtype=np.int64)
-        flat = np.where(flat >= 0, rank_to_id[np.maximum(flat, 0)], -1 - flat)
-        splits = np.cumsum([len(ids) for ids in out])[:-1]
-        return [x.tolist() for x in np.split(flat, splits)]
-
-    id_to_bytes = {i: to_bytes(t) for t, i in vocab.items() if all(ch in byte_of for ch in t)}
-    id_to_bytes.update({a["id"]: a["content"].encode() for a in d.get("added_tokens", [])})
-
-    def decode(ids):
-        return b"".join(id_to_bytes.get(int(i), b"") for i in ids).decode("utf-8", errors="replace")
-
-    size = max([*vocab.values(), *(a["id"] for a in added.values())]) + 1
-    lookup = lambda tok: added[tok]["id"] if tok in added else vocab.get(tok)  # noqa: E731
-    return Tokenizer(path, size, _special_ids_from_tokens(lookup, path), encode_batch, decode, file=path, tiktoken=enc)
-
-
-def _trie_pattern(strings):
-    """A regex matching any of `strings`, leftmost-longest, built as a character trie so
-    that Python's re does not try every alternative at every position."""
-    trie = {}
-    for s in strings:
-        node = trie
-        for ch in s:
-            node = node.setdefault(ch, {})
-        node[""] = {}
-
-    def pattern(node):
-        alts = [re.escape(ch) + pattern(child) for ch, child in sorted(node.items()) if ch]
-        if not alts:
-            return ""
-        body = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
-        return f"(?:{body})?" if "" in node else body  # greedy: the longer match first
-
-    return pattern(trie)
-
-
-def _is_ws(ch):
-    """Unicode White_Space, as Hugging Face strips it around added tokens (Python's isspace adds \x1c-\x1f)."""
-    return ch.isspace() and ch not in "\x1c\x1d\x1e\x1f"
-
-
-def _is_single_word(text, start, end):
-    word = lambda i: 0 <= i < len(text) and (text[i].isalnum() or text[i] == "_")  # noqa: E731
-    return not word(start - 1) and not word(end)
-
-
-def _hf_tokenizer(path):
-    """Any other tokenizer.json (WordPiece for ModernCamemBERT) on Hugging Face `tokenizers` itself."""
-    from tokenizers import Tokenizer as HFTokenizer
-
-    tok = HFTokenizer.from_file(path)
-
-    def encode_batch(texts):
-        return [e.ids for e in tok.encode_batch(list(texts), add_special_tokens=False)]
-
-    def decode(ids):
-        return tok.decode([int(i) for i in ids], skip_special_tokens=False)
-
-    special = _special_ids_from_tokens(tok.token_to_id, path)
-    return Tokenizer(path, tok.get_vocab_size(with_added_tokens=True), special, encode_batch, decode, file=path)
-
-
-def _tiktoken_by_name(name):
-    """A tiktoken encoding; [CLS] [SEP] [PAD] [MASK] are appended after its vocabulary."""
-    import tiktoken
-
-    try:
-        enc = tiktoken.get_encoding(name)
-    except ValueError as e:
-        raise ValueError(f"unknown tokenizer {name!r}: give a tokenizer.json, a checkpoint directory holding one, "
-                         f"a tiktoken encoding name, or bpe:N to train one offline ({e})") from None
-    except Exception as e:  # offline: tiktoken tries to download the encoding file
-        raise RuntimeError(f"tiktoken encoding {name!r} is not cached here and cannot be downloaded ({type(e).__name__})."
-                           " Point --tokenizer at a local tokenizer.json or checkpoint directory instead, or set "
-                           "TIKTOKEN_CACHE_DIR to a directory that holds the cached encoding.") from None
-    eos = enc.eot_token
-    n = enc.n_vocab
-    special = dict(cls_id=n, sep_id=n + 1, pad_id=n + 2, mask_id=n + 3, eos_id=eos)
-    names = {n: "[CLS]", n + 1: "[SEP]", n + 2: "[PAD]", n + 3: "[MASK]"}
-
-    def decode(ids):
-        return "".join(names[i] if i in names else enc.decode([i]) for i in map(int, ids))
-
-    return Tokenizer(name, n + 4, special, enc.encode_ordinary_batch, decode, tiktoken=enc)
-
-
-def train_bpe(texts, vocab_size, path):
-    """Train a byte-level BPE (GPT-2 pre-tokenization, NFC, BERT special tokens) and write tokenizer.json."""
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
-    tok = HFTokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer=trainer)
-    tok.save(path)
-
+from tokenizer import SPECIAL_NAMES, TOKENIZER_FILES, load_tokenizer, tokenizer_file, train_bpe
 
 # -----------------------------------------------------------------------------
 # Reading documents: .txt (a document per line, or per blank-line-separated
@@ -429,7 +160,8 @@ def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk
     interrupted run leaves no half file.
     """
     os.makedirs(out, exist_ok=True)
-    spec = _copy_tokenizer(tokenizer, out)
+    file = _copy_tokenizer(tokenizer, out)
+    spec = file or tokenizer  # a tiktoken encoding name has no file
     tok = load_tokenizer(spec)
     n_docs = sum(1 for _ in docs_fn())
     if n_docs == 0:
@@ -470,8 +202,7 @@ def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk
             f.close()
     for split, path in tmp.items():
         os.replace(path, os.path.join(out, f"{split}.bin"))
-    meta = dict(tokenizer=os.path.basename(spec) if tok.file else spec,
-                tokenizer_sha256=_sha256(spec) if tok.file else None,
+    meta = dict(tokenizer=os.path.basename(file) if file else spec, tokenizer_sha256=_sha256(file) if file else None,
                 vocab_size=tok.vocab_size, dtype=np.dtype(dtype).name, **tok.special_ids,
                 train_docs=counts["train"][0], train_tokens=counts["train"][1],
                 val_docs=counts["val"][0], val_tokens=counts["val"][1], sources=list(sources))
@@ -480,17 +211,16 @@ def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk
 
 
 def _copy_tokenizer(spec, out):
-    """Put the tokenizer file (and its companions) beside the shards; return the spec to load
-    (tiktoken names have no file and stay names)."""
-    path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
-    if not os.path.isfile(path):
-        return spec
-    src_dir = os.path.dirname(os.path.abspath(path))
-    if os.path.abspath(src_dir) != os.path.abspath(out):
-        shutil.copyfile(path, os.path.join(out, "tokenizer.json"))
-        for name in ("tokenizer_config.json", "special_tokens_map.json"):
-            if os.path.isfile(os.path.join(src_dir, name)):
-                shutil.copyfile(os.path.join(src_dir, name), os.path.join(out, name))
+    """Put the tokenizer file, whatever its name, as out/tokenizer.json, and its companions beside it;
+    return the copy's path (None for a tiktoken encoding name, which has no file)."""
+    path = tokenizer_file(spec)
+    if path is None:
+        return None
+    if os.path.dirname(os.path.abspath(path)) != os.path.abspath(out):
+        for name in TOKENIZER_FILES:
+            src = path if name == "tokenizer.json" else os.path.join(os.path.dirname(path), name)
+            if os.path.isfile(src):
+                shutil.copyfile(src, os.path.join(out, name))
     return os.path.join(out, "tokenizer.json")
 
 

@@ -30,9 +30,9 @@ from tqdm import tqdm
 
 import distributed
 import suite
-from data import load_tokenizer
 from model import (ModernBertForSequenceClassification, ModernBertForTokenClassification, cu_seqlens_of, load_config,
                    pick_backend)
+from tokenizer import load_tokenizer
 
 # -----------------------------------------------------------------------------
 # Metrics (checked against scikit-learn and seqeval in the tests)

@@ -45,8 +45,9 @@ from tqdm import tqdm
 import distributed
 from checkpoint import (MANIFEST, checkpoint_problem, latest_valid_checkpoint, rng_state, save_checkpoint,
                         set_rng_state, step_checkpoints, trim_metrics)
-from data import SPECIAL_NAMES, Loader, clm_batch, load_meta, mlm_batch
+from data import Loader, clm_batch, load_meta, mlm_batch
 from model import ModernBertConfig, ModernBertForMaskedLM, load_config, peak_flops, training_flops
+from tokenizer import SPECIAL_NAMES
 
 # -----------------------------------------------------------------------------
 # Defaults. A config file (plain Python, `key = value` lines) or --key=value

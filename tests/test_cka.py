@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from cka import linear_cka
-from data import train_bpe
 from model import ModernBertConfig, ModernBertForMaskedLM
+from tokenizer import train_bpe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

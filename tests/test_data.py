@@ -1,107 +1,23 @@
-"""data.py: tokenizers exact against Hugging Face tokenizers, prepare, the loader, the objectives."""
+"""data.py: the objectives, the loader, prepare."""
 
 import json
 import math
 import os
-import random
 import subprocess
 import sys
-import unicodedata
 
 import numpy as np
 import pytest
 import torch
 
-from data import (Loader, clm_batch, load_meta, load_tokenizer, mlm_batch, prepare, read_documents, train_bpe)
+from data import Loader, clm_batch, load_meta, mlm_batch, prepare, read_documents
+from tokenizer import load_tokenizer, train_bpe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHARED = os.path.join(ROOT, "..", "shared")
-BIOMED = os.path.join(SHARED, "data", "biomed_sentences.txt")
-needs_shared = pytest.mark.skipif(not os.path.isdir(os.path.join(SHARED, "tokenizers")),
-                                  reason="../shared (real tokenizers and data) is not beside the checkout")
-
-
-def fuzz_texts():
-    """Hand-picked hard cases plus seeded random strings over a mix of scripts and controls."""
-    hand = ["", " ", "  ", "a  b", "a" + " " * 30 + "b", " " * 25, "x" + " " * 24 + "y", "\t\ttabs\t \t",
-            "trailing   ", "   leading", "line\nbreak\r\n\n  indented", "café", "cafe\u0301", "Ame\u0301lie NFD",
-            "\u212b ohm \u2126", "😀 emoji 👩‍👩‍👧 flags 🇫🇷", "中文字符 日本語のテキスト 한국어", "\x00\x01ctrl\x7f\x1f",
-            "a [MASK] b", "a  [MASK]b", "[CLS]x[SEP][PAD]", "|||IP_ADDRESS||| and |||EMAIL_ADDRESS|||",
-            "<|endoftext|>hi<|padding|>", "I'm we'll they've don't 123 4567 3.14159", "l'homme aujourd’hui qu'il",
-            "nbsp\u00a0here\u2028sep\u3000wide", "zero\u200bwidth\ufeffbom", "antidisestablishmentarianismically",
-            "Ω≈ç√∫˜µ≤≥÷", "مرحبا بالعالم", "\u0301leading combining", "x" * 300, "🧬" * 5 + "DNA"]
-    rng = random.Random(0)
-    alphabet = ("abcdefghijklmnopqrstuvwxyz ABCXYZ0123456789 .,;:'\"!?-()[]{}<>|\\/@#$%^&*_+=~` \t\n  "
-                "éèêàçôûœÉ\u0301\u0300ñüßøåæ ΑΒΓαβγ АБВабв 中文日本 😀🧬👍 \u00a0\u200b\u2028\x00\x07\x1b")
-    rand = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 80))) for _ in range(2000)]
-    return hand + rand
-
-
-def mismatches(tokenizer_json, texts):
-    from tokenizers import Tokenizer as HFTokenizer
-
-    ours = load_tokenizer(tokenizer_json).encode_batch(texts)
-    ref = [e.ids for e in HFTokenizer.from_file(tokenizer_json).encode_batch(texts, add_special_tokens=False)]
-    return [t for t, a, b in zip(texts, ours, ref) if a != b]
 
 
 # -----------------------------------------------------------------------------
-# 1. Exactness against Hugging Face tokenizers
-
-
-@needs_shared
-@pytest.mark.parametrize("name", ["modernbert", "camembertv2"])
-def test_real_tokenizers_are_exact(name):
-    with open(BIOMED, encoding="utf-8") as f:
-        texts = f.read().splitlines() + fuzz_texts()
-    bad = mismatches(os.path.join(SHARED, "tokenizers", name, "tokenizer.json"), texts)
-    print(f"{name}: {len(bad)} mismatches on {len(texts)} texts")
-    assert bad == []
-
-
-@needs_shared
-def test_special_ids_of_real_tokenizers():
-    en = load_tokenizer(os.path.join(SHARED, "tokenizers", "modernbert"))
-    assert (en.cls_id, en.sep_id, en.pad_id, en.mask_id, en.eos_id, en.vocab_size) == \
-        (50281, 50282, 50283, 50284, 50282, 50368)
-    fr = load_tokenizer(os.path.join(SHARED, "tokenizers", "camembertv2"))
-    assert (fr.pad_id, fr.cls_id, fr.sep_id, fr.mask_id, fr.eos_id, fr.vocab_size) == (0, 1, 2, 4, 2, 32768)
-
-
-def test_trained_bpe_is_exact_and_round_trips(tmp_path):
-    texts = fuzz_texts()
-    corpus = [t for t in texts[:1500]] + ["The quick brown fox jumps over the lazy dog."] * 50
-    path = str(tmp_path / "tokenizer.json")
-    train_bpe(iter(corpus), 600, path)
-    assert mismatches(path, texts) == []
-    tok = load_tokenizer(path)
-    for t in texts:  # byte-level BPE loses nothing but the normalisation
-        assert tok.decode(tok.encode(t)) == unicodedata.normalize("NFC", t)
-
-
-@needs_shared
-def test_modernbert_round_trip():
-    tok = load_tokenizer(os.path.join(SHARED, "tokenizers", "modernbert"))
-    texts = [t for t in fuzz_texts() if "[" not in t and "|" not in t]  # added tokens decode to themselves too
-    for t in texts:
-        assert tok.decode(tok.encode(t)) == unicodedata.normalize("NFC", t)
-
-
-def test_tiktoken_name_offline_fails_at_once_with_a_way_out():
-    try:
-        import tiktoken
-        tiktoken.get_encoding("gpt2")
-        pytest.skip("gpt2 is cached on this machine, so it does not fail")
-    except Exception:
-        pass
-    with pytest.raises(RuntimeError, match="local tokenizer.json"):
-        load_tokenizer("gpt2")
-    with pytest.raises(FileNotFoundError, match="not found"):
-        load_tokenizer("no/such/tokenizer.json")
-
-
-# -----------------------------------------------------------------------------
-# 2. MLM masking statistics; CLM targets
+# 1. MLM masking statistics; CLM targets
 
 
 SPECIAL = dict(cls_id=1, sep_id=2, pad_id=0, mask_id=4, eos_id=2)
@@ -155,7 +71,7 @@ def test_clm_targets_hand_checked():
 
 
 # -----------------------------------------------------------------------------
-# 3. The loader
+# 2. The loader
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +131,7 @@ def test_loader_errors(tmp_path, shards):
 
 
 # -----------------------------------------------------------------------------
-# 4. prepare
+# 3. prepare
 
 
 def test_prepare_writes_shards_and_meta(tmp_path):

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 import fake_kernels
-from data import prepare, read_documents, train_bpe
+from data import prepare, read_documents
 from model import ModernBertConfig, ModernBertForMaskedLM
+from tokenizer import train_bpe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = os.path.join(ROOT, "tests", "fake_kernels.py")

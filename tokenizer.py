@@ -1,0 +1,273 @@
+"""
+Tokenizers that give exactly the ids of Hugging Face `tokenizers`, behind one interface:
+vocab_size, the special ids, encode / encode_batch (no special tokens added), decode.
+
+load_tokenizer(spec) picks one of three kinds:
+  - TiktokenBPE: a byte-level BPE tokenizer.json (ModernBERT) on tiktoken, 2.5-4x faster than
+    `tokenizers` itself; tests/test_tokenizer.py checks its ids against `tokenizers` on real
+    tokenizers and fuzzed text.
+  - HFTokenizer: any other tokenizer.json (WordPiece: ModernCamemBERT) on `tokenizers` itself.
+  - TiktokenEncoding: a tiktoken encoding name (gpt2, cl100k_base, ...), if cached locally.
+train_bpe trains a byte-level BPE on the input, for the offline demo (`--tokenizer bpe:N`).
+"""
+
+import json
+import os
+import re
+import unicodedata
+
+import numpy as np
+import tiktoken
+import tokenizers
+from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+
+SPECIAL_NAMES = ("cls_id", "sep_id", "pad_id", "mask_id", "eos_id")
+# The files a Hugging Face tokenizer is read from; they travel with the shards and the checkpoints.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+NEVER_IN_UTF8 = {0xC0, 0xC1, *range(0xF5, 0x100)}  # bytes a vocabulary may leave out
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def load_tokenizer(spec):
+    """spec: a tokenizer.json path, a directory holding one, or a tiktoken encoding name."""
+    path = tokenizer_file(spec)
+    if path:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+        return TiktokenBPE(d, path) if _is_gpt2_byte_level_bpe(d) else HFTokenizer(path)
+    if os.sep in spec or spec.endswith(".json"):
+        raise FileNotFoundError(f"tokenizer {spec!r} not found: give a tokenizer.json, a checkpoint directory "
+                                "holding one, or a tiktoken encoding name")
+    return TiktokenEncoding(spec)
+
+
+def tokenizer_file(spec):
+    """The tokenizer.json that spec names (the file, or a directory holding one); None if there is none."""
+    path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
+    return path if os.path.isfile(path) else None
+
+
+class Tokenizer:
+    """encode(text) -> ids (no special tokens added), encode_batch, decode, vocab_size,
+    and the special ids cls_id, sep_id, pad_id, mask_id, eos_id (eos separates documents)."""
+
+    tiktoken = None  # the underlying tiktoken Encoding, where there is one (bench.py times it bare)
+
+    def __init__(self, vocab_size, special):
+        self.vocab_size, self.special_ids = vocab_size, {name: special[name] for name in SPECIAL_NAMES}
+        vars(self).update(self.special_ids)  # tok.cls_id, tok.sep_id, ...
+
+    def encode(self, text):
+        return self.encode_batch([text])[0]
+
+
+def _special_ids_from_tokens(lookup, where):
+    """Special ids of a BERT-style vocabulary: [CLS] [SEP] [PAD] [MASK]; documents end with [SEP]."""
+    ids = {}
+    for name, token in [("cls_id", "[CLS]"), ("sep_id", "[SEP]"), ("pad_id", "[PAD]"), ("mask_id", "[MASK]")]:
+        if lookup(token) is None:
+            raise ValueError(f"{where}: the tokenizer has no {token} token, which MLM training needs")
+        ids[name] = lookup(token)
+    ids["eos_id"] = ids["sep_id"]
+    return ids
+
+
+def _is_gpt2_byte_level_bpe(d):
+    m, pre, norm = d.get("model", {}), d.get("pre_tokenizer") or {}, d.get("normalizer")
+    return (m.get("type") == "BPE" and pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
+            and not pre.get("add_prefix_space", False) and not m.get("ignore_merges", False)
+            and m.get("dropout") is None and (norm is None or norm.get("type") == "NFC"))
+
+
+# GPT-2's bytes_to_unicode inverted: the character that stands for a byte in a vocabulary -> the byte.
+# Printable bytes stand for themselves, the others (in order) for chr(256), chr(257), ...
+PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+BYTE_OF = {chr(b): b for b in PRINTABLE} | {chr(256 + n): b for n, b in
+                                           enumerate(b for b in range(256) if b not in PRINTABLE)}
+CHAR_OF = {b: ch for ch, b in BYTE_OF.items()}
+
+
+def _to_bytes(token):
+    return bytes(BYTE_OF[ch] for ch in token)
+
+
+class TiktokenBPE(Tokenizer):
+    """Byte-level BPE from a tokenizer.json on tiktoken, exact to Hugging Face `tokenizers`.
+
+    Three things make it exact: the added tokens (ModernBERT's runs of 2-24 spaces,
+    [MASK] with lstrip, ...) are split off before BPE, leftmost-longest and in the
+    same two passes as Hugging Face; NFC (the file's normalizer) runs between them;
+    and tiktoken ranks follow the merge order, mapped back to the file's ids afterwards.
+    """
+
+    def __init__(self, d, path):
+        vocab = d["model"]["vocab"]
+        ranks = {bytes([b]): b for b in range(256)}
+        for merge in d["model"]["merges"]:
+            a, b = merge.split(" ") if isinstance(merge, str) else merge
+            ranks.setdefault(_to_bytes(a) + _to_bytes(b), len(ranks))
+        self.rank_to_id = _rank_to_id(ranks, vocab, path)
+        self.tiktoken = tiktoken.Encoding(name=f"hf:{path}", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                                          special_tokens={})
+        added = {a["content"]: a for a in d.get("added_tokens", [])}
+        # Hugging Face matches added tokens in two passes: the non-normalized ones (special
+        # tokens) on the raw text, then the normalized ones (the space runs) on each
+        # remaining piece after normalization.
+        self.raw_added, self.normalized_added = [
+            AddedTokens({c: a for c, a in added.items() if a.get("normalized", not a.get("special")) == normalized})
+            for normalized in (False, True)]
+        self.nfc = d.get("normalizer") is not None
+        self.id_to_bytes = {i: _to_bytes(t) for t, i in vocab.items() if all(ch in BYTE_OF for ch in t)}
+        self.id_to_bytes.update({a["id"]: a["content"].encode() for a in d.get("added_tokens", [])})
+        lookup = lambda tok: added[tok]["id"] if tok in added else vocab.get(tok)  # noqa: E731
+        super().__init__(max([*vocab.values(), *(a["id"] for a in added.values())]) + 1,
+                         _special_ids_from_tokens(lookup, path))
+
+    def _split(self, text):
+        """text -> list of plain strings and added-token ids."""
+        out = []
+        for p in self.raw_added.split(text):
+            if isinstance(p, str):
+                out.extend(self.normalized_added.split(unicodedata.normalize("NFC", p) if self.nfc else p))
+            else:
+                out.append(p)
+        return out
+
+    def encode_batch(self, texts):
+        # Split every text into plain segments and added tokens; BPE all plain segments in one batch.
+        plans = [self._split(t) for t in texts]
+        segments = [p for plan in plans for p in plan if isinstance(p, str)]
+        # A plain loop: encode_ordinary_batch's thread pool costs more than it gains on short texts.
+        encoded = map(self.tiktoken.encode_ordinary, segments)
+        # An added token's id goes in as -1 - id, apart from the BPE ranks until the remap below.
+        out = [[i for p in plan for i in (next(encoded) if isinstance(p, str) else [-1 - p])] for plan in plans]
+        flat = np.fromiter((i for ids in out for i in ids), dtype=np.int64)
+        flat = np.where(flat >= 0, self.rank_to_id[np.maximum(flat, 0)], -1 - flat)
+        splits = np.cumsum([len(ids) for ids in out])[:-1]
+        return [x.tolist() for x in np.split(flat, splits)]
+
+    def decode(self, ids):
+        return b"".join(self.id_to_bytes.get(int(i), b"") for i in ids).decode("utf-8", errors="replace")
+
+
+def _rank_to_id(ranks, vocab, path):
+    """The file's id of each tiktoken rank."""
+    rank_to_id = np.zeros(len(ranks), dtype=np.int64)
+    for tok_bytes, rank in ranks.items():
+        tok = "".join(CHAR_OF[x] for x in tok_bytes)
+        if tok in vocab:
+            rank_to_id[rank] = vocab[tok]
+        elif not (len(tok_bytes) == 1 and tok_bytes[0] in NEVER_IN_UTF8):
+            raise ValueError(f"{path}: BPE token {tok!r} is not in the vocabulary")
+    return rank_to_id
+
+
+class AddedTokens:
+    """One pass of Hugging Face's added tokens: content -> the tokenizer.json entry (id, lstrip, ...)."""
+
+    def __init__(self, table):
+        self.table = table
+        self.pattern = re.compile(_trie_pattern(table)) if table else None
+
+    def split(self, text):
+        """text -> list of plain strings and added-token ids."""
+        parts, pos = [], 0
+        for m in (self.pattern.finditer(text) if self.pattern else ()):
+            a = self.table[m.group()]
+            if a.get("single_word") and not _is_single_word(text, m.start(), m.end()):
+                continue
+            start, end = m.start(), m.end()
+            while a.get("lstrip") and start > pos and _is_ws(text[start - 1]):
+                start -= 1
+            while a.get("rstrip") and end < len(text) and _is_ws(text[end]):
+                end += 1
+            if start > pos:
+                parts.append(text[pos:start])
+            parts.append(a["id"])
+            pos = end
+        if pos < len(text):
+            parts.append(text[pos:])
+        return parts
+
+
+def _trie_pattern(strings):
+    """A regex matching any of `strings`, leftmost-longest, built as a character trie so
+    that Python's re does not try every alternative at every position."""
+    trie = {}
+    for s in strings:
+        node = trie
+        for ch in s:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def pattern(node):
+        alts = [re.escape(ch) + pattern(child) for ch, child in sorted(node.items()) if ch]
+        if not alts:
+            return ""
+        body = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+        return f"(?:{body})?" if "" in node else body  # greedy: the longer match first
+
+    return pattern(trie)
+
+
+def _is_ws(ch):
+    """Unicode White_Space, as Hugging Face strips it around added tokens (Python's isspace adds \x1c-\x1f)."""
+    return ch.isspace() and ch not in "\x1c\x1d\x1e\x1f"
+
+
+def _is_single_word(text, start, end):
+    word = lambda i: 0 <= i < len(text) and (text[i].isalnum() or text[i] == "_")  # noqa: E731
+    return not word(start - 1) and not word(end)
+
+
+class HFTokenizer(Tokenizer):
+    """Any other tokenizer.json (WordPiece for ModernCamemBERT) on Hugging Face `tokenizers` itself."""
+
+    def __init__(self, path):
+        self.tok = tokenizers.Tokenizer.from_file(path)
+        super().__init__(self.tok.get_vocab_size(with_added_tokens=True),
+                         _special_ids_from_tokens(self.tok.token_to_id, path))
+
+    def encode_batch(self, texts):
+        return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids):
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+class TiktokenEncoding(Tokenizer):
+    """A tiktoken encoding; [CLS] [SEP] [PAD] [MASK] are appended after its vocabulary."""
+
+    def __init__(self, name):
+        try:
+            self.tiktoken = tiktoken.get_encoding(name)
+        except ValueError as e:
+            raise ValueError(f"unknown tokenizer {name!r}: give a tokenizer.json, a checkpoint directory holding one, "
+                             f"a tiktoken encoding name, or bpe:N to train one offline ({e})") from None
+        except Exception as e:  # offline: tiktoken tries to download the encoding file
+            raise RuntimeError(f"tiktoken encoding {name!r} is not cached here and cannot be downloaded "
+                               f"({type(e).__name__}). Point --tokenizer at a local tokenizer.json or checkpoint "
+                               "directory instead, or set TIKTOKEN_CACHE_DIR to a directory that holds the cached "
+                               "encoding.") from None
+        n = self.tiktoken.n_vocab
+        self.names = {n: "[CLS]", n + 1: "[SEP]", n + 2: "[PAD]", n + 3: "[MASK]"}
+        super().__init__(n + 4, dict(cls_id=n, sep_id=n + 1, pad_id=n + 2, mask_id=n + 3,
+                                     eos_id=self.tiktoken.eot_token))
+
+    def encode_batch(self, texts):
+        return self.tiktoken.encode_ordinary_batch(texts)
+
+    def decode(self, ids):
+        return "".join(self.names[i] if i in self.names else self.tiktoken.decode([i]) for i in map(int, ids))
+
+
+def train_bpe(texts, vocab_size, path):
+    """Train a byte-level BPE (GPT-2 pre-tokenization, NFC, BERT special tokens) and write tokenizer.json."""
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.save(path)
