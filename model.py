@@ -596,11 +596,11 @@ class PreTrained(nn.Module):
     def encode(self, input_ids, attention_mask, cu_seqlens, max_seqlen, causal=False):
         """Hidden states (T, H) of flat tokens; a padded (B, S) call is unpadded first.
         Returns (hidden, cu_seqlens, keep, padded shape or None): repad(x, keep, *shape) undoes it."""
+        keep = shape = None
         if cu_seqlens is None:
-            B, S = input_ids.shape
-            tokens, cu_seqlens, max_seqlen, keep = unpad(input_ids, attention_mask)
-            return self.model(tokens, cu_seqlens, max_seqlen, causal=causal), cu_seqlens, keep, (B, S)
-        return self.model(input_ids, cu_seqlens, max_seqlen, causal=causal), cu_seqlens, None, None
+            shape = input_ids.shape  # (B, S)
+            input_ids, cu_seqlens, max_seqlen, keep = unpad(input_ids, attention_mask)
+        return self.model(input_ids, cu_seqlens, max_seqlen, causal=causal), cu_seqlens, keep, shape
 
 
 class ModernBertForMaskedLM(PreTrained):
