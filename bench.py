@@ -218,7 +218,7 @@ def attention_backends(config, lengths, device, dtype, steps):
     rows = []
     for backend in available:
         run_dtype = dtype if backend == "sdpa" or dtype in KERNEL_DTYPES else torch.bfloat16
-        for is_global in (True, False):
+        for layer_type in ("global", "local"):
             for causal in (False, True):
                 packing = Packing(T, cu, max(lengths), causal, config.local_attention // 2, backend)
                 q, k, v = (torch.randn(T, nh, hd, device=device, dtype=run_dtype, requires_grad=True) for _ in range(3))
@@ -226,13 +226,12 @@ def attention_backends(config, lengths, device, dtype, steps):
                 for i in range(steps + 2):
                     sync(device)
                     t0 = time.perf_counter()
-                    attention(q, k, v, packing, is_global, 0.0).sum().backward()
+                    attention(q, k, v, packing, layer_type, 0.0).sum().backward()
                     sync(device)
                     if i >= 2:
                         times.append(time.perf_counter() - t0)
                 rows.append({"backend": backend, "dtype": str(run_dtype).removeprefix("torch."),
-                             "layer": "global" if is_global else "local", "causal": causal,
-                             "ms": 1000 * statistics.median(times)})
+                             "layer": layer_type, "causal": causal, "ms": 1000 * statistics.median(times)})
     return rows
 
 

@@ -211,9 +211,9 @@ class Packing:
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # (B,)
         starts = torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=T)  # (T,)
         self.positions = torch.arange(T, device=cu_seqlens.device) - starts  # (T,)
-        self.windows = {True: (-1, -1), False: (half_window, half_window)}  # keyed by is_global
+        self.windows = {"global": (-1, -1), "local": (half_window, half_window)}  # layer type -> (left, right)
         if causal:
-            self.windows = {g: (left, 0) for g, (left, _) in self.windows.items()}
+            self.windows = {layer_type: (left, 0) for layer_type, (left, _) in self.windows.items()}
         if backend == "sdpa":
             B, S, dev = lengths.numel(), max_seqlen, cu_seqlens.device
             self.padded = T != B * S  # False for packed windows: then q, k, v are only viewed as (B, S)
@@ -223,10 +223,10 @@ class Packing:
                 seq_id = torch.repeat_interleave(torch.arange(B, device=dev), lengths, output_size=T)
                 self.pad_index = seq_id * S + self.positions  # (T,) row in the flattened (B*S) view
                 valid = idx[None, :] < lengths[:, None]  # (B, S)
-            self.masks = {}  # is_global -> (boolean mask or None, is_causal)
-            for is_global, (left, right) in self.windows.items():
+            self.masks = {}  # layer type -> (boolean mask or None, is_causal)
+            for layer_type, (left, right) in self.windows.items():
                 if left < 0 and not self.padded:  # full attention: no mask, so SDPA picks its fast kernels
-                    self.masks[is_global] = (None, right == 0)
+                    self.masks[layer_type] = (None, right == 0)
                     continue
                 ok = torch.ones(S, S, dtype=torch.bool, device=dev)
                 if left >= 0:
@@ -238,12 +238,12 @@ class Packing:
                     # nothing = NaN): let them see everything; their outputs are thrown away.
                     ok = (ok & valid[:, None, :]) | ~valid[:, :, None]  # (B, S, S)
                     ok = ok[:, None]  # (B, 1, S, S)
-                self.masks[is_global] = (ok, False)
+                self.masks[layer_type] = (ok, False)
 
 
-def attention(q, k, v, packing, is_global, dropout_p):
-    """Scaled dot-product attention over the sequences of an unpadded batch."""
-    left, right = packing.windows[is_global]
+def attention(q, k, v, packing, layer_type, dropout_p):
+    """Scaled dot-product attention over the sequences of an unpadded batch, in a "global" or "local" layer."""
+    left, right = packing.windows[layer_type]
     cu, S = packing.cu_seqlens, packing.max_seqlen
     if packing.backend == "flash":
         return flash_attn_varlen_func(q, k, v, cu, cu, S, S, dropout_p=dropout_p, causal=packing.causal,
@@ -259,7 +259,7 @@ def attention(q, k, v, packing, is_global, dropout_p):
             x = x.new_zeros(B * S, nh, hd).index_copy(0, packing.pad_index, x)
         return x.view(B, S, nh, hd).transpose(1, 2)
 
-    mask, is_causal = packing.masks[is_global]
+    mask, is_causal = packing.masks[layer_type]
     out = F.scaled_dot_product_attention(view(q), view(k), view(v), attn_mask=mask, dropout_p=dropout_p,
                                          is_causal=is_causal)
     out = out.transpose(1, 2).reshape(B * S, nh, hd)
@@ -306,7 +306,7 @@ class Attention(nn.Module):
     def __init__(self, config, layer):
         super().__init__()
         self.nh, self.hd = config.num_attention_heads, config.head_dim
-        self.is_global = config.is_global(layer)
+        self.layer_type = "global" if config.is_global(layer) else "local"
         self.Wqkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=False)
         self.Wo = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
         self.dropout_p = config.attention_dropout
@@ -316,9 +316,9 @@ class Attention(nn.Module):
     def forward(self, x, packing, rope):
         T = x.shape[0]
         qkv = self.Wqkv(x).view(T, 3, self.nh, self.hd)  # rows laid out [Q heads | K heads | V heads]
-        qk = apply_rope(qkv[:, :2], *rope[self.is_global])  # q and k rotated in one go, (T, 2, nh, hd)
+        qk = apply_rope(qkv[:, :2], *rope[self.layer_type])  # q and k rotated in one go, (T, 2, nh, hd)
         (q, k), v = qk.unbind(dim=1), qkv[:, 2]  # each (T, nh, hd)
-        y = attention(q, k, v, packing, self.is_global, self.dropout_p if self.training else 0.0)
+        y = attention(q, k, v, packing, self.layer_type, self.dropout_p if self.training else 0.0)
         return self.out_drop(self.Wo(y.reshape(T, self.nh * self.hd)))
 
 
@@ -390,8 +390,8 @@ class ModernBertModel(nn.Module):
         c = self.config
         backend = self.attention_backend(tokens.device)
         packing = Packing(tokens.shape[0], cu_seqlens, max_seqlen, causal, c.local_attention // 2, backend)
-        rope = {True: rope_cos_sin(packing.positions, c.head_dim, c.global_rope_theta),
-                False: rope_cos_sin(packing.positions, c.head_dim, c.local_rope_theta)}
+        rope = {"global": rope_cos_sin(packing.positions, c.head_dim, c.global_rope_theta),
+                "local": rope_cos_sin(packing.positions, c.head_dim, c.local_rope_theta)}
         x = self.embeddings(tokens)
         layers = []
         for block in self.layers:
