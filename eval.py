@@ -21,6 +21,7 @@ import json
 import math
 import os
 import time
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -227,9 +228,16 @@ def encode_examples(examples, tok, task, labels, max_len):
     return out, where
 
 
+class Split(NamedTuple):
+    """One split as finetune() takes it: encode_examples' two lists, and the examples (NER scores their words)."""
+    items: list  # (token ids, target) per sequence
+    where: list | None  # NER: the (example, word) of each first sub-token, per sequence
+    examples: list
+
+
 def encode_splits(raw, tok, task, labels, max_len):
-    """{split: examples} -> {split: (items, where, examples)}, what finetune() takes."""
-    return {split: (*encode_examples(examples, tok, task, labels, max_len), examples)
+    """{split: examples} -> {split: Split}, what finetune() takes."""
+    return {split: Split(*encode_examples(examples, tok, task, labels, max_len), examples)
             for split, examples in raw.items()}
 
 
@@ -290,21 +298,21 @@ def predict(model, items, task, device, batch_size, rank, world, autocast):
     return [preds[i] for i in range(len(items))]
 
 
-def score(task, items, preds, where, examples, labels):
+def score(task, split, preds, labels):
     if task == "cls":
-        return classification_metrics([y for _, y in items], preds)
+        return classification_metrics([y for _, y in split.items], preds)
     if task == "multilabel":
-        return multilabel_metrics([y for _, y in items], preds)
+        return multilabel_metrics([y for _, y in split.items], preds)
     # NER: the prediction of each word is its first sub-token's; stitch split sentences back together
-    pred_tags = [["O"] * len(ex["tokens"]) for ex in examples]
-    for (_, y), p, owners in zip(items, preds, where):
+    pred_tags = [["O"] * len(ex["tokens"]) for ex in split.examples]
+    for (_, y), p, owners in zip(split.items, preds, split.where):
         firsts = [k for k, t in enumerate(y) if t != -100]
         for (e, w), k in zip(owners, firsts):
             pred_tags[e][w] = labels[p[k]]
-    return ner_metrics([ex["tags"] for ex in examples], pred_tags)
+    return ner_metrics([ex["tags"] for ex in split.examples], pred_tags)
 
 
-def finetune(args, seed, splits, labels, tok, device, rank, world, autocast):
+def finetune(args, seed, splits, labels, device, rank, world, autocast):
     task = args.task
     model_cls = ModernBertForTokenClassification if task == "ner" else ModernBertForSequenceClassification
     problem = {"cls": "single_label_classification", "multilabel": "multi_label_classification"}.get(task)
@@ -315,8 +323,8 @@ def finetune(args, seed, splits, labels, tok, device, rank, world, autocast):
     core = model
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    train = splits["train"]
-    steps_per_epoch = math.ceil(len(train[0]) / args.batch_size)
+    train = splits["train"].items
+    steps_per_epoch = math.ceil(len(train) / args.batch_size)
     total = steps_per_epoch * args.epochs
     warmup = int(args.warmup_ratio * total)
     opt = torch.optim.AdamW(core.param_groups(args.weight_decay), lr=args.lr, betas=(0.9, 0.999), eps=1e-8)
@@ -326,11 +334,11 @@ def finetune(args, seed, splits, labels, tok, device, rank, world, autocast):
     history, best, best_state = [], None, None
     for epoch in range(args.epochs):
         t0 = time.time()
-        order = torch.randperm(len(train[0]), generator=g).tolist()
+        order = torch.randperm(len(train), generator=g).tolist()
         bar = tqdm(range(steps_per_epoch), desc=f"seed {seed} epoch {epoch + 1}/{args.epochs}",
                    disable=rank != 0 or None, leave=False)
         for s in bar:
-            batch = [train[0][i] for i in order[s * args.batch_size:(s + 1) * args.batch_size]]
+            batch = [train[i] for i in order[s * args.batch_size:(s + 1) * args.batch_size]]
             n = count_targets(batch, task, len(labels))  # the loss is the mean over the global batch
             mine, weight = batch[rank::world], world / max(n, 1)  # DDP averages over ranks: x world
             if not mine:
@@ -345,9 +353,8 @@ def finetune(args, seed, splits, labels, tok, device, rank, world, autocast):
             sched.step()
             opt.zero_grad(set_to_none=True)
             bar.set_postfix(loss=f"{loss.item() / world:.4f}")
-        val = score(task, splits["validation"][0], predict(core, splits["validation"][0], task, device,
-                                                           args.batch_size, rank, world, autocast),
-                    *splits["validation"][1:], labels)
+        val = score(task, splits["validation"], predict(core, splits["validation"].items, task, device,
+                                                        args.batch_size, rank, world, autocast), labels)
         history.append({"epoch": epoch + 1, "validation": val, "seconds": time.time() - t0})
         if best is None or val["macro_f1"] > best["validation"]["macro_f1"]:
             best = history[-1]
@@ -356,8 +363,8 @@ def finetune(args, seed, splits, labels, tok, device, rank, world, autocast):
             tqdm.write(f"seed {seed} epoch {epoch + 1}: validation macro F1 {val['macro_f1']:.4f} "
                        f"micro F1 {val['micro_f1']:.4f} ({time.time() - t0:.1f}s)")
     core.load_state_dict(best_state)
-    test = score(task, splits["test"][0], predict(core, splits["test"][0], task, device, args.batch_size, rank, world,
-                                                  autocast), *splits["test"][1:], labels)
+    test = score(task, splits["test"], predict(core, splits["test"].items, task, device, args.batch_size, rank, world,
+                                               autocast), labels)
     return core, {"seed": seed, "best_epoch": best["epoch"], "test": test, "epochs": history}
 
 
@@ -423,16 +430,16 @@ def run_suite(args, rank, world, device, autocast, dtype):
         print(f"{args.suite}: {len(runs)} runs ({len(tasks)} tasks x {len(names)} models x {len(seeds)} seeds): "
               f"{len(done)} finished earlier, {len(runs) - len(done)} to run")
     bar = tqdm(total=len(runs), initial=len(done), desc="suite", unit="run", disable=rank != 0 or None)
-    encoded = (None, None)  # (task name, model path) -> its splits in that model's tokens
+    encoded, splits = None, None  # the (task name, model path) whose splits, in that model's tokens, are at hand
     for i, r in enumerate(runs):
         if i in done:
             continue
         t, t0 = r["task"], time.time()
         raw, labels = data[t["name"]]
-        if encoded[0] != (t["name"], r["model"]):
-            encoded = ((t["name"], r["model"]), encode_splits(raw, toks[r["model"]], t["task"], labels, t["max_len"]))
-        model, result = finetune(r["args"], r["seed"], encoded[1], labels, toks[r["model"]], device, rank, world,
-                                 autocast)
+        if encoded != (t["name"], r["model"]):
+            encoded = (t["name"], r["model"])
+            splits = encode_splits(raw, toks[r["model"]], t["task"], labels, t["max_len"])
+        model, result = finetune(r["args"], r["seed"], splits, labels, device, rank, world, autocast)
         done[i] = result
         if rank == 0:
             suite.store_run(r["file"], r["options"], result)
@@ -495,12 +502,12 @@ def main(argv=None):
         config = load_config(args.model)
         backend = pick_backend(config.attn_backend, device, dtype, config.attention_dropout)
         print(f"{args.task}: {len(labels)} labels; train {len(raw['train'])}, validation {len(raw['validation'])}, "
-              f"test {len(raw['test'])} examples ({len(splits['train'][0])} training sequences); "
+              f"test {len(raw['test'])} examples ({len(splits['train'].items)} training sequences); "
               f"{device}, {str(dtype).removeprefix('torch.')}, attention {backend}")
 
     runs = []
     for seed in [int(s) for s in args.seeds.split(",")]:
-        model, result = finetune(args, seed, splits, labels, tok, device, rank, world, autocast)
+        model, result = finetune(args, seed, splits, labels, device, rank, world, autocast)
         runs.append(result)
         if rank == 0 and args.save_model:
             model.save_pretrained(os.path.join(args.out, f"model-seed{seed}"))
