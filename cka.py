@@ -20,7 +20,6 @@ Writes results.json, results.md and divergence.png (if matplotlib is installed).
 """
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -31,6 +30,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import distributed
+from checkpoint import sha256
 from data import read_documents
 from model import ModernBertForMaskedLM, cu_seqlens_of, mean_pool
 from suite import mean_std
@@ -154,7 +154,7 @@ def tokenizer_of(paths, override):
         f = os.path.join(p, "tokenizer.json")
         if not os.path.isfile(f):
             raise SystemExit(f"{p} has no tokenizer.json; pass --tokenizer (the tokenizer its data was prepared with)")
-        hashes[p] = hashlib.sha256(open(f, "rb").read()).hexdigest()
+        hashes[p] = sha256(f)
     if len(set(hashes.values())) > 1:
         raise SystemExit("the checkpoints do not share a tokenizer (their tokenizer.json files differ): "
                          + ", ".join(f"{p}: {h[:12]}" for p, h in hashes.items()) + "; CKA compares the same texts "

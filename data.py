@@ -14,7 +14,6 @@ takes). Knows nothing of the model.
 
 import argparse
 import ast
-import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from checkpoint import sha256
 from tokenizer import SPECIAL_NAMES, TOKENIZER_FILES, load_tokenizer, tokenizer_file, train_bpe
 
 # -----------------------------------------------------------------------------
@@ -202,7 +202,7 @@ def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk
             f.close()
     for split, path in tmp.items():
         os.replace(path, os.path.join(out, f"{split}.bin"))
-    meta = dict(tokenizer=os.path.basename(file) if file else spec, tokenizer_sha256=_sha256(file) if file else None,
+    meta = dict(tokenizer=os.path.basename(file) if file else spec, tokenizer_sha256=sha256(file) if file else None,
                 vocab_size=tok.vocab_size, dtype=np.dtype(dtype).name, **tok.special_ids,
                 train_docs=counts["train"][0], train_tokens=counts["train"][1],
                 val_docs=counts["val"][0], val_tokens=counts["val"][1], sources=list(sources))
@@ -222,11 +222,6 @@ def _copy_tokenizer(spec, out):
             if os.path.isfile(src):
                 shutil.copyfile(src, os.path.join(out, name))
     return os.path.join(out, "tokenizer.json")
-
-
-def _sha256(path):
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
 
 
 def _atomic_write_json(path, obj):

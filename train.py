@@ -20,7 +20,6 @@ finishes the step, writes a checkpoint and exits with 128 + the signal number
 import ast
 import dataclasses
 import glob
-import hashlib
 import json
 import math
 import os
@@ -44,7 +43,7 @@ from tqdm import tqdm
 
 import distributed
 from checkpoint import (MANIFEST, checkpoint_problem, latest_valid_checkpoint, rng_state, save_checkpoint,
-                        set_rng_state, step_checkpoints, trim_metrics)
+                        set_rng_state, sha256, step_checkpoints, trim_metrics)
 from data import Loader, clm_batch, load_meta, mlm_batch
 from model import ModernBertConfig, ModernBertForMaskedLM, load_config, peak_flops, training_flops
 from tokenizer import SPECIAL_NAMES
@@ -326,7 +325,7 @@ def check_tokenizer(ckpt, config, meta, data_dir):
                          f"{ckpt} has {config.vocab_size} embeddings; {fix}")
     tok_file = os.path.join(ckpt, "tokenizer.json")
     if os.path.isfile(tok_file) and meta.get("tokenizer_sha256"):
-        if hashlib.sha256(open(tok_file, "rb").read()).hexdigest() != meta["tokenizer_sha256"]:
+        if sha256(tok_file) != meta["tokenizer_sha256"]:
             raise SystemExit(f"tokenizer mismatch: {ckpt}/tokenizer.json differs from the one {data_dir} was "
                              f"prepared with; {fix}")
 
