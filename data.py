@@ -161,7 +161,7 @@ def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk
     """
     os.makedirs(out, exist_ok=True)
     file = _copy_tokenizer(tokenizer, out)
-    spec = file or tokenizer  # a tiktoken encoding name has no file
+    spec = file or tokenizer  # an encoding name (gpt2) has no file
     tok = load_tokenizer(spec)
     n_docs = sum(1 for _ in docs_fn())
     if n_docs == 0:
@@ -212,7 +212,7 @@ def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk
 
 def _copy_tokenizer(spec, out):
     """Put the tokenizer file, whatever its name, as out/tokenizer.json, and its companions beside it;
-    return the copy's path (None for a tiktoken encoding name, which has no file)."""
+    return the copy's path (None for an encoding name such as gpt2, which has no file)."""
     path = tokenizer_file(spec)
     if path is None:
         return None
@@ -365,7 +365,7 @@ def main(argv=None):
     src.add_argument("--input", nargs="+", help=".txt / .jsonl / .parquet files")
     src.add_argument("--demo", choices=["general", "domain"], help="the built-in docstring corpus")
     pp.add_argument("--tokenizer", required=True,
-                    help="tokenizer.json, a checkpoint directory, a tiktoken name, or bpe:N to train one here")
+                    help="tokenizer.json, a checkpoint directory, an encoding name (gpt2), or bpe:N to train one here")
     pp.add_argument("--out", required=True)
     pp.add_argument("--val_docs", type=int, default=1000)
     pp.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)))
