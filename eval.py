@@ -21,7 +21,6 @@ import json
 import math
 import os
 import time
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -191,10 +190,11 @@ def model_tokenizer(model, tokenizer=None):
 
 
 def encode_examples(examples, tok, task, labels, max_len):
-    """-> list of (token ids, target) where target is a label id (cls), a 0/1 vector (multilabel) or a
-    per-token list with the tag id on each word's first sub-token and -100 elsewhere (ner). NER
-    sentences longer than max_len are split at word boundaries into several sequences, never truncated.
-    Also returns, for NER, which (example, word) each first sub-token belongs to."""
+    """-> a split as finetune() takes it: {"items": [(token ids, target), ...], "where": ..., "examples": examples}.
+    A target is a label id (cls), a 0/1 vector (multilabel) or a per-token list with the tag id on each word's
+    first sub-token and -100 elsewhere (ner). NER sentences longer than max_len are split at word boundaries
+    into several sequences, never truncated: "where" holds, per sequence, the (example, word) of each first
+    sub-token (None for cls and multilabel), so that scoring can put the words back together."""
     index = {label: i for i, label in enumerate(labels)}
     if task != "ner":
         ids = tok.encode_batch([ex["text"] for ex in examples])
@@ -207,7 +207,7 @@ def encode_examples(examples, tok, task, labels, max_len):
                 for label in ex["labels"]:
                     target[index[str(label)]] = 1.0
             out.append(([tok.cls_id, *x[:max_len - 2], tok.sep_id], target))
-        return out, None
+        return {"items": out, "where": None, "examples": examples}
     words = [w if i == 0 else " " + w for ex in examples for i, w in enumerate(ex["tokens"])]
     pieces = iter(tok.encode_batch(words))
     out, where = [], []
@@ -225,20 +225,11 @@ def encode_examples(examples, tok, task, labels, max_len):
             owners.append((e, w))
         out.append(([tok.cls_id, *chunk, tok.sep_id], [-100, *tags, -100]))
         where.append(owners)
-    return out, where
-
-
-class Split(NamedTuple):
-    """One split as finetune() takes it: encode_examples' two lists, and the examples (NER scores their words)."""
-    items: list  # (token ids, target) per sequence
-    where: list | None  # NER: the (example, word) of each first sub-token, per sequence
-    examples: list
+    return {"items": out, "where": where, "examples": examples}
 
 
 def encode_splits(raw, tok, task, labels, max_len):
-    """{split: examples} -> {split: Split}, what finetune() takes."""
-    return {split: Split(*encode_examples(examples, tok, task, labels, max_len), examples)
-            for split, examples in raw.items()}
+    return {split: encode_examples(examples, tok, task, labels, max_len) for split, examples in raw.items()}
 
 
 def flat_batch(items, task, device):
@@ -300,16 +291,16 @@ def predict(model, items, task, device, batch_size, rank, world, autocast):
 
 def score(task, split, preds, labels):
     if task == "cls":
-        return classification_metrics([y for _, y in split.items], preds)
+        return classification_metrics([y for _, y in split["items"]], preds)
     if task == "multilabel":
-        return multilabel_metrics([y for _, y in split.items], preds)
+        return multilabel_metrics([y for _, y in split["items"]], preds)
     # NER: the prediction of each word is its first sub-token's; stitch split sentences back together
-    pred_tags = [["O"] * len(ex["tokens"]) for ex in split.examples]
-    for (_, y), p, owners in zip(split.items, preds, split.where):
+    pred_tags = [["O"] * len(ex["tokens"]) for ex in split["examples"]]
+    for (_, y), p, owners in zip(split["items"], preds, split["where"]):
         firsts = [k for k, t in enumerate(y) if t != -100]
         for (e, w), k in zip(owners, firsts):
             pred_tags[e][w] = labels[p[k]]
-    return ner_metrics([ex["tags"] for ex in split.examples], pred_tags)
+    return ner_metrics([ex["tags"] for ex in split["examples"]], pred_tags)
 
 
 def finetune(args, seed, splits, labels, device, rank, world, autocast):
@@ -323,7 +314,7 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
     core = model
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    train = splits["train"].items
+    train = splits["train"]["items"]
     steps_per_epoch = math.ceil(len(train) / args.batch_size)
     total = steps_per_epoch * args.epochs
     warmup = int(args.warmup_ratio * total)
@@ -353,7 +344,7 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
             sched.step()
             opt.zero_grad(set_to_none=True)
             bar.set_postfix(loss=f"{loss.item() / world:.4f}")
-        val = score(task, splits["validation"], predict(core, splits["validation"].items, task, device,
+        val = score(task, splits["validation"], predict(core, splits["validation"]["items"], task, device,
                                                         args.batch_size, rank, world, autocast), labels)
         history.append({"epoch": epoch + 1, "validation": val, "seconds": time.time() - t0})
         if best is None or val["macro_f1"] > best["validation"]["macro_f1"]:
@@ -363,8 +354,8 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
             tqdm.write(f"seed {seed} epoch {epoch + 1}: validation macro F1 {val['macro_f1']:.4f} "
                        f"micro F1 {val['micro_f1']:.4f} ({time.time() - t0:.1f}s)")
     core.load_state_dict(best_state)
-    test = score(task, splits["test"], predict(core, splits["test"].items, task, device, args.batch_size, rank, world,
-                                               autocast), labels)
+    test = score(task, splits["test"], predict(core, splits["test"]["items"], task, device, args.batch_size, rank,
+                                               world, autocast), labels)
     return core, {"seed": seed, "best_epoch": best["epoch"], "test": test, "epochs": history}
 
 
@@ -502,7 +493,7 @@ def main(argv=None):
         config = load_config(args.model)
         backend = pick_backend(config.attn_backend, device, dtype, config.attention_dropout)
         print(f"{args.task}: {len(labels)} labels; train {len(raw['train'])}, validation {len(raw['validation'])}, "
-              f"test {len(raw['test'])} examples ({len(splits['train'].items)} training sequences); "
+              f"test {len(raw['test'])} examples ({len(splits['train']['items'])} training sequences); "
               f"{device}, {str(dtype).removeprefix('torch.')}, attention {backend}")
 
     runs = []
