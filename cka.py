@@ -169,7 +169,8 @@ def ratio(pair, control):
     return mean_std([p / c for p, c in zip(pair, control)])
 
 
-def run(args):
+def study(args):
+    """CKA per layer and seed for the pair and the control, and over seeds: results.json (None on ranks > 0)."""
     rank, world, device = distributed.setup(args.device)
     autocast, dtype = distributed.autocast(device, args.dtype)
 
@@ -245,7 +246,7 @@ def run(args):
 # Output: results.json, results.md, divergence.png
 
 
-def times(r):
+def ratio_text(r):
     return "n/a" if r is None else f"{r['mean']:.2f}x"
 
 
@@ -257,21 +258,21 @@ def markdown(results):
         head += " control divergence | ratio |"
         sep += "---|---|"
     lines = ["## Per-layer divergence (1 - linear CKA), mean ± std over sampling seeds", "", head, sep]
-    f = lambda s: f"{100 * s['mean']:.2f}% ± {100 * s['std']:.2f}"  # noqa: E731
+    pct = lambda s: f"{100 * s['mean']:.2f}% ± {100 * s['std']:.2f}"  # noqa: E731
     for layer, e in results["layers"].items():
-        row = (f"| {layer} | {f(e['pair_divergence'])} | {e['pair_cka_debiased']['mean']:.4f} | "
+        row = (f"| {layer} | {pct(e['pair_divergence'])} | {e['pair_cka_debiased']['mean']:.4f} | "
                f"{e['pair_cka_without_top']['mean']:.4f} | {e['pair_top_var_share_x']['mean']:.2f} / "
                f"{e['pair_top_var_share_y']['mean']:.2f} |")
         if has_control:
-            row += f" {f(e['control_divergence'])} | {times(e['ratio'])} |"
+            row += f" {pct(e['control_divergence'])} | {ratio_text(e['ratio'])} |"
         lines.append(row)
     lines += ["", "## Regions (mean divergence over the region's layers)", "",
               "| layers | pair | control | ratio |" if has_control else "| layers | pair |",
               "|---|---|---|---|" if has_control else "|---|---|"]
     for r in results["regions"]:
-        row = f"| {r['layers']} | {f(r['pair_divergence'])} |"
+        row = f"| {r['layers']} | {pct(r['pair_divergence'])} |"
         if has_control:
-            row += f" {f(r['control_divergence'])} | {times(r['ratio'])} |"
+            row += f" {pct(r['control_divergence'])} | {ratio_text(r['ratio'])} |"
         lines.append(row)
     return "\n".join(lines) + "\n"
 
@@ -323,7 +324,7 @@ def main(argv=None):
                    help="auto: bfloat16 autocast on GPU, float32 on CPU (CKA itself is computed in float64)")
     p.add_argument("--out", default="out/cka")
     args = p.parse_args(argv)
-    results = run(args)
+    results = study(args)
     if results is None:
         return
     os.makedirs(args.out, exist_ok=True)
