@@ -113,7 +113,7 @@ def test_lr_schedule_matches_the_formulas():
     for step in [0, 1, 49, 99, 100, 500, 999]:
         expect = 2e-4 * min(1, (step + 1) / 100)
         assert s.lr_at(step) == pytest.approx(expect, rel=1e-12)
-    for step in [1000, 1001, 1025, 1050, 1099]:  # PAPER.md: peak * (0.1 + 0.9 * (1 - sqrt(t / T)))
+    for step in [1000, 1001, 1025, 1050, 1099]:  # the 1-sqrt decay: peak * (0.1 + 0.9 * (1 - sqrt(t / T)))
         t = step - 1000
         assert s.lr_at(step) == pytest.approx(2e-4 * (0.1 + 0.9 * (1 - math.sqrt(t / 100))), rel=1e-12)
     assert s.lr_at(999) == 2e-4 and s.lr_at(1000) == 2e-4  # no warmup, no jump at the boundary
