@@ -21,7 +21,7 @@ Prints one table per section and writes bench.json:
   2. attention alone, forward + backward, for every backend available on the device;
   3. the LM loss's memory: one CLM forward + backward (vocab 50368, 8 x 1024 tokens, hidden 256)
      with the loss from full float32 logits against model.py's chunked loss;
-  4. data: prepare throughput against raw tiktoken on the same text, and loader time per step.
+  4. data (with --lengths_from and --tokenizer): prepare throughput against raw tiktoken, loader time per step.
 Each measurement of sections 1 and 3 runs in a fresh process, so peak memory is its own.
 """
 

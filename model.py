@@ -208,7 +208,7 @@ class Packing:
 
     def __init__(self, T, cu_seqlens, max_seqlen, causal, half_window, backend):
         self.cu_seqlens, self.max_seqlen, self.causal, self.backend = cu_seqlens, max_seqlen, causal, backend
-        lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # (B,)
+        lengths = cu_seqlens.diff()  # (B,)
         starts = torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=T)  # (T,)
         self.positions = torch.arange(T, device=cu_seqlens.device) - starts  # (T,)
         self.windows = {"global": (-1, -1), "local": (half_window, half_window)}  # layer type -> (left, right)
@@ -255,9 +255,7 @@ def attention(q, k, v, packing, layer_type, dropout_p):
     B = cu.numel() - 1
 
     def view(x):  # (T, nh, hd) -> (B, nh, S, hd)
-        if packing.padded:
-            x = x.new_zeros(B * S, nh, hd).index_copy(0, packing.pad_index, x)
-        return x.view(B, S, nh, hd).transpose(1, 2)
+        return (repad(x, packing.pad_index, B, S) if packing.padded else x.view(B, S, nh, hd)).transpose(1, 2)
 
     mask, is_causal = packing.masks[layer_type]
     out = F.scaled_dot_product_attention(view(q), view(k), view(v), attn_mask=mask, dropout_p=dropout_p,
