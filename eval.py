@@ -1,7 +1,8 @@
 """
 Fine-tuning evaluation over seeds, with the paper's protocol: AdamW (lr 5e-5, weight
-decay 0.01), linear decay after a 10% warmup, evaluate on validation after every
-epoch, keep the best epoch by validation macro F1, report test at that epoch.
+decay 0.01, batch 16), linear decay after a 10% warmup, 10 epochs (20 for NER), evaluate
+on validation after every epoch, keep the best epoch by validation macro F1, report test
+at that epoch. Any of these can be set on the command line (suite.PROTOCOL holds them).
 
     python eval.py --model out/clm/final --task ner --data ../shared/data/ncbi_disease
     python eval.py --model DIR --task cls --data DIR --seeds 42,43,44,45,46 --epochs 10
@@ -457,14 +458,15 @@ def main(argv=None):
     p.add_argument("--model", help="a Hugging Face ModernBERT checkpoint directory")
     p.add_argument("--task", choices=["cls", "multilabel", "ner"])
     p.add_argument("--data", help="a directory with train / validation / test splits")
-    p.add_argument("--seeds", default="42,43,44,45,46")
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--lr", type=float, default=5e-5)
-    p.add_argument("--weight_decay", type=float, default=0.01)
-    p.add_argument("--warmup_ratio", type=float, default=0.1)
-    p.add_argument("--batch_size", type=int, default=16)
-    p.add_argument("--max_len", type=int, default=512)
-    p.add_argument("--pooling", choices=["mean", "cls"], default="mean", help="sequence classification pooling")
+    # The fine-tuning protocol; what is not given is the paper's (suite.PROTOCOL, suite.EPOCHS).
+    p.add_argument("--seeds", help=f"comma-separated (default {','.join(map(str, suite.SEEDS))})")
+    p.add_argument("--epochs", type=int, help=f"default {suite.EPOCHS}")
+    p.add_argument("--lr", type=float, help=f"default {suite.PROTOCOL['lr']}")
+    p.add_argument("--weight_decay", type=float, help=f"default {suite.PROTOCOL['weight_decay']}")
+    p.add_argument("--warmup_ratio", type=float, help=f"default {suite.PROTOCOL['warmup_ratio']}")
+    p.add_argument("--batch_size", type=int, help=f"default {suite.PROTOCOL['batch_size']}")
+    p.add_argument("--max_len", type=int, help=f"default {suite.PROTOCOL['max_len']}")
+    p.add_argument("--pooling", choices=["mean", "cls"], help="sequence classification pooling (default mean)")
     p.add_argument("--tokenizer", help="when the checkpoint carries no tokenizer.json")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -475,10 +477,20 @@ def main(argv=None):
                                    "seeds, then one table (suite.py); instead of --model, --task and --data")
     p.add_argument("--models", nargs="+", help="with --suite: the checkpoints to compare, the reference first")
     args = p.parse_args(argv)
+    protocol = ["seeds", "epochs", *suite.PROTOCOL]
+    given = [f"--{k}" for k in protocol if getattr(args, k) is not None]
+    if args.suite and given:
+        p.error(f"--suite takes the seeds and each task's settings from {args.suite}, so {', '.join(given)} would be "
+                "ignored: set them in the suite file (a task's keys, or seeds = [...])")
     if args.suite and (not args.models or args.model or args.task or args.data):
         p.error("--suite takes its tasks from the file and the checkpoints from --models, not --model/--task/--data")
     if not args.suite and not (args.model and args.task and args.data):
         p.error("the following arguments are required: --model, --task, --data (or --suite FILE --models DIR ...)")
+    if not args.suite:
+        defaults = {**suite.PROTOCOL, "epochs": suite.EPOCHS[args.task], "seeds": ",".join(map(str, suite.SEEDS))}
+        for k in protocol:
+            if getattr(args, k) is None:
+                setattr(args, k, defaults[k])
 
     rank, world, device = distributed.setup(args.device)
     autocast, dtype = distributed.autocast(device, args.dtype)

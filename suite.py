@@ -28,6 +28,7 @@ import numpy as np
 # The paper's fine-tuning protocol (after BioClinical-ModernBERT): what a task dict does not say.
 PROTOCOL = dict(lr=5e-5, batch_size=16, max_len=512, warmup_ratio=0.1, weight_decay=0.01, pooling="mean")
 EPOCHS = {"cls": 10, "multilabel": 10, "ner": 20}
+SEEDS = [42, 43, 44, 45, 46]  # eval.py's default for one task; a suite file lists its own
 TASK_KEYS = {"name": str, "task": str, "data": str, "epochs": int, "lr": float, "batch_size": int, "max_len": int,
              "warmup_ratio": float, "weight_decay": float, "pooling": str}
 

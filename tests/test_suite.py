@@ -270,3 +270,15 @@ def test_suite_under_torchrun_skips_alike_and_equals_one_process(shared_suite, t
     two = json.loads((out / "results.json").read_text())["tasks"]["gad"]["models"]["a/final"]
     for metric in ("macro_f1", "weighted_f1"):  # seed 2 ran on two processes, seed 1 on one
         assert two[metric]["per_seed"] == pytest.approx(one[metric]["per_seed"], abs=1e-9)
+
+
+def test_suite_refuses_options_it_would_ignore(capsys):
+    """With --suite, the seeds and each task's settings come from the file: --epochs or --seeds on the
+    command line would be silently dropped, so they are an error that names them."""
+    import eval
+
+    with pytest.raises(SystemExit):
+        eval.main(["--suite", os.path.join(ROOT, "suites", "en_bio.py"), "--models", "a", "b", "--epochs", "3",
+                   "--seeds", "1"])
+    err = capsys.readouterr().err
+    assert "--seeds, --epochs would be ignored" in err and "en_bio.py" in err
