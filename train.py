@@ -225,6 +225,18 @@ def loss_sum(model, batch, causal):
                  rows=batch.rows, targets=batch.targets)
 
 
+def wrap(model, compiled, ddp, device):
+    """The model the steps call. Compiled: one graph for the whole forward, loss included (no graph break),
+    and one more when causal flips at the phase boundary; the MLM row count is marked dynamic (backward).
+    DDP wraps the compiled model, so its gradient all-reduce follows the whole backward instead of
+    overlapping it: a few ms once per optimizer step, against seconds of accumulated micro batches."""
+    if compiled:
+        model = torch.compile(model)
+    if ddp:
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return model
+
+
 def backward(model, batches, causal, n_targets, world, device, autocast, compiled):
     """Sum the micro batches' gradients into .grad, each loss divided by the global number of targets;
     return this rank's share of the step's loss. DDP all-reduces the gradients after the last one."""
@@ -528,15 +540,7 @@ def main(argv):
         print(f"{device}, {str(dtype).removeprefix('torch.')}, attention {backend}, compile {'on' if compiled else 'off'}")
         trim_metrics(os.path.join(c.out_dir, "metrics.jsonl"), step)
 
-    raw_model = model
-    if compiled:
-        # One graph for the whole forward, loss included (no graph break), and one more when causal flips
-        # at the phase boundary; the MLM row count is marked dynamic below. DDP wraps the compiled model,
-        # so its gradient all-reduce follows the whole backward instead of overlapping it: a few ms once
-        # per optimizer step, against seconds of accumulated micro batches.
-        model = torch.compile(model)
-    if ddp:
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    raw_model, model = model, wrap(model, compiled, ddp, device)
 
     def step_batches(step):
         """This rank's micro batches of `step` (all of them first: the loss divides by the global number of
