@@ -2,14 +2,14 @@
 Data for the CLM detour: token shards, the packed loader, and the two objectives'
 batches. The tokenizers are in tokenizer.py.
 
-One direction: text files -> `python data.py prepare` -> train.bin / val.bin
+One direction: text files -> `python data.py` -> train.bin / val.bin
 (token ids, documents separated by the tokenizer's end-of-document id) +
 meta.json -> Loader (fixed-length windows in an order fixed by data_seed, sharded
 by rank, resumable) -> mlm_batch / clm_batch (the flat unpadded form the model
 takes). Knows nothing of the model.
 
-    python data.py prepare --input corpus.txt --tokenizer path/to/ModernBERT-base --out data/bio
-    python data.py prepare --demo general --tokenizer bpe:4096 --out data/general
+    python data.py --input corpus.txt --tokenizer path/to/ModernBERT-base --out data/bio
+    python data.py --demo general --tokenizer bpe:4096 --out data/general
 """
 
 import argparse
@@ -235,7 +235,7 @@ def load_meta(data_dir):
     path = os.path.join(data_dir, "meta.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{data_dir}: no meta.json; make the shards first with "
-                                f"`python data.py prepare --input FILES --tokenizer SPEC --out {data_dir}`")
+                                f"`python data.py --input FILES --tokenizer SPEC --out {data_dir}`")
     with open(path) as f:
         return json.load(f)
 
@@ -254,7 +254,7 @@ class Loader:
         self.meta = load_meta(data_dir)
         path = os.path.join(data_dir, f"{split}.bin")
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path} is missing; re-run data.py prepare")
+            raise FileNotFoundError(f"{path} is missing; re-run data.py")
         self.tokens = np.memmap(path, dtype=self.meta["dtype"], mode="r")
         self.n_windows = len(self.tokens) // seq_len
         if self.n_windows < micro_batch_size * world_size:
@@ -359,18 +359,16 @@ def mlm_batch(windows, mask_prob, special, vocab_size, seed, split_docs=False):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    pp = sub.add_parser("prepare", help="tokenize text files into train.bin / val.bin / meta.json")
-    src = pp.add_mutually_exclusive_group(required=True)
+    src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--input", nargs="+", help=".txt / .jsonl / .parquet files")
     src.add_argument("--demo", choices=["general", "domain"], help="the built-in docstring corpus")
-    pp.add_argument("--tokenizer", required=True,
+    p.add_argument("--tokenizer", required=True,
                     help="tokenizer.json, a checkpoint directory, an encoding name (gpt2), or bpe:N to train one here")
-    pp.add_argument("--out", required=True)
-    pp.add_argument("--val_docs", type=int, default=1000)
-    pp.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)))
-    pp.add_argument("--text_field", default="text", help="the text field of .jsonl / .parquet")
-    pp.add_argument("--blank_line_docs", action="store_true",
+    p.add_argument("--out", required=True)
+    p.add_argument("--val_docs", type=int, default=1000)
+    p.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)))
+    p.add_argument("--text_field", default="text", help="the text field of .jsonl / .parquet")
+    p.add_argument("--blank_line_docs", action="store_true",
                     help=".txt: documents are separated by blank lines (default: one per line)")
     args = p.parse_args(argv)
 

@@ -10,7 +10,7 @@ Steps, each a command a user could type (printed as it runs):
   1. corpora: general and domain text (built-in: docstrings of the standard library, and of
      PyTorch and NumPy, installed with this project), held-out domain texts for CKA, and a
      downstream task (built-in: which subpackage a PyTorch/NumPy docstring comes from);
-  2. data.py prepare: a byte-level BPE trained on the general text, token shards;
+  2. data.py: a byte-level BPE trained on the general text, token shards;
   3. train.py: a tiny ModernBERT pretrained with MLM on the general text (the stand-in for
      "a pretrained ModernBERT"; skipped with --base);
   4. train.py from that base on the domain text: the CLM-detour arm, the MLM arm and an
@@ -215,10 +215,10 @@ def main(argv=None):
     data = lambda name: os.path.join(out, "data", name)  # noqa: E731
     timings["prepare"] = 0.0
     if not args.base:
-        timings["prepare"] += run([py, "data.py", "prepare", "--input", text("general.jsonl"), "--tokenizer", "bpe:4096",
+        timings["prepare"] += run([py, "data.py", "--input", text("general.jsonl"), "--tokenizer", "bpe:4096",
                                    "--out", data("general"), "--val_docs", "200"], os.path.join(logs, "prepare_general.log"))
     tokenizer = args.base or data("general")
-    timings["prepare"] += run([py, "data.py", "prepare", "--input", text("domain.jsonl"), "--tokenizer", tokenizer,
+    timings["prepare"] += run([py, "data.py", "--input", text("domain.jsonl"), "--tokenizer", tokenizer,
                                "--out", data("domain"), "--val_docs", "200"], os.path.join(logs, "prepare_domain.log"))
 
     common = [py, "train.py", "configs/demo.py"]

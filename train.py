@@ -56,7 +56,7 @@ from tokenizer import SPECIAL_NAMES
 @dataclass
 class Config:
     out_dir: str = "out"  # checkpoints, metrics.jsonl, config.json; re-running resumes from here
-    data_dir: str = ""  # a directory made by `python data.py prepare`
+    data_dir: str = ""  # a directory made by `python data.py`
     init_from: str = "scratch"  # "scratch", a Hugging Face ModernBERT directory, or one of our checkpoints
     model_size: str = "base"  # for scratch: "base" or "large"
     model_config: dict = dataclasses.field(default_factory=dict)  # for scratch: ModernBertConfig overrides
@@ -331,7 +331,7 @@ def check_init_from(path):
 
 def check_tokenizer(ckpt, config, meta, data_dir):
     """The data must be tokenized with the checkpoint's tokenizer."""
-    fix = "prepare the data with the checkpoint's tokenizer: python data.py prepare --tokenizer " + ckpt
+    fix = "prepare the data with the checkpoint's tokenizer: python data.py --tokenizer " + ckpt
     if meta["vocab_size"] > config.vocab_size:
         raise SystemExit(f"vocab mismatch: {data_dir} was tokenized with a vocabulary of {meta['vocab_size']} but "
                          f"{ckpt} has {config.vocab_size} embeddings; {fix}")
@@ -507,7 +507,7 @@ def loss_error(loss, step, out_dir):
 def main(argv):
     c = parse_config(argv)
     if not c.data_dir:
-        raise SystemExit("data_dir is not set: point it at a directory made by `python data.py prepare`")
+        raise SystemExit("data_dir is not set: point it at a directory made by `python data.py`")
     meta = load_meta(c.data_dir)
     rank, world, device = distributed.setup(c.device)  # the same without torchrun: one process
     ddp, master = world > 1, rank == 0

@@ -1,7 +1,7 @@
 # The CPU demo: a tiny ModernBERT on the built-in docstring corpus, minutes on a laptop.
 # demo.py runs it for every arm; by hand, after
-#   python data.py prepare --demo general --tokenizer bpe:4096 --out out/demo/data/general
-#   python data.py prepare --demo domain --tokenizer out/demo/data/general --out out/demo/data/domain
+#   python data.py --demo general --tokenizer bpe:4096 --out out/demo/data/general
+#   python data.py --demo domain --tokenizer out/demo/data/general --out out/demo/data/domain
 # it is: python train.py configs/demo.py --init_from=scratch --objective=mlm --data_dir=out/demo/data/general
 data_dir = "out/demo/data/domain"
 out_dir = "out/demo/run"

@@ -6,7 +6,7 @@
 # Stack an ablation after it: train.py configs/en_base.py configs/mlm_baseline.py
 
 init_from = "checkpoints/ModernBERT-base"  # <- your local copy of answerdotai/ModernBERT-base (config.json, model.safetensors, tokenizer.json)
-data_dir = "data/en_bio"  # <- python data.py prepare --input CORPUS.jsonl --tokenizer checkpoints/ModernBERT-base --out data/en_bio
+data_dir = "data/en_bio"  # <- python data.py --input CORPUS.jsonl --tokenizer checkpoints/ModernBERT-base --out data/en_bio
 out_dir = "out/en_base"
 objective = "clm"
 tokens = 10_000_000_000  # phase 1; the decay adds 1B

@@ -6,7 +6,7 @@
 # Stack an ablation after it: train.py configs/fr_base.py configs/mlm_baseline.py
 
 init_from = "checkpoints/moderncamembert-base"  # <- your local copy of ModernCamemBERT-base (almanach) (config.json, model.safetensors, tokenizer.json)
-data_dir = "data/fr_bio"  # <- python data.py prepare --input CORPUS.jsonl --tokenizer checkpoints/moderncamembert-base --out data/fr_bio
+data_dir = "data/fr_bio"  # <- python data.py --input CORPUS.jsonl --tokenizer checkpoints/moderncamembert-base --out data/fr_bio
 out_dir = "out/fr_base"
 objective = "clm"
 tokens = 10_000_000_000  # phase 1; the decay adds 1B

@@ -6,7 +6,7 @@
 # Stack an ablation after it: train.py configs/fr_large.py configs/mlm_baseline.py
 
 init_from = "checkpoints/moderncamembert-large"  # <- your local copy of ModernCamemBERT-large (almanach) (config.json, model.safetensors, tokenizer.json)
-data_dir = "data/fr_bio"  # <- python data.py prepare --input CORPUS.jsonl --tokenizer checkpoints/moderncamembert-large --out data/fr_bio
+data_dir = "data/fr_bio"  # <- python data.py --input CORPUS.jsonl --tokenizer checkpoints/moderncamembert-large --out data/fr_bio
 out_dir = "out/fr_large"
 objective = "clm"
 tokens = 25_000_000_000  # phase 1; the decay adds 2.5B

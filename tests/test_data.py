@@ -124,7 +124,7 @@ def test_data_seed_changes_order_not_set(shards):
 
 
 def test_loader_errors(tmp_path, shards):
-    with pytest.raises(FileNotFoundError, match="data.py prepare"):
+    with pytest.raises(FileNotFoundError, match="python data.py --input"):
         Loader(str(tmp_path), "train", 20, 2, data_seed=0)
     with pytest.raises(ValueError, match="fewer than one step"):
         Loader(shards, "val", 512, 4, data_seed=0)
@@ -168,7 +168,7 @@ def test_prepare_is_deterministic_across_workers(tmp_path):
 
 
 def run_prepare(*args, cwd):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "data.py"), "prepare", *args], cwd=cwd,
+    return subprocess.run([sys.executable, os.path.join(ROOT, "data.py"), *args], cwd=cwd,
                           capture_output=True, text=True)
 
 

@@ -249,7 +249,7 @@ def test_unknown_key_lists_valid_keys(tmp_path):
 
 def test_missing_data_and_vocab_mismatch_are_clear(data_dir, tmp_path):
     r = run_train(tmp_path / "a", str(tmp_path / "nowhere"), check=False)
-    assert r.returncode != 0 and "no meta.json" in r.stderr and "data.py prepare" in r.stderr
+    assert r.returncode != 0 and "no meta.json" in r.stderr and "python data.py --input" in r.stderr
     small = tmp_path / "small"
     ModernBertForMaskedLM(ModernBertConfig(vocab_size=128, **TINY)).save_pretrained(small)
     r = run_train(tmp_path / "b", data_dir, f"--init_from={small}", check=False)
