@@ -47,14 +47,28 @@ ARMS = {  # name -> train.py overrides on top of configs/demo.py; identical budg
 
 
 def run(cmd, log):
-    """Run one step as a user would, echoing the command; its output goes to the log file."""
+    """Run one step as a user would, echoing the command. Its output goes to the log file and its latest
+    line to the console as it comes: rewritten in place on a terminal, one line every 30 s on a pipe (CI)."""
     print("$ " + " ".join(cmd[1:] if cmd[0] == sys.executable else cmd), flush=True)
-    t0 = time.time()
+    t0 = shown = time.time()
+    tty, width = sys.stdout.isatty(), shutil.get_terminal_size().columns - 1  # a wrapped line is not rewritten
+    # Unbuffered, so each line arrives when the child prints it; text mode also splits \r updates into lines.
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     with open(log, "w") as f:
-        r = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "TQDM_DISABLE": "1"})
-    if r.returncode != 0:
-        tail = open(log).read()[-3000:]
-        raise SystemExit(f"step failed (exit {r.returncode}); the end of {log}:\n{tail}")
+        for line in p.stdout:
+            f.write(line)
+            status = f"  {time.time() - t0:.0f}s  {line.strip()}"
+            if tty and line.strip():
+                print("\r" + status[:width] + "\033[K", end="", flush=True)  # \033[K clears the rest of the line
+            elif line.strip() and time.time() - shown >= 30:
+                print(status, flush=True)
+                shown = time.time()
+    ok = p.wait() == 0
+    print(("\r\033[K" if tty else "") + f"  {'done' if ok else 'failed'} in {time.time() - t0:.0f}s, log: {log}",
+          flush=True)
+    if not ok:
+        raise SystemExit(f"step failed (exit {p.returncode}); the end of {log}:\n{open(log).read()[-3000:]}")
     return time.time() - t0
 
 

@@ -33,6 +33,7 @@ def test_demo_pipeline_quick(tmp_path):
     r = subprocess.run([sys.executable, *demo[1:], "--quick", "--out", str(out)], cwd=ROOT, capture_output=True,
                        text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.count("\n$ ") == r.stdout.count("  done in "), "every step says when it ends"
     report = (out / "report.md").read_text()
     for heading in ("## Settings", "## Final validation loss per arm", "## CKA: divergence", "## Fine-tuning on the task"):
         assert heading in report
