@@ -148,13 +148,20 @@ def loss_figure(arms, main_tokens, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, mid, right) = plt.subplots(1, 3, figsize=(16, 4))
+    kilo = lambda records: [r["tokens"] / 1e3 for r in records]  # noqa: E731
     for (name, records), color in zip(arms.items(), ("C3", "C0", "C2")):  # each arm counts tokens from 0
-        left.plot([r["tokens"] / 1e3 for r in records], [r["loss"] for r in records], color=color, label=name)
         val = [r for r in records if "val_mlm_loss" in r]
-        right.plot([r["tokens"] / 1e3 for r in val], [r["val_mlm_loss"] for r in val], "o-", color=color, label=name)
+        left.plot(kilo(records), [r["loss"] for r in records], color=color, label=name)
+        mid.plot(kilo(val), [r["val_mlm_loss"] for r in val], "o-", ms=3, color=color, label=name)
+        # The decay alone, where the detour returns to MLM: validation from the end of phase 1 on, and the
+        # training loss, which in the decay is the same MLM loss (15%) on the training batches.
+        decay, val = [r for r in records if r["phase"] == "decay"], [r for r in val if r["tokens"] >= main_tokens]
+        right.plot(kilo(decay), [r["loss"] for r in decay], color=color, alpha=0.4, lw=1)
+        right.plot(kilo(val), [r["val_mlm_loss"] for r in val], "o-", color=color, label=f"{name} (validation)")
     for ax, title in ((left, "training loss (phase 1: the arm's objective; decay: MLM 15%)"),
-                      (right, "validation MLM loss (15% masking, fixed seed)")):
+                      (mid, "validation MLM loss (15% masking, fixed seed)"),
+                      (right, "the decay: MLM loss, validation (points) and training (line)")):
         ax.axvline(main_tokens / 1e3, color="k", ls="--", lw=1, label="start of the decay")
         ax.set_xlabel("tokens seen in continued pretraining (thousands)")
         ax.set_title(title, fontsize=9)
@@ -189,6 +196,13 @@ def report(args, s, out, task_dir, kind, timings, total):
              "| arm | phase 1 | val MLM loss (15%) | val CLM loss |", "|---|---|---|---|"]
     for name, (rec, _) in arms.items():
         lines.append(f"| {name} | {' '.join(ARMS[name])} | {rec['val_mlm_loss']:.4f} | {rec['val_clm_loss']:.4f} |")
+    decay = {name: [r for r in records if "val_mlm_loss" in r and r["tokens"] >= s["arm_tokens"]]
+             for name, (_, records) in arms.items()}
+    steps = [r["step"] for r in decay["clm"]]
+    lines += ["", f"## The decay: validation MLM loss at each evaluation (step {steps[0]}: the end of phase 1)", "",
+              "| arm | " + " | ".join(f"step {k}" for k in steps) + " |", "|---" * (len(steps) + 1) + "|"]
+    for name, val in decay.items():
+        lines.append(f"| {name} | " + " | ".join(f"{r['val_mlm_loss']:.4f}" for r in val) + " |")
     lines += ["", "## CKA: divergence (1 - CKA) by region, pair = clm vs mlm, control = mlm vs mlm_twin", "",
               "| layers | pair (%) | control (%) | ratio |", "|---|---|---|---|"]
     for r in cka["regions"]:

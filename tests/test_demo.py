@@ -35,7 +35,8 @@ def test_demo_pipeline_quick(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count("\n$ ") == r.stdout.count("  done in "), "every step says when it ends"
     report = (out / "report.md").read_text()
-    for heading in ("## Settings", "## Final validation loss per arm", "## CKA: divergence", "## Fine-tuning on the task"):
+    for heading in ("## Settings", "## Final validation loss per arm", "## The decay", "## CKA: divergence",
+                    "## Fine-tuning on the task"):
         assert heading in report
     tables = [line for line in report.splitlines() if line.startswith("| ")]
     arms = {line.split("|")[1].strip() for line in tables}
