@@ -23,6 +23,7 @@ Steps, each a command a user could type (printed as it runs):
 import argparse
 import json
 import os
+import platform
 import random
 import shutil
 import subprocess
@@ -173,6 +174,9 @@ def loss_figure(arms, main_tokens, path):
 
 
 def report(args, s, out, task_dir, kind, timings, total):
+    import numpy
+    import torch
+
     arms = {name: last_val(os.path.join(out, name, "metrics.jsonl")) for name in ARMS}
     loss_figure({name: records for name, (_, records) in arms.items()}, s["arm_tokens"], os.path.join(out, "loss.png"))
     shutil.copyfile(os.path.join(out, "cka", "divergence.png"), os.path.join(out, "divergence.png"))
@@ -191,6 +195,8 @@ def report(args, s, out, task_dir, kind, timings, total):
              f"- CKA: {s['cka_n']} held-out texts x seeds 42,43,44, mean pooling, float64",
              f"- eval: {s['eval_epochs']} epochs x seeds {s['eval_seeds']}, lr {s['eval_lr']} (a tiny model takes a "
              f"larger step than the paper's 5e-5), max_len {s['eval_max_len']}",
+             f"- versions: Python {platform.python_version()}, torch {torch.__version__}, numpy {numpy.__version__} "
+             "(the built-in corpora are their docstrings and the standard library's: other versions, other numbers)",
              "- steps: " + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items()), "",
              "## Final validation loss per arm (after the decay)", "",
              "| arm | phase 1 | val MLM loss (15%) | val CLM loss |", "|---|---|---|---|"]
