@@ -52,7 +52,8 @@ ARMS = {  # name -> train.py overrides on top of configs/demo.py; identical budg
 def run(cmd, log):
     """Run one step as a user would, echoing the command. Its output goes to the log file and its latest
     line to the console as it comes: rewritten in place on a terminal, one line every 30 s on a pipe (CI)."""
-    print("$ " + " ".join(cmd[1:] if cmd[0] == sys.executable else cmd), flush=True)
+    here = lambda text: text.replace(ROOT + os.sep, "")  # noqa: E731  (paths from the repo root, where it runs)
+    print("$ " + here(" ".join(cmd[1:] if cmd[0] == sys.executable else cmd)), flush=True)
     t0 = shown = time.time()
     tty, width = sys.stdout.isatty(), shutil.get_terminal_size().columns - 1  # a wrapped line is not rewritten
     # Unbuffered, so each line arrives when the child prints it; text mode also splits \r updates into lines.
@@ -68,8 +69,8 @@ def run(cmd, log):
                 print(status, flush=True)
                 shown = time.time()
     ok = p.wait() == 0
-    print(("\r\033[K" if tty else "") + f"  {'done' if ok else 'failed'} in {time.time() - t0:.0f}s, log: {log}",
-          flush=True)
+    end = f"  {'done' if ok else 'failed'} in {time.time() - t0:.0f}s, log: {here(log)}"
+    print(("\r\033[K" if tty else "") + end, flush=True)
     if not ok:
         raise SystemExit(f"step failed (exit {p.returncode}); the end of {log}:\n{open(log).read()[-3000:]}")
     return time.time() - t0
