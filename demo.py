@@ -1,7 +1,7 @@
 """
 The whole study of the paper, small, on CPU, with no download: one command.
 
-    python demo.py                       # about 10 minutes on 2 CPU cores -> out/demo/report.md
+    python demo.py                       # 14 minutes on 2 CPU cores -> out/demo/report.md
     python demo.py --domain ../shared/data/biomed_sentences.txt --task ../shared/data/ncbi_disease \\
                    --out out/biomed      # a small biomedical replication
     python demo.py --base path/to/ModernBERT-base --domain corpus.jsonl --task my_task/
@@ -34,8 +34,8 @@ from itertools import islice
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
-# Sizes. "full" is the demo (under 15 minutes on 2 cores); "quick" is the test's: every step, tiny, on the
-# first 2,000 docstrings of each corpus (reading them all was its longest step). train: train.py overrides.
+# Sizes. "full" is the demo; "quick" is the test's: every step, tiny, on the first 2,000 docstrings of each
+# corpus (reading them all was its longest step). train: train.py overrides.
 SCALES = {
     "full": dict(docs=None, base_tokens=1_200_000, arm_tokens=600_000, heldout=300, cka_n=200, task_per_class=150,
                  eval_epochs=4, eval_lr=5e-4, eval_seeds="42,43,44", eval_max_len=128, train=[]),
