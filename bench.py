@@ -289,7 +289,7 @@ def measure_loss_memory(spec):
 
 def data_throughput(text_path, tokenizer_path, seq_len, batch_size, workers):
     from data import Loader, mlm_batch, prepare, read_documents
-    from tokenizer import load_tokenizer
+    from support.tokenizer import load_tokenizer
 
     docs = list(read_documents([text_path]))
     tok = load_tokenizer(tokenizer_path)
@@ -376,7 +376,7 @@ def main(argv=None):
     lengths_from = None
     if args.lengths_from:
         from data import read_documents
-        from tokenizer import load_tokenizer
+        from support.tokenizer import load_tokenizer
         tok = load_tokenizer(args.tokenizer)
         lengths_from = [len(x) + 2 for x in tok.encode_batch(list(read_documents([args.lengths_from]))[:20000])]
 

@@ -29,12 +29,12 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import distributed
-from checkpoint import sha256
+from support import distributed
+from support.checkpoint import sha256
 from data import read_documents
 from model import ModernBertForMaskedLM, cu_seqlens_of, mean_pool
-from suite import mean_std
-from tokenizer import load_tokenizer
+from support.suite import mean_std
+from support.tokenizer import load_tokenizer
 
 # -----------------------------------------------------------------------------
 # Linear CKA in feature space: only (d1 x d2) matrices, so n can be large.

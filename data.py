@@ -1,6 +1,6 @@
 """
 Data for the CLM detour: token shards, the packed loader, and the two objectives'
-batches. The tokenizers are in tokenizer.py.
+batches. The tokenizers are in support/tokenizer.py.
 
 One direction: text files -> `python data.py` -> train.bin / val.bin
 (token ids, documents separated by the tokenizer's end-of-document id) +
@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from checkpoint import sha256
-from tokenizer import SPECIAL_NAMES, TOKENIZER_FILES, load_tokenizer, tokenizer_file, train_bpe
+from support.checkpoint import sha256
+from support.tokenizer import SPECIAL_NAMES, TOKENIZER_FILES, load_tokenizer, tokenizer_file, train_bpe
 
 # -----------------------------------------------------------------------------
 # Reading documents: .txt (a document per line, or per blank-line-separated

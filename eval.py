@@ -8,7 +8,7 @@ at that epoch. Any of these can be set on the command line (suite.PROTOCOL holds
     python eval.py --model DIR --task cls --data DIR --seeds 42,43,44,45,46 --epochs 10
     torchrun --nproc_per_node=4 eval.py ...     # each batch sharded over GPUs; same numbers
     python eval.py --suite suites/en_bio.py --models out/en_base/final out/en_base_mlm/final --out out/eval_en
-                                                # the paper's table: tasks x models x seeds (suite.py)
+                                                # the paper's table: tasks x models x seeds (support/suite.py)
 
 Data: a directory with train / validation (or dev, devel, valid) / test splits.
   cls:        JSONL {"text": ..., "label": ...}
@@ -29,11 +29,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-import distributed
-import suite
+from support import distributed
+from support import suite
 from model import (ModernBertForSequenceClassification, ModernBertForTokenClassification, cu_seqlens_of, load_config,
                    pick_backend)
-from tokenizer import load_tokenizer
+from support.tokenizer import load_tokenizer
 
 # -----------------------------------------------------------------------------
 # Metrics (checked against scikit-learn and seqeval in the tests)
@@ -361,7 +361,7 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
 
 
 # -----------------------------------------------------------------------------
-# A suite: every (task, model, seed) of a suite file, each stored as it finishes; the table (suite.py)
+# A suite: every (task, model, seed) of a suite file, each stored as it finishes; the table (support/suite.py)
 
 
 def check_model(path, tokenizer):
@@ -474,7 +474,7 @@ def main(argv=None):
     p.add_argument("--out", default="out/eval")
     p.add_argument("--save_model", action="store_true", help="save the best model of each seed under --out")
     p.add_argument("--suite", help="a suite file (suites/en_bio.py): its tasks, with their settings, x --models x its "
-                                   "seeds, then one table (suite.py); instead of --model, --task and --data")
+                                   "seeds, then one table (support/suite.py); instead of --model, --task and --data")
     p.add_argument("--models", nargs="+", help="with --suite: the checkpoints to compare, the reference first")
     args = p.parse_args(argv)
     protocol = ["seeds", "epochs", *suite.PROTOCOL]

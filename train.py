@@ -41,12 +41,12 @@ from safetensors import SafetensorError
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-import distributed
-from checkpoint import (MANIFEST, checkpoint_problem, latest_valid_checkpoint, rng_state, save_checkpoint,
+from support import distributed
+from support.checkpoint import (MANIFEST, checkpoint_problem, latest_valid_checkpoint, rng_state, save_checkpoint,
                         set_rng_state, sha256, step_checkpoints, trim_metrics)
 from data import Loader, clm_batch, load_meta, mlm_batch
 from model import ModernBertConfig, ModernBertForMaskedLM, load_config, peak_flops, training_flops
-from tokenizer import SPECIAL_NAMES
+from support.tokenizer import SPECIAL_NAMES
 
 # -----------------------------------------------------------------------------
 # Defaults. A config file (plain Python, `key = value` lines) or --key=value

@@ -1,6 +1,6 @@
 # The paper's 11 English biomedical tasks (5 clinical, after BioClinical-ModernBERT, and 6 from BigBIO/BLURB).
 #   python eval.py --suite suites/en_bio.py --models out/en_base/final out/en_base_mlm/final --out out/eval_en
-# Every key a task leaves out is the paper's protocol (suite.py: lr 5e-5, batch 16, 10 epochs, 20 for NER,
+# Every key a task leaves out is the paper's protocol (support/suite.py: lr 5e-5, batch 16, 10 epochs, 20 for NER,
 # max_len 512, warmup 0.1, weight decay 0.01); the table reports test macro F1, mean over the seeds.
 #
 # The datasets are not downloaded for you: several need a data-use agreement. Convert each to a folder

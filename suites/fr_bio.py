@@ -1,6 +1,6 @@
 # The paper's 8 French biomedical tasks, with its 9 seeds (42-50).
 #   python eval.py --suite suites/fr_bio.py --models out/fr_base/final out/fr_base_mlm/final --out out/eval_fr
-# Every key a task leaves out is the paper's protocol (suite.py: lr 5e-5, batch 16, 10 epochs, 20 for NER,
+# Every key a task leaves out is the paper's protocol (support/suite.py: lr 5e-5, batch 16, 10 epochs, 20 for NER,
 # max_len 512, warmup 0.1, weight decay 0.01); the table reports test macro F1, mean over the seeds.
 #
 # The datasets are not downloaded for you. Convert each to a folder with train / dev (or validation) / test

@@ -13,7 +13,7 @@ import torch
 
 from cka import linear_cka
 from model import ModernBertConfig, ModernBertForMaskedLM
-from tokenizer import train_bpe
+from support.tokenizer import train_bpe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from data import Loader, clm_batch, load_meta, mlm_batch, prepare, read_documents
-from tokenizer import load_tokenizer, train_bpe
+from support.tokenizer import load_tokenizer, train_bpe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -14,7 +14,7 @@ import torch
 from eval import classification_metrics, multilabel_metrics, ner_metrics
 from model import (ModernBertConfig, ModernBertForMaskedLM, ModernBertForSequenceClassification,
                    ModernBertForTokenClassification)
-from tokenizer import train_bpe
+from support.tokenizer import train_bpe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NCBI = os.path.join(ROOT, "..", "shared", "data", "ncbi_disease")

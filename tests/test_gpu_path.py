@@ -20,7 +20,7 @@ import torch
 import fake_kernels
 from data import prepare, read_documents
 from model import ModernBertConfig, ModernBertForMaskedLM
-from tokenizer import train_bpe
+from support.tokenizer import train_bpe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = os.path.join(ROOT, "tests", "fake_kernels.py")

@@ -1,4 +1,4 @@
-"""suite.py and eval.py --suite: the paired interval against a hand-computed example and scipy, the suite
+"""support/suite.py and eval.py --suite: the paired interval against a hand-computed example and scipy, the suite
 file, and end to end on slices of three real tasks (../shared/data) with two tiny models: the table equals
 eval.py run per task, a killed suite resumes without repeating a run, a broken task fails before training."""
 
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-import suite
+from support import suite
 from model import ModernBertConfig, ModernBertForMaskedLM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""tokenizer.py: the same ids as Hugging Face tokenizers, on real tokenizers and fuzzed text."""
+"""support/tokenizer.py: the same ids as Hugging Face tokenizers, on real tokenizers and fuzzed text."""
 
 import os
 import random
@@ -6,7 +6,7 @@ import unicodedata
 
 import pytest
 
-from tokenizer import load_tokenizer, train_bpe
+from support.tokenizer import load_tokenizer, train_bpe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(ROOT, "..", "shared")

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from data import Loader, clm_batch, load_meta, mlm_batch, prepare, read_documents
 from model import ModernBertConfig, ModernBertForMaskedLM
-from tokenizer import train_bpe
+from support.tokenizer import train_bpe
 from train import Config, Schedule, loss_sum, parse_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -22,7 +22,7 @@ import sys
 import torch
 from safetensors import SafetensorError
 
-from tokenizer import TOKENIZER_FILES
+from support.tokenizer import TOKENIZER_FILES
 
 MANIFEST = "manifest.json"
 
