@@ -171,7 +171,8 @@ def ratio(pair, control):
 
 def study(args):
     """CKA per layer and seed for the pair and the control, and over seeds: results.json (None on ranks > 0)."""
-    rank, world, device = distributed.setup(args.device)
+    process = distributed.setup(args.device)
+    rank, world, device = process.rank, process.world, process.device
     autocast, dtype = distributed.autocast(device, args.dtype)
 
     pairs = {"pair": args.pair, **({"control": args.control} if args.control else {})}

@@ -492,7 +492,8 @@ def main(argv=None):
             if getattr(args, k) is None:
                 setattr(args, k, defaults[k])
 
-    rank, world, device = distributed.setup(args.device)
+    process = distributed.setup(args.device)
+    rank, world, device = process.rank, process.world, process.device
     autocast, dtype = distributed.autocast(device, args.dtype)
     if args.suite:  # every (task, model, seed) of a suite file, then one table
         run_suite(args, rank, world, device, autocast, dtype)

@@ -509,7 +509,8 @@ def main(argv):
     if not c.data_dir:
         raise SystemExit("data_dir is not set: point it at a directory made by `python data.py`")
     meta = load_meta(c.data_dir)
-    rank, world, device = distributed.setup(c.device)  # the same without torchrun: one process
+    process = distributed.setup(c.device)
+    rank, world, device = process.rank, process.world, process.device  # the same without torchrun: one process
     ddp, master = world > 1, rank == 0
     if c.global_batch_size % (c.micro_batch_size * world):
         raise SystemExit(f"global_batch_size={c.global_batch_size} is not a multiple of micro_batch_size="

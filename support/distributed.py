@@ -2,6 +2,7 @@
 mixed precision."""
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -9,17 +10,25 @@ import torch.distributed as dist
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+@dataclass(frozen=True)
+class Process:
+    """This process: its rank among `world` processes, and its device."""
+    rank: int
+    world: int
+    device: torch.device
+
+
 def setup(device="auto"):
-    """-> (rank, world_size, device). Under torchrun: join the process group (NCCL on GPU, gloo on
-    CPU) and take this rank's GPU. Without torchrun: one process on `device`."""
+    """-> this Process. Under torchrun: join the process group (NCCL on GPU, gloo on CPU) and take
+    this rank's GPU. Without torchrun: one process (rank 0 of 1) on `device`."""
     cuda = device != "cpu" and torch.cuda.is_available()
     if "RANK" not in os.environ:
-        return 0, 1, torch.device(device if device != "auto" else ("cuda" if cuda else "cpu"))
+        return Process(0, 1, torch.device(device if device != "auto" else ("cuda" if cuda else "cpu")))
     local_rank = int(os.environ["LOCAL_RANK"])
     if cuda:
         torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl" if cuda else "gloo")
-    return dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local_rank}" if cuda else "cpu")
+    return Process(dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local_rank}" if cuda else "cpu"))
 
 
 def autocast(device, dtype="auto"):
