@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from data import Loader, clm_batch, load_meta, mlm_batch, prepare, read_documents
 from model import ModernBertConfig, ModernBertForMaskedLM
 from support.tokenizer import train_bpe
-from train import Config, Schedule, loss_sum, parse_config
+from train import Config, Schedule, backward, loss_sum, make_optimizer, parse_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=2, local_attention=16)
@@ -99,6 +99,56 @@ def test_one_flag_losses_equal_reference_cross_entropy(data_dir):
         labels[mlm.rows] = windows.flatten()[mlm.rows]
         ref = F.cross_entropy(logits.reshape(-1, 320), labels, ignore_index=-100)
         assert abs(ours.item() - ref.item()) < 1e-5
+
+
+def test_micro_batches_weigh_every_target_alike(data_dir):
+    """Gradient accumulation over two MLM micro batches with different target counts gives the loss and
+    the gradients of one cross-entropy over all their targets: each micro batch's sum is divided by the
+    global batch's target count, not by its own (which would reweight the gradients and inflate the loss)."""
+    meta = load_meta(data_dir)
+    torch.manual_seed(0)
+    model = ModernBertForMaskedLM(ModernBertConfig(vocab_size=320, **TINY)).eval()  # no dropout
+    windows = Loader(data_dir, "train", 64, 2, data_seed=1).next()  # (2, 64): one window per micro batch
+    special = {k: meta[k] for k in ("cls_id", "sep_id", "pad_id", "mask_id", "eos_id")}
+    batches = [mlm_batch(windows[i:i + 1], p, special, meta["vocab_size"], seed=[17, 0, i])
+               for i, p in enumerate([0.1, 0.5])]
+    counts = [b.targets.numel() for b in batches]
+    assert counts[0] * 2 < counts[1]  # the micro batches weigh differently
+    loss = backward(model, batches, False, sum(counts), 1, torch.device("cpu"), torch.autocast("cpu", enabled=False),
+                    False)
+    ours = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    # The reference: one mean cross-entropy over the targets of both micro batches.
+    logits = torch.cat([model(b.tokens.view(1, 64)).view(64, 320)[b.rows] for b in batches])  # (N, V)
+    ref = F.cross_entropy(logits.double(), torch.cat([b.targets for b in batches]))
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-5
+    for name, p in model.named_parameters():
+        assert torch.allclose(ours[name], p.grad, rtol=1e-4, atol=1e-7), name
+
+
+def test_one_step_with_zero_gradients_is_the_decoupled_weight_decay():
+    """With zero gradients Adam's update is 0, so one optimizer step is the weight decay alone: each matrix
+    times 1 - weight_decay * lr_t / lr (decoupled: relative to the peak lr), biases and norm weights unchanged."""
+    torch.manual_seed(0)
+    model = ModernBertForMaskedLM(ModernBertConfig(vocab_size=320, **TINY))
+    c = Config(lr=0.5, weight_decay=0.1)
+    optimizer = make_optimizer(model, c, torch.device("cpu"))
+    lr_t = 0.2  # somewhere in a decay
+    for group in optimizer.param_groups:
+        group["lr"] = lr_t
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    factor = 1 - 0.1 * 0.2 / 0.5  # 0.96; torch's own lr_t * weight_decay would give 0.98
+    for name, p in model.named_parameters():
+        if p.ndim >= 2:
+            expect = (before[name].double() * factor).float()
+            assert torch.allclose(p.detach(), expect, rtol=1e-6, atol=0), name
+        else:
+            assert torch.equal(p.detach(), before[name]), f"{name} (1-D) was decayed"
 
 
 # -----------------------------------------------------------------------------
