@@ -17,8 +17,10 @@ import ast
 import json
 import multiprocessing as mp
 import os
+import queue
 import shutil
 import sysconfig
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -351,6 +353,39 @@ def mlm_batch(windows, mask_prob, special, vocab_size, seed, split_docs=False):
     inputs = tokens.clone()
     inputs[rows] = torch.where(action < 0.8, special["mask_id"], torch.where(action < 0.9, random_ids, targets))
     return Batch(inputs, cu, max_seqlen, rows, targets)
+
+
+def prefetch(produce, steps, depth=2):
+    """Yield produce(step) for each of `steps`, built up to `depth` steps ahead by a background thread,
+    so that the CPU work of a step's batches (reading, masking, targets, pinning) overlaps the GPU work
+    of the steps before. produce() runs in step order in one thread: the stream is what it would be
+    without the thread, and an exception in it is raised here, at the step it belongs to."""
+    ready, done = queue.Queue(maxsize=depth), threading.Event()
+
+    def work():
+        for step in steps:
+            try:
+                item = (produce(step), None)
+            except BaseException as e:  # noqa: BLE001 (raised again in the consumer)
+                item = (None, e)
+            while not done.is_set():  # a consumer that stopped (signal, error) reads no more
+                try:
+                    ready.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    pass
+            if item[1] is not None or done.is_set():
+                return
+
+    threading.Thread(target=work, daemon=True, name="prefetch").start()
+    try:
+        for _ in steps:
+            item, error = ready.get()
+            if error is not None:
+                raise error
+            yield item
+    finally:
+        done.set()
 
 
 # -----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import data
 import train
 from model import ModernBertConfig
 from test_gpu_path import SPECIAL, randomized, tiny, train_losses  # noqa: F401 (tiny is a fixture)
@@ -125,7 +126,7 @@ def test_prefetch_keeps_the_stream_and_raises_at_the_step():
             raise ValueError("no data for step 7")
         return torch.randn(3, generator=torch.Generator().manual_seed(step))
 
-    stream = train.prefetch(produce, range(3, 10))
+    stream = data.prefetch(produce, range(3, 10))
     for step in range(3, 7):
         assert torch.equal(next(stream), torch.randn(3, generator=torch.Generator().manual_seed(step)))
     with pytest.raises(ValueError, match="step 7"):
