@@ -1,25 +1,37 @@
 """
-The checkpoint directory: out_dir/ckpt-STEP/ (and out_dir/final/) = the Hugging Face files
-(config.json, model.safetensors, tokenizer) + train_state.pt (optimizer, step, tokens, data
-position, every rank's random streams and loss sums) + manifest.json.
+Checkpoints: the directory format, and the Checkpointer that decides when to write one and where
+to resume, so that train.py's loop only says "once in a while: checkpoint".
+
+A checkpoint is out_dir/ckpt-STEP/ (and out_dir/final/): the Hugging Face files (config.json,
+model.safetensors, tokenizer) + train_state.pt (optimizer, step, tokens, data position, every
+rank's random streams and loss sums) + manifest.json.
 
 Everything is written to a temporary directory, the manifest (size and sha256 of every other
 file) last, synced to disk, then renamed: a kill at any moment leaves the previous checkpoints
 as they were, and a checkpoint damaged later (a truncated copy, a bad disk) fails its manifest
-and is skipped on resume. train.py decides when to write and where to resume; this file only
-knows the format.
+and is skipped on resume.
+
+On a cluster the Checkpointer also answers preemption (SIGTERM, SIGINT: checkpoint at the next
+step boundary, then stop), writes one on a timer, makes the ranks agree on all of it, and checks
+that every rank sees what rank 0 wrote.
 """
 
 import dataclasses
 import glob
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
+import signal
+import socket
 import sys
+import time
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from safetensors import SafetensorError
 
 from support.tokenizer import TOKENIZER_FILES
@@ -152,3 +164,190 @@ def set_rng_state(state, device):
     torch.set_rng_state(state["cpu"])
     if device.type == "cuda" and "cuda" in state:  # a CPU checkpoint resumed on GPU keeps the seed's GPU stream
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+# -----------------------------------------------------------------------------
+# The Checkpointer: resume, and "once in a while: checkpoint", for every rank of a run.
+
+
+@dataclass
+class TrainState:
+    """What the training loop carries from step to step, and a checkpoint keeps."""
+    step: int = 0  # optimizer steps done
+    tokens: int = 0  # tokens trained on
+    loader: dict = None  # the data position after `step` (data.Loader.state_dict())
+    loss: torch.Tensor = None  # this rank's loss sum since the last log (a 0-d tensor on the device)
+    loss_steps: int = 0  # the steps in that sum
+
+
+class Checkpointer:
+    """Chooses the checkpoint to resume from, writes checkpoints when the loop or a signal or the clock
+    says so, keeps the newest max_ckpts, and stops the run on a signal. Every rank makes the same calls:
+    rank 0 decides and writes, every rank gets the outcome (errors included) and checks that it sees it."""
+
+    def __init__(self, c, process):
+        self.c, self.process = c, process
+        self.saved, self.saved_at = None, time.monotonic()  # where the state at the current step already is
+        self.seconds = 0.0  # spent writing checkpoints: not training time
+        self.caught = 0  # the signal that reached this rank, if any
+        self.exit_code = None  # set when a signal stopped the run
+        # A signal only raises a flag: the ranks agree on it at the next step boundary, write a checkpoint
+        # there and stop. A second signal during the save changes nothing.
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, lambda signum, frame: setattr(self, "caught", signum))
+
+    def resume(self, continue_from=None):
+        """The checkpoint this run starts from: the newest valid one in out_dir, else `continue_from` if it
+        has a train state (a phase-1 checkpoint for a run of the later phases), else None (init_from)."""
+        def choose():
+            for tmp in glob.glob(os.path.join(self.c.out_dir, ".tmp-*")):  # a save that a kill interrupted
+                shutil.rmtree(tmp, ignore_errors=True)
+            latest = latest_valid_checkpoint(self.c.out_dir)
+            if latest is None and self.c.init_from != "scratch":
+                check_init_from(self.c.init_from)
+            return os.path.basename(latest) if latest else None
+
+        name = on_rank0(choose, self.process)
+        if name:
+            self.saved = os.path.join(self.c.out_dir, name)
+            every_rank_sees(self.saved, self.process)
+        elif continue_from and os.path.isfile(os.path.join(continue_from, "train_state.pt")):
+            self.saved = continue_from
+        return self.saved
+
+    def restore(self, path, optimizer, loader, first_step=0):
+        """The TrainState at checkpoint `path` (None: a fresh start), with the optimizer, the loader and this
+        rank's random streams set to it; metrics.jsonl is cut back to its step. A run of later phases starts
+        at `first_step`, from a checkpoint of the phases before it."""
+        device, rank = self.process.device, self.process.rank
+        state = TrainState(loader=loader.state_dict(), loss=torch.zeros((), device=device))
+        if path is not None:
+            saved = torch.load(os.path.join(path, "train_state.pt"), map_location="cpu", weights_only=False)
+            optimizer.load_state_dict(saved["optimizer"])
+            loader.load_state_dict(saved["loader"])  # a global position: any world size continues from it
+            ranks = saved["ranks"]  # one entry per rank of the run that wrote it
+            if len(ranks) == self.process.world:  # the same world: every rank's streams and loss sum continue
+                set_rng_state(ranks[rank]["rng"], device)
+                loss = ranks[rank]["loss_acc"]
+            else:  # rank r now gets other micro batches than the old rank r: its streams restart from the seed,
+                loss = sum(r["loss_acc"] for r in ranks) if rank == 0 else 0.0  # rank 0 carries the loss total
+            state = TrainState(saved["step"], saved["tokens"], saved["loader"], torch.tensor(loss, device=device),
+                               saved["loss_steps"])
+        if state.step < first_step:
+            if state.step > 0:
+                raise SystemExit(f"run_phases={self.c.run_phases!r} starts at step {first_step}, the end of the phases "
+                                 f"before it, but the checkpoint {path} is at step {state.step}")
+            state.step = first_step  # weights without a train state (a Hugging Face model): start the phase fresh
+        if rank == 0:
+            trim_metrics(os.path.join(self.c.out_dir, "metrics.jsonl"), state.step)
+        self.saved_at = time.monotonic()  # the timer for ckpt_every_minutes starts with the training
+        return state
+
+    def after_step(self, model, optimizer, state, due):
+        """At the step boundary `state.step`: write ckpt-STEP if `due` (the loop's interval, a phase's end),
+        or if a signal reached any rank, or if ckpt_every_minutes have passed on any rank's clock. Returns
+        True when a signal came: the checkpoint is written and the run must stop (exit_code says how)."""
+        late = self.c.ckpt_every_minutes > 0 and time.monotonic() - self.saved_at >= 60 * self.c.ckpt_every_minutes
+        # On one process the flags stay on the CPU: no wait for the GPU at every step.
+        flags = torch.tensor([self.caught, late], dtype=torch.float32,
+                             device=self.process.device if self.process.world > 1 else "cpu")
+        if self.process.world > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stopping, late = flags.tolist()  # waits for the step, as the next step's batch copy would
+        path = os.path.join(self.c.out_dir, f"ckpt-{state.step}")
+        if (due or stopping or late) and path != self.saved:
+            self.save(path, model, optimizer, state)
+        if not stopping:
+            return False
+        self.exit_code = 128 + (self.caught or signal.SIGTERM)  # what a shell reports for a process it killed
+        if self.process.rank == 0:
+            why = signal.Signals(self.caught).name if self.caught else "a signal to another rank"
+            print(f"stopped by {why} at step {state.step}: re-run the same command to resume from {self.saved} "
+                  f"(exit code {self.exit_code})", flush=True)
+        return True
+
+    def save(self, path, model, optimizer, state):
+        """Every rank: gather the per-rank state (random streams, loss sum); rank 0 writes the checkpoint and
+        drops the oldest beyond max_ckpts; every rank checks that it sees the result."""
+        started = time.time()
+        mine = dict(rng=rng_state(self.process.device), loss_acc=state.loss.item())
+        ranks = [mine]
+        if self.process.world > 1:
+            ranks = [None] * self.process.world
+            dist.all_gather_object(ranks, mine)
+        bad = [r["loss_acc"] for r in ranks if not math.isfinite(r["loss_acc"])]
+        if bad:  # a checkpoint between two logs: its loss was not checked yet
+            raise loss_error(bad[0], state.step, self.c.out_dir)
+        saved = dict(step=state.step, tokens=state.tokens, loader=state.loader, loss_steps=state.loss_steps,
+                     ranks=ranks)
+
+        def write():
+            save_checkpoint(path, model, optimizer, saved, self.c)
+            for old in step_checkpoints(self.c.out_dir)[:-self.c.max_ckpts]:
+                shutil.rmtree(old, ignore_errors=True)
+
+        on_rank0(write, self.process)  # also the barrier: no rank reads the checkpoint before it is complete
+        every_rank_sees(path, self.process)
+        self.saved, self.saved_at = path, time.monotonic()
+        self.seconds += time.time() - started
+
+
+def loss_error(loss, step, out_dir):
+    return SystemExit(f"step {step}: loss is {loss}; stopping. The last good checkpoint is "
+                      f"{(step_checkpoints(out_dir) or ['(none)'])[-1]}; lower lr or check the data.")
+
+
+def check_init_from(path):
+    """init_from must exist; one of our checkpoints (it has a manifest) must also be intact."""
+    if not os.path.isdir(path):
+        raise SystemExit(f"init_from={path!r} is neither 'scratch' nor a checkpoint directory "
+                         "(edit the path at the top of the config)")
+    problem = checkpoint_problem(path) if os.path.isfile(os.path.join(path, MANIFEST)) else None
+    if problem:
+        raise SystemExit(f"init_from={path} is damaged: {problem}. Copy it again, or use another checkpoint.")
+
+
+def check_tokenizer(ckpt, model_config, meta, data_dir):
+    """The data must be tokenized with the checkpoint's tokenizer."""
+    fix = "prepare the data with the checkpoint's tokenizer: python data.py --tokenizer " + ckpt
+    if meta["vocab_size"] > model_config.vocab_size:
+        raise SystemExit(f"vocab mismatch: {data_dir} was tokenized with a vocabulary of {meta['vocab_size']} but "
+                         f"{ckpt} has {model_config.vocab_size} embeddings; {fix}")
+    tok_file = os.path.join(ckpt, "tokenizer.json")
+    if os.path.isfile(tok_file) and meta.get("tokenizer_sha256"):
+        if sha256(tok_file) != meta["tokenizer_sha256"]:
+            raise SystemExit(f"tokenizer mismatch: {ckpt}/tokenizer.json differs from the one {data_dir} was "
+                             f"prepared with; {fix}")
+
+
+# Rank 0 alone decides some things (which checkpoint to resume, writing one). Every rank gets the
+# outcome, errors included, so no rank is left waiting in a collective for one that stopped.
+
+def on_rank0(fn, process):
+    """fn() on rank 0; its result, or the SystemExit it raised, on every rank."""
+    result = None
+    if process.rank == 0:
+        try:
+            result = fn()
+        except SystemExit as e:
+            result = e
+    if process.world > 1:
+        box = [result]
+        dist.broadcast_object_list(box)
+        result = box[0]
+    if isinstance(result, SystemExit):
+        raise result
+    return result
+
+
+def every_rank_sees(path, process):
+    """Checkpoints are written by rank 0 and read by every rank on resume: a node that cannot see them would
+    resume from another step than the others. Each rank checks `path` (sizes only, cheap); all agree or stop."""
+    if process.world == 1:
+        return
+    views = [None] * process.world
+    dist.all_gather_object(views, (socket.gethostname(), checkpoint_problem(path, checksums=False)))
+    blind = [f"rank {r} on {host} ({problem})" for r, (host, problem) in enumerate(views) if problem]
+    if blind:
+        raise SystemExit(f"not every rank can read checkpoint {path}: {', '.join(blind)}. out_dir must be on a "
+                         "filesystem shared by all nodes: rank 0 writes the checkpoints, every rank resumes from them.")

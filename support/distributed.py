@@ -46,5 +46,8 @@ def autocast(device, dtype="auto"):
 
 
 def teardown():
+    """Leave the process group, only once the DDP model is gone: torch frees a process group without holding
+    the GIL when it drops the last reference, but a DDP model freed later (at exit) frees it holding the GIL,
+    and the exit then deadlocks on gloo's threads, which need the GIL to free the last collectives' tensors."""
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -19,9 +19,9 @@ import torch
 from data import load_meta
 from model import ModernBertConfig, ModernBertForMaskedLM
 from test_train import ROOT, TINY, base_ckpt, data_dir, metrics, train_cmd  # noqa: F401 (fixtures)
-from support.checkpoint import (checkpoint_problem, latest_valid_checkpoint, rng_state, save_checkpoint, set_rng_state,
-                        trim_metrics)
-from train import Config, build_model, check_init_from, make_optimizer
+from support.checkpoint import (check_init_from, checkpoint_problem, latest_valid_checkpoint, rng_state, save_checkpoint,
+                                set_rng_state, trim_metrics)
+from train import Config, build_model, make_optimizer
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 

@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from data import Loader, clm_batch, load_meta, mlm_batch, prepare, read_documents
 from model import ModernBertConfig, ModernBertForMaskedLM
 from support.tokenizer import train_bpe
-from train import Config, Schedule, backward, loss_sum, make_optimizer, parse_config
+from support.distributed import Process
+from train import Config, Schedule, batch_loss, forward_backward, make_optimizer, parse_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=2, local_attention=16)
@@ -86,14 +87,14 @@ def test_one_flag_losses_equal_reference_cross_entropy(data_dir):
     windows = Loader(data_dir, "train", 64, 4, data_seed=1).next()  # (4, 64)
     with torch.no_grad():
         clm = clm_batch(windows, meta["eos_id"])
-        ours = loss_sum(model, clm, causal=True) / clm.targets.numel()
+        ours = batch_loss(model, clm, causal=True) / clm.targets.numel()
         logits = model(windows, causal=True)  # padded entry point, (4, 64, V)
         ref = F.cross_entropy(logits[:, :-1].reshape(-1, 320), windows[:, 1:].reshape(-1))
         assert abs(ours.item() - ref.item()) < 1e-5
 
         special = {k: meta[k] for k in ("cls_id", "sep_id", "pad_id", "mask_id", "eos_id")}
         mlm = mlm_batch(windows, 0.3, special, meta["vocab_size"], seed=[17, 0, 0])
-        ours = loss_sum(model, mlm, causal=False) / mlm.targets.numel()
+        ours = batch_loss(model, mlm, causal=False) / mlm.targets.numel()
         logits = model(mlm.tokens.view(4, 64))  # bidirectional, on the masked input
         labels = torch.full((4 * 64,), -100)
         labels[mlm.rows] = windows.flatten()[mlm.rows]
@@ -114,8 +115,8 @@ def test_micro_batches_weigh_every_target_alike(data_dir):
                for i, p in enumerate([0.1, 0.5])]
     counts = [b.targets.numel() for b in batches]
     assert counts[0] * 2 < counts[1]  # the micro batches weigh differently
-    loss = backward(model, batches, False, sum(counts), 1, torch.device("cpu"), torch.autocast("cpu", enabled=False),
-                    False)
+    loss = forward_backward(model, batches, False, Process(0, 1, torch.device("cpu")),
+                            torch.autocast("cpu", enabled=False), False)
     ours = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
 
@@ -159,7 +160,7 @@ def test_lr_schedule_matches_the_formulas():
     c = Config(tokens=1000 * 64, warmup_tokens=100 * 64, global_batch_size=1, seq_len=64, decay_frac=0.1,
                lr=2e-4, final_lr_frac=0.1)
     s = Schedule.from_config(c)
-    assert (s.main_steps, s.decay_steps, s.warmup_steps) == (1000, 100, 100)
+    assert (*s.steps, s.warmup_steps[0]) == (1000, 100, 100)
     for step in [0, 1, 49, 99, 100, 500, 999]:
         expect = 2e-4 * min(1, (step + 1) / 100)
         assert s.lr_at(step) == pytest.approx(expect, rel=1e-12)
@@ -167,14 +168,14 @@ def test_lr_schedule_matches_the_formulas():
         t = step - 1000
         assert s.lr_at(step) == pytest.approx(2e-4 * (0.1 + 0.9 * (1 - math.sqrt(t / 100))), rel=1e-12)
     assert s.lr_at(999) == 2e-4 and s.lr_at(1000) == 2e-4  # no warmup, no jump at the boundary
-    assert s.phase(999) == "main" and s.phase(1000) == "decay"
+    assert s.at(999).name == "main" and s.at(1000).name == "decay"
 
 
 def test_main_then_decay_equals_all(data_dir, base_ckpt, tmp_path):
     common = [f"--init_from={base_ckpt}"]
     run_train(tmp_path / "all", data_dir, *common)
-    run_train(tmp_path / "main", data_dir, *common, "--phase=main")
-    run_train(tmp_path / "decay", data_dir, f"--init_from={tmp_path / 'main' / 'final'}", "--phase=decay")
+    run_train(tmp_path / "main", data_dir, *common, "--run_phases=main")
+    run_train(tmp_path / "decay", data_dir, f"--init_from={tmp_path / 'main' / 'final'}", "--run_phases=decay")
     whole = [(m["step"], m["loss"]) for m in metrics(tmp_path / "all")]
     split = [(m["step"], m["loss"]) for m in metrics(tmp_path / "main") + metrics(tmp_path / "decay")]
     assert whole == split and whole[-1][0] == 20
@@ -186,6 +187,27 @@ def test_main_then_decay_equals_all(data_dir, base_ckpt, tmp_path):
     assert {int(v["step"]) for v in state.values()} == {20}
     decay_records = [m for m in metrics(tmp_path / "all") if m["phase"] == "decay"]
     assert decay_records and all(m["objective"] == "mlm" for m in decay_records)
+
+
+def test_biphasic_config_runs_its_three_phases_with_one_optimizer_state(data_dir, tmp_path):
+    """configs/biphasic_scratch.py, each phase scaled from its 10B-token budget to 40 tiny steps: CLM then MLM at
+    a constant lr, then a 1-sqrt decay, and Adam's step count carried across both boundaries."""
+    config = os.path.join(ROOT, "configs", "biphasic_scratch.py")
+    scale = 40 * 8 * 64 / 10e9  # tokens of the tiny run per token of the config's budget
+    phases = [{**p, "tokens": p["tokens"] * scale, "warmup_tokens": p.get("warmup_tokens", 0) * scale}
+              for p in parse_config([config]).phases]
+    run_train(tmp_path, data_dir, config, f"--out_dir={tmp_path}", f"--phases={phases!r}", "--max_ckpts=10")
+    records = metrics(tmp_path)
+    seen = [(m["phase"], m["objective"]) for m in records]
+    assert sorted(set(seen), key=seen.index) == [("clm", "clm"), ("mlm", "mlm"), ("decay", "mlm")]
+    assert [m["step"] for m in records] == list(range(1, 41))
+    assert all(m["lr"] == 3e-3 for m in records if m["phase"] != "decay")  # warmup: 1 step
+    for m in records[36:]:  # the record of step s logs the lr of the step from s - 1 to s
+        t = m["step"] - 1 - 36
+        assert m["lr"] == pytest.approx(3e-3 * (0.1 + 0.9 * (1 - math.sqrt(t / 4))), rel=1e-12)
+    for ckpt, step in [("ckpt-10", 10), ("ckpt-36", 36), ("final", 40)]:  # the ends of the three phases
+        state = torch.load(tmp_path / ckpt / "train_state.pt", weights_only=False)["optimizer"]["state"]
+        assert {int(v["step"]) for v in state.values()} == {step}
 
 
 def test_evaluation_follows_eval_interval_not_log_interval(data_dir, base_ckpt, tmp_path):
@@ -266,7 +288,7 @@ def test_torchrun_two_processes_equal_one(data_dir, base_ckpt, tmp_path):
 
 def test_final_loads_in_transformers(data_dir, tmp_path):
     transformers = pytest.importorskip("transformers")
-    run_train(tmp_path, data_dir, "--phase=main", f"--tokens={4 * 8 * 64}")
+    run_train(tmp_path, data_dir, "--run_phases=main", f"--tokens={4 * 8 * 64}")
     final = tmp_path / "final"
     hf, info = transformers.AutoModelForMaskedLM.from_pretrained(final, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]

@@ -1,0 +1,56 @@
+"""
+Configs as plain Python: a dataclass of defaults, overridden by config files (`key = value` lines,
+run as Python, each seeing the values set before it) and then by --key=value arguments. A key that
+the dataclass does not have is an error that lists the valid ones; a value of the wrong type is an
+error that names the key.
+"""
+
+import ast
+import dataclasses
+import os
+
+
+def parse(cls, argv):
+    """An instance of the dataclass `cls` from config files and --key=value arguments, in order."""
+    valid = {f.name: f for f in dataclasses.fields(cls)}
+    values = {}
+
+    def set_key(key, value, where):
+        if key not in valid:
+            raise SystemExit(f"{where}: unknown config key {key!r}. Valid keys: {', '.join(valid)}")
+        values[key] = check_type(key, value, valid[key].type, where)
+
+    for arg in argv:
+        if arg.startswith("--"):
+            key, eq, raw = arg[2:].partition("=")
+            if not eq:
+                raise SystemExit(f"{arg}: write overrides as --key=value")
+            try:
+                value = ast.literal_eval(raw)
+            except (ValueError, SyntaxError):
+                value = raw  # a bare string
+            set_key(key, value, arg)
+        else:
+            if not os.path.isfile(arg):
+                raise SystemExit(f"config file {arg!r} not found")
+            # The file sees the values so far, so an override file can write out_dir = out_dir + "_mlm".
+            scope = {**dataclasses.asdict(cls(**values))}
+            exec(compile(open(arg).read(), arg, "exec"), scope)
+            for key, value in scope.items():
+                if not key.startswith("_") and not callable(value) and type(value).__name__ != "module":
+                    set_key(key, value, arg)
+    return cls(**values)
+
+
+def check_type(key, value, typ, where):
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is int and isinstance(value, float) and value.is_integer():
+        return int(value)  # 10e9 tokens
+    if typ is tuple and isinstance(value, list):
+        return tuple(value)
+    if typ is str and not isinstance(value, str):
+        value = str(value)
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise SystemExit(f"{where}: {key} must be {typ.__name__}, got {value!r}")
+    return value

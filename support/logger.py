@@ -1,0 +1,82 @@
+"""
+The training log: one line per log step on the console (under a progress bar) and in
+out_dir/metrics.jsonl, with the loss averaged over the steps since the last log and over all
+ranks, the lr, tokens/s and MFU. Evaluations and checkpoint writes are left out of the time, so
+tokens/s and MFU measure training alone.
+"""
+
+import json
+import math
+import os
+import resource
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from model import peak_flops, training_flops
+from support.checkpoint import loss_error
+
+
+class Logger:
+    def __init__(self, c, model_config, process, checkpointer, run, step):
+        """`run`: the range of steps this run does; `step`: the one it starts at."""
+        self.c, self.model_config, self.process, self.checkpointer = c, model_config, process, checkpointer
+        self.last, self.peak = run.stop, peak_flops(process.device, c.peak_tflops)
+        self.bar = tqdm(total=len(run), initial=step - run.start, desc=c.run_phases, unit="step",
+                        disable=process.rank != 0 or None)
+        self.reset()
+
+    def reset(self):
+        self.started, self.paused, self.saving = time.time(), 0.0, self.checkpointer.seconds
+        self.steps, self.flops = 0, 0.0
+
+    def count(self, batches, causal):
+        """A step done: its model FLOPs, from the real sequence lengths of this rank's micro batches."""
+        seqlens = [n for b in batches for n in b.cu_seqlens.diff().tolist()]
+        n_rows = sum(b.targets.numel() for b in batches)
+        self.steps, self.flops = self.steps + 1, self.flops + training_flops(self.model_config, seqlens, causal, n_rows)
+        self.bar.update(1)
+
+    @contextmanager
+    def pause(self):
+        """Time that is not training (an evaluation)."""
+        started = time.time()
+        yield
+        self.paused += time.time() - started
+
+    def log(self, state, phase, lr, val):
+        """Log the mean loss since the last log (all ranks), then start the next sum."""
+        loss, flops = state.loss, torch.tensor(self.flops, dtype=torch.float64, device=self.process.device)
+        if self.process.world > 1:
+            dist.all_reduce(loss)
+            dist.all_reduce(flops)
+        loss = loss.item() / state.loss_steps
+        if not math.isfinite(loss):
+            raise loss_error(loss, state.step, self.c.out_dir)
+        dt = time.time() - self.started - self.paused - (self.checkpointer.seconds - self.saving)
+        record = dict(step=state.step, phase=phase.name, objective=phase.objective, tokens=state.tokens, loss=loss,
+                      lr=lr, tokens_per_s=self.steps * self.c.global_batch_size * self.c.seq_len / dt, **val)
+        if self.peak:  # model FLOPs (from the real sequence lengths) / time / peak per GPU
+            record["mfu"] = flops.item() / dt / self.process.world / self.peak
+        if self.process.rank == 0:
+            with open(os.path.join(self.c.out_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(record) + "\n")
+            mfu = f" mfu {100 * record['mfu']:.1f}%" if "mfu" in record else ""
+            val = "".join(f" {k} {v:.4f}" for k, v in val.items())
+            eta = (self.last - state.step) * dt / self.steps
+            self.bar.write(f"{phase.name} {phase.objective} step {state.step}/{self.last} loss {loss:.4f} lr {lr:.2e} "
+                           f"{record['tokens_per_s']:,.0f} tok/s{mfu}{val} eta {eta / 60:.1f} min")
+        state.loss, state.loss_steps = torch.zeros((), device=self.process.device), 0
+        self.reset()
+
+    def close(self, state, finished):
+        self.bar.close()
+        if finished and self.process.rank == 0:
+            device = self.process.device
+            mem = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+                   else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+            print(f"done: {self.c.out_dir}/final (step {state.step}, {state.tokens:,} tokens); peak memory "
+                  f"{mem / 2 ** 30:.2f} GiB")
