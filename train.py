@@ -99,8 +99,7 @@ class Config:
 
 
 def parse_config(argv):
-    """The Config of config files then --key=value (support/config.py); the phases, and the names that refer
-    to them, are checked here too, before any work."""
+    """Config files then --key=value (support/config.py); then the checks that need several keys."""
     c = config.parse(Config, argv)
     if c.compile.lower() not in ("auto", "true", "false"):
         raise SystemExit(f"compile={c.compile!r}: choose auto, True or False")
@@ -439,8 +438,10 @@ def announce(c, model, schedule, process, system, resumed_at):
     print(json.dumps(dataclasses.asdict(c), indent=2))
     phases = ", ".join(f"{p.name} ({p.objective}{f' {p.mask_prob:.0%}' if p.objective == 'mlm' else ''}) {n} steps"
                        for p, n in zip(schedule.phases, schedule.steps))
+    source = " (from the phases key: objective, tokens, warmup_tokens, decay_* are not used)" if c.phases else ""
+    resuming = f"; resuming at step {resumed_at}" if resumed_at else ""
     print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.config.num_hidden_layers} layers; {phases} of "
-          f"{c.global_batch_size * c.seq_len:,} tokens" + (f"; resuming at step {resumed_at}" if resumed_at else ""))
+          f"{c.global_batch_size * c.seq_len:,} tokens{source}{resuming}")
     print(system)
 
 

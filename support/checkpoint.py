@@ -231,8 +231,8 @@ class Checkpointer:
                 loss = ranks[rank]["loss_acc"]
             else:  # rank r now gets other micro batches than the old rank r: its streams restart from the seed,
                 loss = sum(r["loss_acc"] for r in ranks) if rank == 0 else 0.0  # rank 0 carries the loss total
-            state = TrainState(saved["step"], saved["tokens"], saved["loader"], torch.tensor(loss, device=device),
-                               saved["loss_steps"])
+            state = TrainState(step=saved["step"], tokens=saved["tokens"], loader=saved["loader"],
+                               loss=torch.tensor(loss, device=device), loss_steps=saved["loss_steps"])
         if state.step < first_step:
             if state.step > 0:
                 raise SystemExit(f"run_phases={self.c.run_phases!r} starts at step {first_step}, the end of the phases "
