@@ -122,8 +122,8 @@ def make_inputs(lengths, vocab, objective, device, rng):
         labels[chosen] = ids[chosen]
     else:  # next token wherever there is one
         labels[:, :-1] = torch.where(mask[:, 1:].bool(), ids[:, 1:], -100)
-    tokens, cu, _, keep = unpad(ids, mask)
-    flat_labels = labels.flatten()[keep]
+    flat = unpad(ids, mask)
+    tokens, cu, flat_labels = flat.tokens, flat.cu_seqlens, labels.flatten()[flat.keep]
     rows = (flat_labels != -100).nonzero().squeeze(1)
     to = lambda x: x.to(device)  # noqa: E731
     return dict(ids=to(ids), mask=to(mask), labels=to(labels), tokens=to(tokens), cu=to(cu), max_len=S,
@@ -257,7 +257,7 @@ LOSS_CONFIG = dict(hidden_size=256, intermediate_size=384, num_hidden_layers=6, 
 def measure_loss_memory(spec):
     """One CLM forward + backward on 8 packed sequences of spec["seq_len"] tokens in its own process:
     the peak memory it adds, with the loss from full float32 logits (train.py before the chunked loss)
-    or chunked (model.loss_sum through forward, as train.py now)."""
+    or chunked (model.cross_entropy_sum through forward, as train.py now)."""
     import torch.nn.functional as F
 
     device = torch.device(spec["device"])

@@ -142,14 +142,21 @@ def _init_worker(spec):
     _worker_tok = load_tokenizer(spec)
 
 
+@dataclass
+class EncodedChunk:
+    split: str  # "train" or "val"
+    docs: int  # the number of documents in it
+    ids: np.ndarray  # their ids, each document followed by eos
+
+
 def _encode_chunk(job):
-    """(split, documents) -> (split, count, one array of ids with each document followed by eos)."""
+    """(split, documents) -> EncodedChunk."""
     split, docs = job
     out = []
     for ids in _worker_tok.encode_batch(docs):
         out.extend(ids)
         out.append(_worker_tok.eos_id)
-    return split, len(docs), np.asarray(out, dtype=np.int64)
+    return EncodedChunk(split, len(docs), np.asarray(out, dtype=np.int64))
 
 
 def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk_docs=512):
@@ -192,11 +199,11 @@ def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk
     try:
         with tqdm(total=n_docs, desc=f"prepare {os.path.basename(os.path.normpath(out))}", unit="doc",
                   disable=None) as bar:
-            for split, n, ids in (pool.imap(_encode_chunk, jobs()) if pool else map(_encode_chunk, jobs())):
-                files[split].write(ids.astype(dtype).tobytes())
-                counts[split][0] += n
-                counts[split][1] += len(ids)
-                bar.update(n)
+            for chunk in (pool.imap(_encode_chunk, jobs()) if pool else map(_encode_chunk, jobs())):
+                files[chunk.split].write(chunk.ids.astype(dtype).tobytes())
+                counts[chunk.split][0] += chunk.docs
+                counts[chunk.split][1] += len(chunk.ids)
+                bar.update(chunk.docs)
     finally:
         if pool:
             pool.terminate()

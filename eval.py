@@ -31,8 +31,8 @@ from tqdm import tqdm
 
 from support import distributed
 from support import suite
-from model import (ModernBertForSequenceClassification, ModernBertForTokenClassification, cu_seqlens_of, load_config,
-                   pick_backend)
+from model import (Flat, ModernBertForSequenceClassification, ModernBertForTokenClassification, cu_seqlens_of,
+                   load_config, pick_backend)
 from support.tokenizer import load_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -234,24 +234,23 @@ def encode_splits(raw, tok, task, labels, max_len):
 
 
 def flat_batch(items, task, device):
-    """A list of (ids, target) -> flat unpadded tokens, cu_seqlens, max_seqlen, targets."""
+    """A list of (ids, target) -> (the model's Flat batch, the targets: one per token for ner, else per item)."""
     lengths = [len(x) for x, _ in items]
-    tokens = torch.tensor([t for x, _ in items for t in x], device=device)
-    cu = cu_seqlens_of(lengths).to(device)
+    flat = Flat(torch.tensor([t for x, _ in items for t in x], device=device), cu_seqlens_of(lengths).to(device),
+                max(lengths))
     if task == "ner":
-        targets = torch.tensor([t for _, y in items for t in y], device=device)
-    else:
-        targets = torch.tensor([y for _, y in items], device=device)
-    return tokens, cu, max(lengths), targets
+        return flat, torch.tensor([t for _, y in items for t in y], device=device)
+    return flat, torch.tensor([y for _, y in items], device=device)
 
 
 # -----------------------------------------------------------------------------
 # Fine-tuning one seed
 
 
-def loss_sum(model, items, task, device):
-    tokens, cu, max_len, targets = flat_batch(items, task, device)
-    logits = model(tokens, cu_seqlens=cu, max_seqlen=max_len).float()
+def task_loss_sum(model, items, task, device):
+    """The summed loss of the items' targets: cross-entropy (cls, ner), binary cross-entropy (multilabel)."""
+    flat, targets = flat_batch(items, task, device)
+    logits = model(flat.tokens, cu_seqlens=flat.cu_seqlens, max_seqlen=flat.max_seqlen).float()
     if task == "multilabel":
         return F.binary_cross_entropy_with_logits(logits, targets, reduction="sum")
     return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
@@ -271,15 +270,15 @@ def predict(model, items, task, device, batch_size, rank, world, autocast):
     preds = {}
     for start in range(0, len(mine), batch_size):
         idx = mine[start:start + batch_size]
-        tokens, cu, max_len, _ = flat_batch([items[i] for i in idx], task, device)
+        flat, _ = flat_batch([items[i] for i in idx], task, device)
         with autocast:
-            logits = model(tokens, cu_seqlens=cu, max_seqlen=max_len).float()
+            logits = model(flat.tokens, cu_seqlens=flat.cu_seqlens, max_seqlen=flat.max_seqlen).float()
         if task == "cls":
             out = logits.argmax(-1).tolist()
         elif task == "multilabel":
             out = (logits > 0).int().tolist()
         else:
-            tags, cu = logits.argmax(-1).tolist(), cu.tolist()  # one device-to-host copy each
+            tags, cu = logits.argmax(-1).tolist(), flat.cu_seqlens.tolist()  # one device-to-host copy each
             out = [tags[cu[j]:cu[j + 1]] for j in range(len(idx))]
         preds.update(zip(idx, out))
     if world > 1:
@@ -339,7 +338,7 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
                 # forward, and a rank that skips it leaves the others waiting forever.
                 mine, weight = batch[:1], 0.0
             with autocast:
-                loss = loss_sum(model, mine, task, device) * weight
+                loss = task_loss_sum(model, mine, task, device) * weight
             loss.backward()
             opt.step()
             sched.step()

@@ -1,8 +1,8 @@
 """
 ModernBERT, written out by hand (Warner et al., 2024), for the CLM-detour recipe.
 
-Read top to bottom: config -> attention backends -> RoPE -> Block -> encoder ->
-MLM head -> Hugging Face checkpoint read/write.
+Read top to bottom: config -> attention (and its kernels) -> RoPE -> Block -> encoder ->
+heads (MLM/CLM, classifiers) -> Hugging Face checkpoint read/write -> FLOPs for MFU.
 
 The whole model runs on *unpadded* tokens: a flat (T,) tensor of token ids from
 B sequences laid end to end, with `cu_seqlens` (int32, B+1) marking where each
@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
 
 # -----------------------------------------------------------------------------
 # Config: field names follow Hugging Face's ModernBERT config.json
@@ -136,66 +137,50 @@ class ModernBertConfig:
 
 
 # -----------------------------------------------------------------------------
-# Attention backends. All take q, k, v of shape (T, nh, hd) on unpadded tokens and
-# a window (left, right) in tokens (-1 = unlimited), and return (T, nh, hd).
-
-try:
-    from flash_attn import flash_attn_varlen_func
-except ImportError:
-    flash_attn_varlen_func = None
-# PyTorch's own varlen_attn is looked up on the first forward on the kernel device, not here: its
-# module imports torch._dynamo, seconds at every start of a CPU run that never uses it.
-varlen_attn, varlen_looked_up = None, False
+# Attention over an unpadded batch. The layout: tokens of B sequences end to end, cu_seqlens
+# marking where each starts; Packing holds what every layer's attention shares; attention()
+# takes q, k, v of shape (T, nh, hd) and a layer type's window (left, right) in tokens
+# (-1 = unlimited), and returns (T, nh, hd).
 
 
-def find_varlen_attn():
-    """torch.nn.attention.varlen.varlen_attn if this PyTorch has it with a sliding window (2.10+), else None."""
-    global varlen_attn, varlen_looked_up
-    if not varlen_looked_up:
-        varlen_looked_up = True
-        try:
-            from torch.nn.attention.varlen import varlen_attn as fn
-            # Early versions of varlen_attn have no sliding window; ModernBERT needs one.
-            varlen_attn = fn if "window_size" in inspect.signature(fn).parameters else None
-        except ImportError:
-            varlen_attn = None
-    return varlen_attn
-
-BACKENDS = ("flash", "varlen", "sdpa")
-# The fused kernels run on CUDA and take float16 / bfloat16 q, k, v only (both check it and raise);
-# a float32 forward (no autocast) attends with SDPA. Tests point KERNEL_DEVICE at "cpu" to run
-# stand-ins of the kernels there (tests/fake_kernels.py).
-KERNEL_DEVICE = "cuda"
-KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+def cu_seqlens_of(lengths):
+    """Sequence lengths (B,), a list or a tensor -> cu_seqlens (B+1,) int32: 0, then where each sequence ends."""
+    return F.pad(torch.as_tensor(lengths).cumsum(0, dtype=torch.int32), (1, 0))
 
 
-def pick_backend(requested, device, dtype, dropout_p):
-    """The backend a forward on `device` with q, k, v of `dtype` uses: MODERNBERT_ATTN, else the
-    config, else ("auto") the fastest one that runs here."""
-    name = os.environ.get("MODERNBERT_ATTN") or requested
-    kernels = device.type == KERNEL_DEVICE and dtype in KERNEL_DTYPES
-    if device.type == KERNEL_DEVICE:
-        find_varlen_attn()
-    if name == "auto":
-        if kernels and flash_attn_varlen_func is not None:
-            return "flash"
-        if kernels and varlen_attn is not None and dropout_p == 0.0:
-            return "varlen"
-        return "sdpa"
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of auto, {', '.join(BACKENDS)}")
-    if name == "flash" and (flash_attn_varlen_func is None or device.type != KERNEL_DEVICE):
-        raise RuntimeError("attention backend 'flash' needs CUDA and `pip install flash-attn --no-build-isolation`")
-    if name == "varlen" and (varlen_attn is None or device.type != KERNEL_DEVICE):
-        raise RuntimeError("attention backend 'varlen' needs CUDA and a PyTorch whose "
-                           "torch.nn.attention.varlen.varlen_attn has window_size (2.10+)")
-    if name != "sdpa" and dtype not in KERNEL_DTYPES:
-        raise RuntimeError(f"attention backend {name!r} takes float16 or bfloat16 q, k, v, but this forward runs in "
-                           f"{dtype}: run it under bf16 autocast (--dtype=bfloat16) or use attn_backend 'auto' or 'sdpa'")
-    if name == "varlen" and dropout_p > 0:
-        raise RuntimeError("attention backend 'varlen' has no attention-probability dropout; "
-                           "set attention_dropout=0 (use attn_out_dropout) or pick another backend")
-    return name
+@dataclass
+class Flat:
+    """A batch as the model runs it: the tokens of B sequences laid end to end, and, for a batch that
+    came padded, where each token was, to put per-token results back."""
+    tokens: torch.Tensor  # (T,)
+    cu_seqlens: torch.Tensor  # (B+1,) int32: 0, then where each sequence ends
+    max_seqlen: int
+    keep: torch.Tensor = None  # (T,) the row of each token in the flattened (B*S) padded batch
+    shape: tuple = None  # (B, S) of the padded batch; None for a batch that came flat
+
+    def restore(self, x):
+        """Per-token rows (T, ...) -> (B, S, ...) for a batch that came padded (padded positions are zero)."""
+        return x if self.shape is None else repad(x, self.keep, *self.shape)
+
+
+def unpad(input_ids, attention_mask):
+    """(B, S) padded batch -> Flat."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
+    keep = attention_mask.bool().flatten().nonzero().squeeze(1)  # (T,)
+    lengths = attention_mask.bool().sum(dim=1, dtype=torch.int32)  # (B,)
+    return Flat(input_ids.flatten()[keep], cu_seqlens_of(lengths), int(lengths.max()), keep, tuple(input_ids.shape))
+
+
+def as_flat(input_ids, attention_mask=None, cu_seqlens=None, max_seqlen=None):
+    """Either input form as a Flat: padded (B, S) ids are unpadded, flat (T,) ids with cu_seqlens taken as they are."""
+    return unpad(input_ids, attention_mask) if cu_seqlens is None else Flat(input_ids, cu_seqlens, max_seqlen)
+
+
+def repad(x, keep, B, S):
+    """Flat rows (T, ...) back to (B, S, ...); padded positions are zero."""
+    out = x.new_zeros(B * S, *x.shape[1:]).index_copy(0, keep, x)
+    return out.view(B, S, *x.shape[1:])
 
 
 class Packing:
@@ -262,6 +247,67 @@ def attention(q, k, v, packing, layer_type, dropout_p):
                                          is_causal=is_causal)
     out = out.transpose(1, 2).reshape(B * S, nh, hd)
     return out[packing.pad_index] if packing.padded else out  # (T, nh, hd)
+
+
+# The kernels: flash-attn's varlen kernel, PyTorch's own varlen_attn, else SDPA (CPU, float32, fallback).
+
+try:
+    from flash_attn import flash_attn_varlen_func
+except ImportError:
+    flash_attn_varlen_func = None
+# PyTorch's own varlen_attn is looked up on the first forward on the kernel device, not here: its
+# module imports torch._dynamo, seconds at every start of a CPU run that never uses it.
+varlen_attn, varlen_looked_up = None, False
+
+
+def find_varlen_attn():
+    """torch.nn.attention.varlen.varlen_attn if this PyTorch has it with a sliding window (2.10+), else None."""
+    global varlen_attn, varlen_looked_up
+    if not varlen_looked_up:
+        varlen_looked_up = True
+        try:
+            from torch.nn.attention.varlen import varlen_attn as fn
+            # Early versions of varlen_attn have no sliding window; ModernBERT needs one.
+            varlen_attn = fn if "window_size" in inspect.signature(fn).parameters else None
+        except ImportError:
+            varlen_attn = None
+    return varlen_attn
+
+BACKENDS = ("flash", "varlen", "sdpa")
+# The fused kernels run on CUDA and take float16 / bfloat16 q, k, v only (both check it and raise);
+# a float32 forward (no autocast) attends with SDPA. Tests point KERNEL_DEVICE at "cpu" to run
+# stand-ins of the kernels there (tests/fake_kernels.py).
+KERNEL_DEVICE = "cuda"
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def pick_backend(requested, device, dtype, dropout_p):
+    """The backend a forward on `device` with q, k, v of `dtype` uses: MODERNBERT_ATTN, else the
+    config, else ("auto") the fastest one that runs here."""
+    name = os.environ.get("MODERNBERT_ATTN") or requested
+    kernels = device.type == KERNEL_DEVICE and dtype in KERNEL_DTYPES
+    if device.type == KERNEL_DEVICE:
+        find_varlen_attn()
+    if name == "auto":
+        if kernels and flash_attn_varlen_func is not None:
+            return "flash"
+        if kernels and varlen_attn is not None and dropout_p == 0.0:
+            return "varlen"
+        return "sdpa"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of auto, {', '.join(BACKENDS)}")
+    if name == "flash" and (flash_attn_varlen_func is None or device.type != KERNEL_DEVICE):
+        raise RuntimeError("attention backend 'flash' needs CUDA and `pip install flash-attn --no-build-isolation`")
+    if name == "varlen" and (varlen_attn is None or device.type != KERNEL_DEVICE):
+        raise RuntimeError("attention backend 'varlen' needs CUDA and a PyTorch whose "
+                           "torch.nn.attention.varlen.varlen_attn has window_size (2.10+)")
+    if name != "sdpa" and dtype not in KERNEL_DTYPES:
+        raise RuntimeError(f"attention backend {name!r} takes float16 or bfloat16 q, k, v, but this forward runs in "
+                           f"{dtype}: run it under bf16 autocast (--dtype=bfloat16) or use attn_backend 'auto' or 'sdpa'")
+    if name == "varlen" and dropout_p > 0:
+        raise RuntimeError("attention backend 'varlen' has no attention-probability dropout; "
+                           "set attention_dropout=0 (use attn_out_dropout) or pick another backend")
+    return name
 
 
 # -----------------------------------------------------------------------------
@@ -399,6 +445,10 @@ class ModernBertModel(nn.Module):
         return (x, layers) if return_layers else x
 
 
+# -----------------------------------------------------------------------------
+# Heads. The MLM head serves both objectives; the classifiers share its dense -> GELU -> LayerNorm.
+
+
 class PredictionHead(nn.Module):
     """dense -> GELU -> LayerNorm; shared by the MLM/CLM head and the classifiers."""
 
@@ -477,36 +527,6 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return (*((g * grad_loss).to(dtype) for g, dtype in zip(ctx.saved_tensors, ctx.dtypes)), None, None, None)
 
 
-def cu_seqlens_of(lengths):
-    """Sequence lengths (B,), a list or a tensor -> cu_seqlens (B+1,) int32: 0, then where each sequence ends."""
-    return F.pad(torch.as_tensor(lengths).cumsum(0, dtype=torch.int32), (1, 0))
-
-
-def unpad(input_ids, attention_mask):
-    """(B, S) padded batch -> flat tokens (T,), cu_seqlens (B+1,), max_seqlen, and
-    the (T,) indices of the kept tokens in the flattened (B*S) batch."""
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
-    keep = attention_mask.bool().flatten().nonzero().squeeze(1)  # (T,)
-    lengths = attention_mask.bool().sum(dim=1, dtype=torch.int32)  # (B,)
-    return input_ids.flatten()[keep], cu_seqlens_of(lengths), int(lengths.max()), keep
-
-
-def mean_pool(hidden, cu_seqlens):
-    """Flat hidden states (T, H) -> (B, H): the mean over each sequence's tokens (no padding to mask out)."""
-    lengths = cu_seqlens.diff()  # (B,)
-    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=hidden.device), lengths,
-                                  output_size=hidden.shape[0])  # (T,) the sequence of each token
-    sums = hidden.new_zeros(lengths.numel(), hidden.shape[1]).index_add_(0, seq, hidden)  # (B, H)
-    return sums / lengths[:, None].to(hidden.dtype)
-
-
-def repad(x, keep, B, S):
-    """Flat rows (T, ...) back to (B, S, ...); padded positions are zero."""
-    out = x.new_zeros(B * S, *x.shape[1:]).index_copy(0, keep, x)
-    return out.view(B, S, *x.shape[1:])
-
-
 class PreTrained(nn.Module):
     """What the three task models share: ModernBERT's init, and Hugging Face checkpoint read/write."""
 
@@ -549,56 +569,18 @@ class PreTrained(nn.Module):
         return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
                 {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
 
-    # Hugging Face checkpoints: config.json + model.safetensors (or pytorch_model.bin)
+    # Hugging Face checkpoints: the functions at the end of this file.
 
     def save_pretrained(self, path):
-        """Write config.json and model.safetensors that transformers loads as they are."""
-        from safetensors.torch import save_file
-
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump({**self.config.to_hf_dict(), "architectures": [type(self).__name__]}, f, indent=2)
-        # decoder.weight is the embedding matrix: stored once, as transformers does.
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items() if k != "decoder.weight"}
-        save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        save_pretrained(self, path)
 
     @classmethod
     def from_pretrained(cls, path, **overrides):
-        """Load a Hugging Face ModernBERT directory (ModernBertForMaskedLM, ModernBertModel or a
-        fine-tuned classifier). The encoder must be there; a task head that is not (a classifier
-        on top of an MLM checkpoint) starts from its init, as in transformers.
+        return from_pretrained(cls, path, **overrides)
 
-        `overrides` set config fields the file does not decide (attn_backend, dropout, labels).
-        """
-        config = load_config(path, **overrides)
-        model = cls(config)
-        state = load_state(path)
-        if not any(k.startswith("model.") for k in state):  # a bare ModernBertModel checkpoint
-            state = {"model." + k: v for k, v in state.items()}
-        expected = {k: v for k, v in model.state_dict().items() if k != "decoder.weight"}
-        optional = ("classifier.", "head.") if cls is not ModernBertForMaskedLM else ()
-        missing = sorted(k for k in set(expected) - set(state) if not k.startswith(optional))
-        other_heads = ("decoder.", "classifier.", "head.", "drop.")  # heads of other task models
-        unexpected = sorted(k for k in set(state) - set(expected) if not k.startswith(other_heads))
-        if missing or unexpected:
-            raise ValueError(f"{path}: checkpoint does not match a {cls.__name__} of its config.json: "
-                             f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
-                             f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
-        for k in sorted(set(expected) & set(state)):
-            if state[k].shape != expected[k].shape:
-                raise ValueError(f"{path}: {k} has shape {tuple(state[k].shape)} but config.json implies "
-                                 f"{tuple(expected[k].shape)}")
-        model.load_state_dict({k: state[k] for k in set(expected) & set(state)}, strict=False)
-        return model
-
-    def encode(self, input_ids, attention_mask, cu_seqlens, max_seqlen, causal=False):
-        """Hidden states (T, H) of flat tokens; a padded (B, S) call is unpadded first.
-        Returns (hidden, cu_seqlens, keep, padded shape or None): repad(x, keep, *shape) undoes it."""
-        keep = shape = None
-        if cu_seqlens is None:
-            shape = input_ids.shape  # (B, S)
-            input_ids, cu_seqlens, max_seqlen, keep = unpad(input_ids, attention_mask)
-        return self.model(input_ids, cu_seqlens, max_seqlen, causal=causal), cu_seqlens, keep, shape
+    def encode(self, flat, causal=False):
+        """Flat -> final hidden states (T, H): the encoder, called once whatever form the input came in."""
+        return self.model(flat.tokens, flat.cu_seqlens, flat.max_seqlen, causal=causal)
 
 
 class ModernBertForMaskedLM(PreTrained):
@@ -621,7 +603,7 @@ class ModernBertForMaskedLM(PreTrained):
         """(N, H) -> (N, V). Apply to selected rows only for sparse prediction."""
         return self.decoder(self.head(hidden))
 
-    def loss_sum(self, hidden, targets, chunk_rows=LOSS_CHUNK_ROWS, max_rows=None):
+    def cross_entropy_sum(self, hidden, targets, chunk_rows=LOSS_CHUNK_ROWS, max_rows=None):
         """(N, H) final hidden states of the predicted rows and their (N,) targets -> the float32 sum
         of the N cross-entropies, as cross_entropy(self.logits(hidden).float(), targets, reduction="sum")
         but with the decoder and the softmax in chunks of at most chunk_rows rows (ChunkedCrossEntropy).
@@ -636,23 +618,33 @@ class ModernBertForMaskedLM(PreTrained):
 
     def forward(self, input_ids, attention_mask=None, causal=False, *, cu_seqlens=None, max_seqlen=None, rows=None,
                 targets=None):
-        """Padded: (B, S) ids -> (B, S, V) logits (rows at padded positions are zero).
+        """By input form:
 
-        Unpadded, as training calls it: flat (T,) ids with cu_seqlens and max_seqlen -> (T, V)
-        logits, or (len(rows), V) when `rows` selects the positions that have a target
-        (sparse prediction: the head runs on those rows only). With `targets`, one per selected
-        row, it returns their summed cross-entropy instead (loss_sum): training gets its loss
-        through forward, so that DDP's hooks see the call.
+        - padded (B, S) ids (and attention_mask) -> (B, S, V) logits; rows at padded positions are zero;
+        - flat (T,) ids with cu_seqlens and max_seqlen, and `rows` (N,), the positions that have a
+          target -> their (N, V) logits (sparse prediction: the head runs on those rows only; all T
+          rows if rows is None);
+        - the same with `targets` (N,) -> the float32 sum of their cross-entropies (cross_entropy_sum),
+          which is how training gets its loss: through forward, so that DDP's hooks see the call.
         """
-        hidden, _, keep, shape = self.encode(input_ids, attention_mask, cu_seqlens, max_seqlen, causal)
+        flat = as_flat(input_ids, attention_mask, cu_seqlens, max_seqlen)
+        hidden = self.encode(flat, causal)
         hidden = hidden if rows is None else hidden[rows]
         if targets is not None:
-            if shape is not None:
+            if flat.shape is not None:
                 raise ValueError("targets need the unpadded call: flat ids with cu_seqlens, max_seqlen and the "
                                  "rows that have a target (see data.py's Batch)")
-            return self.loss_sum(hidden, targets, max_rows=input_ids.shape[0])  # T: fixed between steps
-        logits = self.logits(hidden)
-        return logits if shape is None else repad(logits, keep, *shape)
+            return self.cross_entropy_sum(hidden, targets, max_rows=input_ids.shape[0])  # T: fixed between steps
+        return flat.restore(self.logits(hidden))
+
+
+def mean_pool(hidden, cu_seqlens):
+    """Flat hidden states (T, H) -> (B, H): the mean over each sequence's tokens (no padding to mask out)."""
+    lengths = cu_seqlens.diff()  # (B,)
+    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=hidden.device), lengths,
+                                  output_size=hidden.shape[0])  # (T,) the sequence of each token
+    sums = hidden.new_zeros(lengths.numel(), hidden.shape[1]).index_add_(0, seq, hidden)  # (B, H)
+    return sums / lengths[:, None].to(hidden.dtype)
 
 
 class Classifier(PreTrained):
@@ -673,11 +665,12 @@ class ModernBertForSequenceClassification(Classifier):
 
     def forward(self, input_ids, attention_mask=None, *, cu_seqlens=None, max_seqlen=None):
         """(B, S) padded or flat (T,) with cu_seqlens -> (B, num_labels) logits."""
-        hidden, cu_seqlens, _, _ = self.encode(input_ids, attention_mask, cu_seqlens, max_seqlen)
+        flat = as_flat(input_ids, attention_mask, cu_seqlens, max_seqlen)
+        hidden = self.encode(flat)
         if self.config.classifier_pooling == "cls":
-            pooled = hidden[cu_seqlens[:-1].long()]
+            pooled = hidden[flat.cu_seqlens[:-1].long()]
         else:
-            pooled = mean_pool(hidden, cu_seqlens)
+            pooled = mean_pool(hidden, flat.cu_seqlens)
         return self.classifier(self.drop(self.head(pooled)))
 
 
@@ -686,9 +679,73 @@ class ModernBertForTokenClassification(Classifier):
 
     def forward(self, input_ids, attention_mask=None, *, cu_seqlens=None, max_seqlen=None):
         """(B, S) padded -> (B, S, num_labels); flat (T,) with cu_seqlens -> (T, num_labels)."""
-        hidden, _, keep, shape = self.encode(input_ids, attention_mask, cu_seqlens, max_seqlen)
-        logits = self.classifier(self.drop(self.head(hidden)))
-        return logits if shape is None else repad(logits, keep, *shape)
+        flat = as_flat(input_ids, attention_mask, cu_seqlens, max_seqlen)
+        return flat.restore(self.classifier(self.drop(self.head(self.encode(flat)))))
+
+
+# -----------------------------------------------------------------------------
+# Hugging Face checkpoints: config.json + model.safetensors (or pytorch_model.bin)
+
+
+def save_pretrained(model, path):
+    """Write config.json and model.safetensors that transformers loads as they are."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**model.config.to_hf_dict(), "architectures": [type(model).__name__]}, f, indent=2)
+    # decoder.weight is the embedding matrix: stored once, as transformers does.
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k != "decoder.weight"}
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+
+def from_pretrained(cls, path, **overrides):
+    """Load a Hugging Face ModernBERT directory (ModernBertForMaskedLM, ModernBertModel or a
+    fine-tuned classifier). The encoder must be there; a task head that is not (a classifier
+    on top of an MLM checkpoint) starts from its init, as in transformers.
+
+    `overrides` set config fields the file does not decide (attn_backend, dropout, labels).
+    """
+    model = cls(load_config(path, **overrides))
+    state = load_state(path)
+    if not any(k.startswith("model.") for k in state):  # a bare ModernBertModel checkpoint
+        state = {"model." + k: v for k, v in state.items()}
+    expected = {k: v for k, v in model.state_dict().items() if k != "decoder.weight"}
+    optional = ("classifier.", "head.") if cls is not ModernBertForMaskedLM else ()
+    missing = sorted(k for k in set(expected) - set(state) if not k.startswith(optional))
+    other_heads = ("decoder.", "classifier.", "head.", "drop.")  # heads of other task models
+    unexpected = sorted(k for k in set(state) - set(expected) if not k.startswith(other_heads))
+    if missing or unexpected:
+        raise ValueError(f"{path}: checkpoint does not match a {cls.__name__} of its config.json: "
+                         f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
+                         f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+    for k in sorted(set(expected) & set(state)):
+        if state[k].shape != expected[k].shape:
+            raise ValueError(f"{path}: {k} has shape {tuple(state[k].shape)} but config.json implies "
+                             f"{tuple(expected[k].shape)}")
+    model.load_state_dict({k: state[k] for k in set(expected) & set(state)}, strict=False)
+    return model
+
+
+def load_config(path, **overrides):
+    """ModernBertConfig from a checkpoint directory's config.json."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"{path}: no config.json; a Hugging Face ModernBERT checkpoint directory has "
+                                "config.json and model.safetensors")
+    with open(cfg_path) as f:
+        return ModernBertConfig(**{**asdict(ModernBertConfig.from_hf_dict(json.load(f))), **overrides})
+
+
+def load_state(path):
+    """The state dict of a checkpoint directory: model.safetensors, else pytorch_model.bin."""
+    st, pt = os.path.join(path, "model.safetensors"), os.path.join(path, "pytorch_model.bin")
+    if os.path.isfile(st):
+        from safetensors.torch import load_file
+        return load_file(st)
+    if os.path.isfile(pt):
+        return torch.load(pt, map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"{path}: no model.safetensors or pytorch_model.bin")
 
 
 # -----------------------------------------------------------------------------
@@ -749,24 +806,3 @@ def peak_flops(device, peak_tflops=0.0):
         warnings.warn(f"no peak FLOP/s known for the GPU {name!r}, so no MFU is reported; set peak_tflops to its "
                       "dense bf16 tensor-core TFLOP/s (datasheet figure without sparsity), e.g. --peak_tflops=989")
     return peak
-
-
-def load_config(path, **overrides):
-    """ModernBertConfig from a checkpoint directory's config.json."""
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"{path}: no config.json; a Hugging Face ModernBERT checkpoint directory has "
-                                "config.json and model.safetensors")
-    with open(cfg_path) as f:
-        return ModernBertConfig(**{**asdict(ModernBertConfig.from_hf_dict(json.load(f))), **overrides})
-
-
-def load_state(path):
-    """The state dict of a checkpoint directory: model.safetensors, else pytorch_model.bin."""
-    st, pt = os.path.join(path, "model.safetensors"), os.path.join(path, "pytorch_model.bin")
-    if os.path.isfile(st):
-        from safetensors.torch import load_file
-        return load_file(st)
-    if os.path.isfile(pt):
-        return torch.load(pt, map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"{path}: no model.safetensors or pytorch_model.bin")

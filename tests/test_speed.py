@@ -60,7 +60,7 @@ def test_chunked_loss_and_gradients_match_full_logits(objective):
     ref_loss, ref_grads = loss_and_grads(model, lambda: plain_loss(model, tokens, cu, S, rows, targets, causal))
     variants = {
         "forward": lambda: model(tokens, causal=causal, cu_seqlens=cu, max_seqlen=S, rows=rows, targets=targets),
-        **{f"chunk {c}": lambda c=c: model.loss_sum(model.model(tokens, cu, S, causal=causal)[rows], targets, c)
+        **{f"chunk {c}": lambda c=c: model.cross_entropy_sum(model.model(tokens, cu, S, causal=causal)[rows], targets, c)
            for c in (7, 64)},
     }
     for name, loss_fn in variants.items():
@@ -93,7 +93,7 @@ def test_chunked_loss_never_holds_more_than_a_chunk_of_logits():
     tokens, cu, S, rows, targets = flat_batch(1003, [120, 80], "clm")
     for name, loss_fn, most in [
             ("plain", lambda: plain_loss(model, tokens, cu, S, rows, targets, True), rows.numel()),
-            ("chunked", lambda: model.loss_sum(model.model(tokens, cu, S, causal=True)[rows], targets, 16), 16)]:
+            ("chunked", lambda: model.cross_entropy_sum(model.model(tokens, cu, S, causal=True)[rows], targets, 16), 16)]:
         with LogitsProbe(1003) as probe:
             loss_fn().backward()
         assert probe.most_rows == most, name  # the probe sees all rows on the plain path
@@ -106,7 +106,7 @@ def test_chunked_loss_under_bf16_autocast_and_no_grad():
     tokens, cu, S, rows, targets = flat_batch(1003, [90, 50], "mlm")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref_loss, ref_grads = loss_and_grads(model, lambda: plain_loss(model, tokens, cu, S, rows, targets, False))
-        loss, grads = loss_and_grads(model, lambda: model.loss_sum(model.model(tokens, cu, S)[rows], targets, 10))
+        loss, grads = loss_and_grads(model, lambda: model.cross_entropy_sum(model.model(tokens, cu, S)[rows], targets, 10))
         with torch.no_grad():
             eval_loss = model(tokens, cu_seqlens=cu, max_seqlen=S, rows=rows, targets=targets)
     assert loss.dtype == eval_loss.dtype == torch.float32
