@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from eval import classification_metrics, multilabel_metrics, ner_metrics
+from eval import classification_metrics, encode_examples, multilabel_metrics, ner_metrics
 from model import (ModernBertConfig, ModernBertForMaskedLM, ModernBertForSequenceClassification,
                    ModernBertForTokenClassification)
-from support.tokenizer import train_bpe
+from support.tokenizer import load_tokenizer, train_bpe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NCBI = os.path.join(ROOT, "..", "shared", "data", "ncbi_disease")
@@ -45,6 +45,23 @@ def test_entity_f1_equals_seqeval(seed):
 def test_entity_spans_hand_checked():
     from eval import entities
     assert entities([["B-A", "I-A", "O", "I-A", "I-B", "B-B"]]) == [("A", 0, 1), ("A", 3, 3), ("B", 4, 4), ("B", 5, 5)]
+
+
+def test_ner_labels_the_first_sub_token_of_each_word_hand_checked(tmp_path):
+    """Written out by hand: the tag id on each word's first sub-token, -100 on its other sub-tokens and on
+    [CLS] / [SEP]; a sentence longer than max_len is cut between words, each piece framed by [CLS] ... [SEP]."""
+    train_bpe(iter(["the cell binds the gene"] * 50), 300, str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert [len(tok.encode(w)) for w in ["the", " cell", " xqzv", " binds"]] == [1, 1, 5, 1]  # xqzv: unseen bytes
+    example = {"tokens": ["the", "cell", "xqzv", "binds"], "tags": ["O", "B-DIS", "I-DIS", "O"]}
+    labels = ["O", "B-DIS", "I-DIS"]  # ids 0, 1, 2
+    (ids, target), = encode_examples([example], tok, "ner", labels, 512)["items"]
+    assert ids[0] == tok.cls_id and ids[-1] == tok.sep_id and len(ids) == 10
+    assert target == [-100, 0, 1, 2, -100, -100, -100, -100, 0, -100]
+    split = encode_examples([example], tok, "ner", labels, 7)  # at most 5 sub-tokens between [CLS] and [SEP]
+    assert [target for _, target in split["items"]] == [[-100, 0, 1, -100], [-100, 2, -100, -100, -100, -100, -100],
+                                                        [-100, 0, -100]]
+    assert split["where"] == [[(0, 0), (0, 1)], [(0, 2)], [(0, 3)]]  # (example, word) of each first sub-token
 
 
 @pytest.mark.parametrize("seed", range(3))
