@@ -172,15 +172,15 @@ def unpad(input_ids, attention_mask):
     return Flat(input_ids.flatten()[keep], cu_seqlens_of(lengths), int(lengths.max()), keep, tuple(input_ids.shape))
 
 
-def as_flat(input_ids, attention_mask=None, cu_seqlens=None, max_seqlen=None):
-    """Either input form as a Flat: padded (B, S) ids are unpadded, flat (T,) ids with cu_seqlens taken as they are."""
-    return unpad(input_ids, attention_mask) if cu_seqlens is None else Flat(input_ids, cu_seqlens, max_seqlen)
-
-
 def repad(x, keep, B, S):
     """Flat rows (T, ...) back to (B, S, ...); padded positions are zero."""
     out = x.new_zeros(B * S, *x.shape[1:]).index_copy(0, keep, x)
     return out.view(B, S, *x.shape[1:])
+
+
+def as_flat(input_ids, attention_mask=None, cu_seqlens=None, max_seqlen=None):
+    """Either input form as a Flat: padded (B, S) ids are unpadded, flat (T,) ids with cu_seqlens taken as they are."""
+    return unpad(input_ids, attention_mask) if cu_seqlens is None else Flat(input_ids, cu_seqlens, max_seqlen)
 
 
 class Packing:
@@ -528,7 +528,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
 
 class PreTrained(nn.Module):
-    """What the three task models share: ModernBERT's init, and Hugging Face checkpoint read/write."""
+    """What the three task models share: ModernBERT's init, the encoder call, Hugging Face checkpoint
+    read/write."""
 
     def _init_weights(self, module):
         """ModernBERT's init: truncated normal cut at 2 std; 0.02 in, 0.02/sqrt(2L) for the output
@@ -558,6 +559,10 @@ class PreTrained(nn.Module):
         elif module is getattr(self, "decoder", None):
             nn.init.zeros_(module.bias)
 
+    def encode(self, flat, causal=False):
+        """Flat -> final hidden states (T, H): the encoder, called once whatever form the input came in."""
+        return self.model(flat.tokens, flat.cu_seqlens, flat.max_seqlen, causal=causal)
+
     def num_params(self):
         """Parameter count with the tied decoder weight counted once (as transformers reports)."""
         return sum(p.numel() for p in self.parameters())
@@ -577,10 +582,6 @@ class PreTrained(nn.Module):
     @classmethod
     def from_pretrained(cls, path, **overrides):
         return from_pretrained(cls, path, **overrides)
-
-    def encode(self, flat, causal=False):
-        """Flat -> final hidden states (T, H): the encoder, called once whatever form the input came in."""
-        return self.model(flat.tokens, flat.cu_seqlens, flat.max_seqlen, causal=causal)
 
 
 class ModernBertForMaskedLM(PreTrained):
