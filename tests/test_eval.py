@@ -52,15 +52,16 @@ def test_ner_labels_the_first_sub_token_of_each_word_hand_checked(tmp_path):
     [CLS] / [SEP]; a sentence longer than max_len is cut between words, each piece framed by [CLS] ... [SEP]."""
     train_bpe(iter(["the cell binds the gene"] * 50), 300, str(tmp_path / "tokenizer.json"))
     tok = load_tokenizer(str(tmp_path / "tokenizer.json"))
-    assert [len(tok.encode(w)) for w in ["the", " cell", " xqzv", " binds"]] == [1, 1, 5, 1]  # xqzv: unseen bytes
-    example = {"tokens": ["the", "cell", "xqzv", "binds"], "tags": ["O", "B-DIS", "I-DIS", "O"]}
+    words = {w: tok.encode(w) for w in ["the", " cells", " xqzv", " binds"]}
+    assert [len(x) for x in words.values()] == [1, 2, 5, 1]  # " cell" + "s"; xqzv: bytes never seen in training
+    example = {"tokens": ["the", "cells", "xqzv", "binds"], "tags": ["O", "B-DIS", "I-DIS", "O"]}
     labels = ["O", "B-DIS", "I-DIS"]  # ids 0, 1, 2
     (ids, target), = encode_examples([example], tok, "ner", labels, 512)["items"]
-    assert ids[0] == tok.cls_id and ids[-1] == tok.sep_id and len(ids) == 10
-    assert target == [-100, 0, 1, 2, -100, -100, -100, -100, 0, -100]
+    assert ids == [tok.cls_id, *(i for x in words.values() for i in x), tok.sep_id]
+    assert target == [-100, 0, 1, -100, 2, -100, -100, -100, -100, 0, -100]
     split = encode_examples([example], tok, "ner", labels, 7)  # at most 5 sub-tokens between [CLS] and [SEP]
-    assert [target for _, target in split["items"]] == [[-100, 0, 1, -100], [-100, 2, -100, -100, -100, -100, -100],
-                                                        [-100, 0, -100]]
+    assert [target for _, target in split["items"]] == [[-100, 0, 1, -100, -100],
+                                                        [-100, 2, -100, -100, -100, -100, -100], [-100, 0, -100]]
     assert split["where"] == [[(0, 0), (0, 1)], [(0, 2)], [(0, 3)]]  # (example, word) of each first sub-token
 
 
