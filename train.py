@@ -16,14 +16,12 @@ Re-running a command resumes from out_dir's latest valid checkpoint, exactly. SI
 the step, write a checkpoint and exit with 128 + the signal number, for a scheduler to requeue.
 """
 
-import dataclasses
-import json
 import math
 import os
 import re
 import sys
 from contextlib import nullcontext
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.distributed as dist
@@ -34,7 +32,7 @@ from data import Loader, clm_batch, load_meta, mlm_batch, prefetch
 from model import ModernBertConfig, ModernBertForMaskedLM, load_config
 from support import config, distributed
 from support.checkpoint import Checkpointer, check_tokenizer
-from support.logger import Logger
+from support.logger import Logger, announce
 from support.tokenizer import SPECIAL_NAMES
 
 # -----------------------------------------------------------------------------
@@ -48,7 +46,7 @@ class Config:
     data_dir: str = ""  # a directory made by `python data.py`
     init_from: str = "scratch"  # "scratch", a Hugging Face ModernBERT directory, or one of our checkpoints
     model_size: str = "base"  # for scratch: "base" or "large"
-    model_config: dict = dataclasses.field(default_factory=dict)  # for scratch: ModernBertConfig overrides
+    model_config: dict = field(default_factory=dict)  # for scratch: ModernBertConfig overrides
     # The method: the paper's two phases, built from THE flag `objective`. Phase "main": `objective` for
     # `tokens`, linear warmup then constant lr; phase "decay": MLM at decay_mask_prob for decay_frac * tokens,
     # lr 1-sqrt from lr to final_lr_frac * lr.
@@ -60,7 +58,7 @@ class Config:
     decay_mask_prob: float = 0.15
     final_lr_frac: float = 0.1  # the decay ends at final_lr_frac * lr
     # ... or any list of phases, written by hand: dicts of Phase's fields (they replace the keys above)
-    phases: list = dataclasses.field(default_factory=list)
+    phases: list = field(default_factory=list)
     run_phases: str = "all"  # "all", or the consecutive phases this run does ("decay": from a "main" checkpoint)
     split_docs: bool = False  # restart attention and positions at each document (the paper does not)
     lr: float = 2e-4  # peak, shared by every phase
@@ -144,6 +142,8 @@ def phases_of(c):
         main = Phase("main", c.objective, c.tokens, c.mask_prob if c.objective == "mlm" else 0.0, c.warmup_tokens)
         decay = Phase("decay", "mlm", c.decay_frac * c.tokens, c.decay_mask_prob, decay=True,
                       final_lr_frac=c.final_lr_frac)
+        if c.decay_frac < 0:
+            raise SystemExit(f"decay_frac={c.decay_frac}: the decay is a fraction of tokens, 0 for none")
         return [check_phase(main), *([check_phase(decay)] if c.decay_frac else [])]
     allowed = [f.name for f in fields(Phase)]
     phases = []
@@ -153,15 +153,20 @@ def phases_of(c):
                              f"{', '.join(allowed[3:])}")
         phases.append(check_phase(Phase(**spec)))
     names = [p.name for p in phases]
-    if len(set(names)) < len(names) or any("," in n or n == "all" for n in names):
+    if len(set(names)) < len(names) or any(not isinstance(n, str) or "," in n or n == "all" for n in names):
         raise SystemExit(f"phases: names must be unique, without commas, and not 'all': {names}")
     return phases
 
 
 def check_phase(p):
     """A phase that means something, or one line saying what does not."""
+    numbers = [p.tokens, p.mask_prob, p.warmup_tokens, p.final_lr_frac]
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers) or p.decay not in (0, 1):
+        raise SystemExit(f"phase {p.name!r}: tokens, mask_prob, warmup_tokens and final_lr_frac are numbers, "
+                         f"decay is True or False")
     problems = [(p.objective not in ("clm", "mlm"), f"objective={p.objective!r}: choose 'clm' or 'mlm'"),
-                (not (isinstance(p.tokens, (int, float)) and p.tokens > 0), f"tokens={p.tokens!r}: must be > 0"),
+                (not p.tokens > 0 or p.warmup_tokens < 0, f"tokens={p.tokens}, warmup_tokens={p.warmup_tokens}: "
+                 "a phase needs a positive length, a warmup of 0 or more"),
                 (p.objective == "mlm" and not 0 < p.mask_prob < 1, f"mask_prob={p.mask_prob}: choose it in (0, 1)"),
                 (p.causal and p.mask_prob != 0, "mask_prob is for mlm phases: a CLM phase predicts every next token"),
                 (p.decay and p.warmup_tokens > 0, "a decay phase has no warmup: set warmup_tokens=0"),
@@ -363,7 +368,7 @@ def main(argv):
     compiled = {"auto": device.type == "cuda", "true": True, "false": False}[c.compile.lower()]
 
     # The loop's state: from the checkpoint this run resumes (out_dir's newest, or init_from's), else fresh.
-    checkpointer = Checkpointer(c, process)  # from here on, SIGTERM and SIGINT stop at a step boundary
+    checkpointer = Checkpointer(c, process)
     start = checkpointer.resume(continue_from=c.init_from if run.start > 0 else None)
     model = build_model(c, meta, start or c.init_from).to(device)
     frozen = frozen_params(c, model, schedule)
@@ -374,7 +379,7 @@ def main(argv):
     with autocast:  # on every rank, before compile: the first call also looks up torch's varlen_attn
         backend = model.model.attention_backend(device)
     announce(c, model, schedule, process, f"world {world}, accumulation {accum}; {device}, {str(dtype)[6:]}, "
-             f"attention {backend}, compile {'on' if compiled else 'off'}", start and state.step)
+             f"attention {backend}, compile {'on' if compiled else 'off'}", state.step if start else None)
     raw_model, model = model, wrap(model, compiled, world > 1, device)
 
     def step_batches(step):  # in the prefetch thread, the loader's only reader
@@ -385,6 +390,7 @@ def main(argv):
 
     logger = Logger(c, raw_model.config, process, checkpointer, run, state.step)
     stream = prefetch(step_batches, range(state.step, run.stop))
+    checkpointer.watch_signals()  # from here on, SIGTERM and SIGINT stop the run at a step boundary
     while state.step < run.stop:
         # One step of the method: the phase in force, its batches (CLM targets or MLM masking), forward and
         # backward with its mask (causal or bidirectional), the frozen layers left as they are.
@@ -415,7 +421,7 @@ def main(argv):
 
         # Once in a while: checkpoint, every ckpt_interval steps and at the end of each phase. The checkpointer
         # also writes one on a signal to any rank (and the run stops) or when ckpt_every_minutes have passed.
-        if checkpointer.after_step(raw_model, optimizer, state, due=checkpoint_due):
+        if checkpointer.after_step(raw_model, optimizer, state, due=checkpoint_due, last=state.step == run.stop):
             break
     stream.close()
     finished = checkpointer.exit_code is None
@@ -426,23 +432,6 @@ def main(argv):
     distributed.teardown()
     if not finished:
         sys.exit(checkpointer.exit_code)
-
-
-def announce(c, model, schedule, process, system, resumed_at):
-    """At the start, on rank 0: config.json in out_dir, and what this run is."""
-    if process.rank != 0:
-        return
-    os.makedirs(c.out_dir, exist_ok=True)
-    with open(os.path.join(c.out_dir, "config.json"), "w") as f:
-        json.dump(dataclasses.asdict(c), f, indent=2)
-    print(json.dumps(dataclasses.asdict(c), indent=2))
-    phases = ", ".join(f"{p.name} ({p.objective}{f' {p.mask_prob:.0%}' if p.objective == 'mlm' else ''}) {n} steps"
-                       for p, n in zip(schedule.phases, schedule.steps))
-    source = " (from the phases key: objective, tokens, warmup_tokens, decay_* are not used)" if c.phases else ""
-    resuming = f"; resuming at step {resumed_at}" if resumed_at else ""
-    print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.config.num_hidden_layers} layers; {phases} of "
-          f"{c.global_batch_size * c.seq_len:,} tokens{source}{resuming}")
-    print(system)
 
 
 if __name__ == "__main__":

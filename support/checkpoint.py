@@ -191,8 +191,10 @@ class Checkpointer:
         self.seconds = 0.0  # spent writing checkpoints: not training time
         self.caught = 0  # the signal that reached this rank, if any
         self.exit_code = None  # set when a signal stopped the run
-        # A signal only raises a flag: the ranks agree on it at the next step boundary, write a checkpoint
-        # there and stop. A second signal during the save changes nothing.
+
+    def watch_signals(self):
+        """From now on a signal only raises a flag: the ranks agree on it at the next step boundary, write a
+        checkpoint there (or use the one just written) and stop. A second signal changes nothing."""
         for s in (signal.SIGTERM, signal.SIGINT):
             signal.signal(s, lambda signum, frame: setattr(self, "caught", signum))
 
@@ -243,21 +245,17 @@ class Checkpointer:
         self.saved_at = time.monotonic()  # the timer for ckpt_every_minutes starts with the training
         return state
 
-    def after_step(self, model, optimizer, state, due):
+    def after_step(self, model, optimizer, state, due, last=False):
         """At the step boundary `state.step`: write ckpt-STEP if `due` (the loop's interval, a phase's end),
         or if a signal reached any rank, or if ckpt_every_minutes have passed on any rank's clock. Returns
-        True when a signal came: the checkpoint is written and the run must stop (exit_code says how)."""
-        late = self.c.ckpt_every_minutes > 0 and time.monotonic() - self.saved_at >= 60 * self.c.ckpt_every_minutes
-        # On one process the flags stay on the CPU: no wait for the GPU at every step.
-        flags = torch.tensor([self.caught, late], dtype=torch.float32,
-                             device=self.process.device if self.process.world > 1 else "cpu")
-        if self.process.world > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        stopping, late = flags.tolist()  # waits for the step, as the next step's batch copy would
+        True when a signal came: the checkpoint is written and the run must stop (exit_code says how). After
+        the `last` step nothing stops: the run ends there anyway, with its final checkpoint."""
+        stopping, late = self.agree()
         path = os.path.join(self.c.out_dir, f"ckpt-{state.step}")
         if (due or stopping or late) and path != self.saved:
             self.save(path, model, optimizer, state)
-        if not stopping:
+            stopping = stopping or self.agree()[0]  # a signal during the save: this checkpoint answers it
+        if not stopping or last:
             return False
         self.exit_code = 128 + (self.caught or signal.SIGTERM)  # what a shell reports for a process it killed
         if self.process.rank == 0:
@@ -265,6 +263,17 @@ class Checkpointer:
             print(f"stopped by {why} at step {state.step}: re-run the same command to resume from {self.saved} "
                   f"(exit code {self.exit_code})", flush=True)
         return True
+
+    def agree(self):
+        """(a signal reached some rank, ckpt_every_minutes passed on some rank's clock), the same on every rank."""
+        late = self.c.ckpt_every_minutes > 0 and time.monotonic() - self.saved_at >= 60 * self.c.ckpt_every_minutes
+        # On one process the flags stay on the CPU: no wait for the GPU here.
+        flags = torch.tensor([self.caught, late], dtype=torch.float32,
+                             device=self.process.device if self.process.world > 1 else "cpu")
+        if self.process.world > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stopping, late = flags.tolist()  # waits for the step, as the next step's batch copy would
+        return bool(stopping), bool(late)
 
     def save(self, path, model, optimizer, state):
         """Every rank: gather the per-rank state (random streams, loss sum); rank 0 writes the checkpoint and

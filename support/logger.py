@@ -1,8 +1,8 @@
 """
-The training log: one line per log step on the console (under a progress bar) and in
-out_dir/metrics.jsonl, with the loss averaged over the steps since the last log and over all
-ranks, the lr, tokens/s and MFU. Evaluations and checkpoint writes are left out of the time, so
-tokens/s and MFU measure training alone.
+The training log: what a run is, at its start (and its config.json in out_dir); then one line per
+log step on the console (under a progress bar) and in out_dir/metrics.jsonl, with the loss averaged
+over the steps since the last log and over all ranks, the lr, tokens/s and MFU. Evaluations and
+checkpoint writes are left out of the time, so tokens/s and MFU measure training alone.
 """
 
 import json
@@ -11,6 +11,7 @@ import os
 import resource
 import time
 from contextlib import contextmanager
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,9 @@ class Logger:
 
     @contextmanager
     def pause(self):
-        """Time that is not training (an evaluation)."""
+        """Time that is not training (an evaluation); the steps before it finish first, as training time."""
+        if self.process.device.type == "cuda":
+            torch.cuda.synchronize(self.process.device)
         started = time.time()
         yield
         self.paused += time.time() - started
@@ -80,3 +83,20 @@ class Logger:
                    else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
             print(f"done: {self.c.out_dir}/final (step {state.step}, {state.tokens:,} tokens); peak memory "
                   f"{mem / 2 ** 30:.2f} GiB")
+
+
+def announce(c, model, schedule, process, system, resumed_at):
+    """At the start, on rank 0: config.json in out_dir, and what this run is."""
+    if process.rank != 0:
+        return
+    os.makedirs(c.out_dir, exist_ok=True)
+    with open(os.path.join(c.out_dir, "config.json"), "w") as f:
+        json.dump(asdict(c), f, indent=2)
+    print(json.dumps(asdict(c), indent=2))
+    phases = ", ".join(f"{p.name} ({p.objective}{f' {p.mask_prob:.0%}' if p.objective == 'mlm' else ''}) {n} steps"
+                       for p, n in zip(schedule.phases, schedule.steps))
+    source = " (from the phases key: objective, tokens, warmup_tokens, decay_* are not used)" if c.phases else ""
+    resuming = "" if resumed_at is None else f"; resuming at step {resumed_at}"
+    print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.config.num_hidden_layers} layers; {phases} of "
+          f"{c.global_batch_size * c.seq_len:,} tokens{source}{resuming}")
+    print(system)

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -317,6 +318,21 @@ def test_unknown_key_lists_valid_keys(tmp_path):
     assert c.lr == 1.0 and isinstance(c.lr, float) and c.tokens == 10_000_000_000 and c.objective == "mlm"
     with pytest.raises(SystemExit, match="seq_len must be int"):
         parse_config(["--seq_len=abc"])
+
+
+@pytest.mark.parametrize("phases, message", [
+    ([{"name": "a", "objective": "clm", "tokens": 100, "lr": 3}], "must be a dict with name, objective and tokens"),
+    ([{"name": "a", "objective": "mlm", "tokens": 100}], "phase 'a': mask_prob=0.0: choose it in"),
+    ([{"name": "a", "objective": "clm", "tokens": 100, "mask_prob": 0.3}], "mask_prob is for mlm phases"),
+    ([{"name": "a", "objective": "clm", "tokens": 100, "warmup_tokens": -5}], "a warmup of 0 or more"),
+    ([{"name": "a", "objective": "mlm", "tokens": 9, "mask_prob": 0.2, "decay": True, "warmup_tokens": 3}], "no warmup"),
+    ([{"name": "a", "objective": "clm", "tokens": 9}] * 2, "names must be unique"),
+])
+def test_a_phase_that_means_nothing_is_one_clear_line(phases, message):
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        parse_config([f"--phases={phases!r}"])
+    with pytest.raises(SystemExit, match="run_phases='decay,main': write 'all' or consecutive phase names in order"):
+        parse_config(["--run_phases=decay,main"])
 
 
 def test_missing_data_and_vocab_mismatch_are_clear(data_dir, tmp_path):
