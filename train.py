@@ -29,7 +29,7 @@ from safetensors import SafetensorError
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data import Loader, clm_batch, load_meta, mlm_batch, prefetch
-from model import ModernBertConfig, ModernBertForMaskedLM, load_config
+from model import ModernBertConfig, ModernBertForMaskedLM, load_config, training_flops
 from support import config, distributed
 from support.checkpoint import Checkpointer, check_tokenizer
 from support.logger import Logger, announce
@@ -282,6 +282,13 @@ class StepBatches:
     """What a step takes from the data, built ahead of it by the prefetch thread."""
     micro: list  # this rank's micro batches (data.Batch)
     loader: dict  # the loader position after them: what a checkpoint after this step resumes from
+    flops: float  # their model FLOPs, from the real sequence lengths (model.training_flops), for MFU
+
+
+def batch_flops(config, batches, causal):
+    """The model FLOPs of micro batches, from their real sequence lengths and target rows (for MFU)."""
+    seqlens = [n for b in batches for n in b.cu_seqlens.diff().tolist()]
+    return training_flops(config, seqlens, causal, sum(b.targets.numel() for b in batches))
 
 
 def batch_loss(model, batch, causal):
@@ -382,13 +389,15 @@ def main(argv):
              f"attention {backend}, compile {'on' if compiled else 'off'}", state.step if start else None)
     raw_model, model = model, wrap(model, compiled, world > 1, device)
 
-    def step_batches(step):  # in the prefetch thread, the loader's only reader
-        micro = [make_batch(loader.next(), schedule.at(step), meta, [c.seed, step, k * world + rank], c.split_docs)
+    def step_batches(step):  # in the prefetch thread (the loader's only reader), off the training step's path
+        phase = schedule.at(step)
+        micro = [make_batch(loader.next(), phase, meta, [c.seed, step, k * world + rank], c.split_docs)
                  for k in range(accum)]
         pin = device.type == "cuda"  # pinned memory: the copy to the GPU is then asynchronous
-        return StepBatches([b.map(torch.Tensor.pin_memory) if pin else b for b in micro], loader.state_dict())
+        return StepBatches([b.map(torch.Tensor.pin_memory) if pin else b for b in micro], loader.state_dict(),
+                           batch_flops(raw_model.config, micro, phase.causal))
 
-    logger = Logger(c, raw_model.config, process, checkpointer, run, state.step)
+    logger = Logger(c, process, checkpointer, run, state.step)
     stream = prefetch(step_batches, range(state.step, run.stop))
     checkpointer.watch_signals()  # from here on, SIGTERM and SIGINT stop the run at a step boundary
     while state.step < run.stop:
@@ -405,7 +414,7 @@ def main(argv):
         optimizer.zero_grad(set_to_none=True)
         state.step, state.loader, state.loss_steps = state.step + 1, batches.loader, state.loss_steps + 1
         state.tokens += c.global_batch_size * c.seq_len
-        logger.count(batches.micro, phase.causal)
+        logger.count(batches.flops)
         end_of_phase = state.step in schedule.starts
         checkpoint_due = state.step % c.ckpt_interval == 0 or end_of_phase
 

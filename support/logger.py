@@ -17,14 +17,14 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from model import peak_flops, training_flops
+from model import peak_flops
 from support.checkpoint import loss_error
 
 
 class Logger:
-    def __init__(self, c, model_config, process, checkpointer, run, step):
+    def __init__(self, c, process, checkpointer, run, step):
         """`run`: the range of steps this run does; `step`: the one it starts at."""
-        self.c, self.model_config, self.process, self.checkpointer = c, model_config, process, checkpointer
+        self.c, self.process, self.checkpointer = c, process, checkpointer
         self.last, self.peak = run.stop, peak_flops(process.device, c.peak_tflops)
         self.bar = tqdm(total=len(run), initial=step - run.start, desc=c.run_phases, unit="step",
                         disable=process.rank != 0 or None)
@@ -34,11 +34,9 @@ class Logger:
         self.started, self.paused, self.saving = time.time(), 0.0, self.checkpointer.seconds
         self.steps, self.flops = 0, 0.0
 
-    def count(self, batches, causal):
-        """A step done: its model FLOPs, from the real sequence lengths of this rank's micro batches."""
-        seqlens = [n for b in batches for n in b.cu_seqlens.diff().tolist()]
-        n_rows = sum(b.targets.numel() for b in batches)
-        self.steps, self.flops = self.steps + 1, self.flops + training_flops(self.model_config, seqlens, causal, n_rows)
+    def count(self, flops):
+        """A step done, with this rank's model FLOPs."""
+        self.steps, self.flops = self.steps + 1, self.flops + flops
         self.bar.update(1)
 
     @contextmanager
