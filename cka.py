@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from support import distributed
-from support.checkpoint import sha256
+from support.checkpoint import PROGRESS, sha256, step_checkpoints, step_of
 from data import read_documents
 from model import ModernBertForMaskedLM, cu_seqlens_of, mean_pool
 from support.suite import mean_std
@@ -169,58 +170,92 @@ def ratio(pair, control):
     return mean_std([p / c for p, c in zip(pair, control)])
 
 
-def study(args):
-    """CKA per layer and seed for the pair and the control, and over seeds: results.json (None on ranks > 0)."""
-    process = distributed.setup(args.device)
-    rank, world, device = process.rank, process.world, process.device
-    autocast, dtype = distributed.autocast(device, args.dtype)
+@dataclass
+class Sample:
+    """The texts every model sees: per sampling seed the n text indices drawn, and this rank's share of
+    their union, tokenized. Fixed by the texts and seeds alone, so every checkpoint sees the same."""
+    seeds: list
+    draws: dict  # seed -> n text indices
+    mine: list  # the indices this rank encodes (the union sharded across ranks)
+    ids: list  # their token ids: [CLS] text[:max_len - 2] [SEP]
 
-    pairs = {"pair": args.pair, **({"control": args.control} if args.control else {})}
-    paths = list(dict.fromkeys(p for pair in pairs.values() for p in pair))
-    tok = tokenizer_of(paths, args.tokenizer)
+
+def sample_texts(args, tok, process):
     texts = list(read_documents([args.texts], args.text_field))
     if len(texts) < args.n:
         raise SystemExit(f"{args.texts} holds {len(texts)} texts, fewer than --n {args.n}")
     seeds = [int(s) for s in str(args.seeds).split(",")]
     draws = {s: np.random.default_rng(s).choice(len(texts), size=args.n, replace=False) for s in seeds}
     needed = sorted(set(np.concatenate(list(draws.values())).tolist()))
-    mine = needed[rank::world]  # texts sharded across ranks
+    mine = needed[process.rank::process.world]  # texts sharded across ranks
     ids = [[tok.cls_id] + tok.encode(texts[i])[:args.max_len - 2] + [tok.sep_id] for i in mine]
+    return Sample(seeds, draws, mine, ids)
 
+
+def representations(path, sample, tok, args, process, n_layers=None):
+    """Checkpoint `path`'s pooled layer outputs for the sample, on every rank: a list over layers of
+    {text index: rows}. `n_layers`: the layer count the other checkpoints have."""
+    autocast, dtype = distributed.autocast(process.device, args.dtype)
+    model = ModernBertForMaskedLM.from_pretrained(path).to(process.device)
+    if n_layers is not None and model.config.num_hidden_layers != n_layers:
+        raise SystemExit(f"layer count mismatch: {path} has {model.config.num_hidden_layers} layers, "
+                         f"the others {n_layers}; CKA compares layer i with layer i")
+    if model.config.vocab_size < tok.vocab_size:
+        raise SystemExit(f"{path} has {model.config.vocab_size} embeddings but the tokenizer {tok.vocab_size} ids")
+    n_layers = model.config.num_hidden_layers
+    if process.rank == 0 and not args.runs:  # a trajectory's progress bar says where it is
+        with autocast:
+            backend = model.eval().model.attention_backend(process.device)
+        print(f"{path}: {process.device}, {str(dtype).removeprefix('torch.')}, attention {backend}")
+    name = "/".join(path.rstrip("/").split("/")[-2:])
+    local = pooled_layers(model, sample.ids, sample.mine, args.pool, process.device, autocast, args.batch_tokens, name)
+    if process.world > 1:  # only pooled vectors travel between ranks
+        gathered = [None] * process.world
+        dist.all_gather_object(gathered, local)
+        local = [{k: v for part in gathered for k, v in part[layer].items()} for layer in range(n_layers)]
+    return local
+
+
+def compare(fa, fb, sample, diagnostics=True):
+    """{seed: per layer {cka, divergence, ...}} between two checkpoints' representations, in float64.
+    diagnostics: also the debiased CKA and the outlier diagnostic."""
+    per_seed = {}
+    for s in sample.seeds:
+        rows = []
+        for layer in range(len(fa)):
+            X = np.concatenate([fa[layer][i] for i in sample.draws[s]])  # (n * rows per text, H)
+            Y = np.concatenate([fb[layer][i] for i in sample.draws[s]])
+            cka = linear_cka(X, Y)
+            row = {"cka": cka, "divergence": 1 - cka}
+            if diagnostics:
+                row.update(cka_debiased=linear_cka(X, Y, debiased=True), **outlier_diagnostic(X, Y))
+            rows.append(row)
+        per_seed[str(s)] = rows
+    return per_seed
+
+
+def region_divergence(per_seed, lo, hi):
+    """Mean and std over seeds of the mean divergence of layers lo..hi-1."""
+    return mean_std([np.mean([rows[layer]["divergence"] for layer in range(lo, hi)]) for rows in per_seed.values()])
+
+
+def study(args):
+    """CKA per layer and seed for the pair and the control, and over seeds: results.json (None on ranks > 0)."""
+    process = distributed.setup(args.device)
+    pairs = {"pair": args.pair, **({"control": args.control} if args.control else {})}
+    paths = list(dict.fromkeys(p for pair in pairs.values() for p in pair))
+    tok = tokenizer_of(paths, args.tokenizer)
+    sample = sample_texts(args, tok, process)
     features, n_layers = {}, None  # path -> list over layers of {text index: rows}
     for p in paths:
-        model = ModernBertForMaskedLM.from_pretrained(p).to(device)
-        if n_layers is not None and model.config.num_hidden_layers != n_layers:
-            raise SystemExit(f"layer count mismatch: {p} has {model.config.num_hidden_layers} layers, "
-                             f"{paths[0]} has {n_layers}; CKA compares layer i with layer i")
-        if model.config.vocab_size < tok.vocab_size:
-            raise SystemExit(f"{p} has {model.config.vocab_size} embeddings but the tokenizer {tok.vocab_size} ids")
-        n_layers = model.config.num_hidden_layers
-        if rank == 0:
-            with autocast:
-                backend = model.eval().model.attention_backend(device)
-            print(f"{p}: {device}, {str(dtype).removeprefix('torch.')}, attention {backend}")
-        local = pooled_layers(model, ids, mine, args.pool, device, autocast, args.batch_tokens, os.path.basename(p))
-        if world > 1:  # only pooled vectors travel between ranks
-            gathered = [None] * world
-            dist.all_gather_object(gathered, local)
-            local = [{k: v for part in gathered for k, v in part[layer].items()} for layer in range(n_layers)]
-        features[p] = local
-        del model
+        features[p] = representations(p, sample, tok, args, process, n_layers)
+        n_layers = len(features[p])
 
-    results = {"settings": {**vars(args), "seeds": seeds, "n_layers": n_layers, "world_size": world,
+    seeds = sample.seeds
+    results = {"settings": {**vars(args), "seeds": seeds, "n_layers": n_layers, "world_size": process.world,
                             "regions": regions(n_layers)}, "per_seed": {}, "layers": {}}
     for name, (a, b) in pairs.items():
-        results["per_seed"][name] = {}
-        for s in seeds:
-            rows = []
-            for layer in range(n_layers):
-                X = np.concatenate([features[a][layer][i] for i in draws[s]])
-                Y = np.concatenate([features[b][layer][i] for i in draws[s]])
-                cka = linear_cka(X, Y)
-                rows.append({"cka": cka, "divergence": 1 - cka, "cka_debiased": linear_cka(X, Y, debiased=True),
-                             **outlier_diagnostic(X, Y)})
-            results["per_seed"][name][str(s)] = rows
+        results["per_seed"][name] = compare(features[a], features[b], sample)
     for layer in range(n_layers):
         entry = {}
         for name in pairs:
@@ -234,13 +269,95 @@ def study(args):
     for lo, hi in regions(n_layers):
         region = {"layers": f"{lo}-{hi - 1}"}
         for name in pairs:
-            region[f"{name}_divergence"] = mean_std([np.mean([results["per_seed"][name][str(s)][layer]["divergence"]
-                                                              for layer in range(lo, hi)]) for s in seeds])
+            region[f"{name}_divergence"] = region_divergence(results["per_seed"][name], lo, hi)
         if "control" in pairs:
             region["ratio"] = ratio([region["pair_divergence"]["mean"]], [region["control_divergence"]["mean"]])
         results["regions"].append(region)
     distributed.teardown()
-    return results if rank == 0 else None
+    return results if process.rank == 0 else None
+
+
+# -----------------------------------------------------------------------------
+# The trajectory: the same comparison at every step two runs both kept (cka.py --runs)
+
+
+def run_checkpoints(run):
+    """{step: checkpoint directory} of a run's out_dir: its ckpt-STEP (full or weights-only) and its final,
+    which replaces the ckpt-STEP of its own step (the same weights)."""
+    if not os.path.isdir(run):
+        raise SystemExit(f"--runs/--control: {run} is not a directory (give a run's out_dir)")
+    found = {step_of(p): p for p in step_checkpoints(run)}
+    final = os.path.join(run, "final")
+    if os.path.isdir(final):
+        found[progress_of(final)["step"]] = final
+    if not found:
+        raise SystemExit(f"{run} holds no ckpt-STEP or final checkpoint: is it a train.py out_dir?")
+    return found
+
+
+def progress_of(ckpt):
+    try:
+        with open(os.path.join(ckpt, PROGRESS)) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{ckpt}: no readable {PROGRESS} ({e}); train.py writes it with every checkpoint, "
+                         "and a trajectory needs it to place the checkpoint (step, tokens, phase)")
+
+
+def trajectory(args):
+    """The pair's (and the control's) per-layer divergence at every step both of its runs kept, each step's
+    numbers exactly those of --pair on the same two checkpoints. Each checkpoint is encoded once, for all
+    the comparisons it is in, and dropped after its step: memory holds one step's representations."""
+    process = distributed.setup(args.device)
+    comparisons = {"pair": args.runs, **({"control": args.control} if args.control else {})}
+    kept = {run: run_checkpoints(run) for runs in comparisons.values() for run in runs}
+    common = {}  # comparison -> the steps both its runs kept
+    for name, (a, b) in comparisons.items():
+        common[name] = sorted(set(kept[a]) & set(kept[b]))
+        if not common[name]:
+            raise SystemExit(f"{a} and {b} kept no checkpoint at a common step (steps {sorted(kept[a])} and "
+                             f"{sorted(kept[b])}): train both with the same ckpt_interval or keep_every")
+    steps = sorted(set().union(*common.values()))
+    tok = tokenizer_of([kept[run][step] for name, runs in comparisons.items() for step in common[name]
+                        for run in runs], args.tokenizer)
+    sample = sample_texts(args, tok, process)
+    todo = sum(len({kept[run][step] for name, runs in comparisons.items() if step in common[name] for run in runs})
+               for step in steps)
+    bar = tqdm(total=todo, desc="checkpoints", unit="ckpt", disable=process.rank != 0 or None)
+    points, n_layers = [], None
+    for step in steps:
+        features = {}  # checkpoint -> representations: a run in both comparisons is encoded once
+        first = comparisons["pair"][0] if step in common["pair"] else comparisons["control"][0]
+        point = {"step": step, **{k: progress_of(kept[first][step]).get(k) for k in ("tokens", "phase")}}
+        for name, runs in comparisons.items():
+            if step not in common[name]:
+                point[name] = None
+                continue
+            paths = [kept[run][step] for run in runs]
+            for p in paths:
+                if p not in features:
+                    features[p] = representations(p, sample, tok, args, process, n_layers)
+                    n_layers = len(features[p])
+                    bar.update(1)
+            per_seed = compare(features[paths[0]], features[paths[1]], sample, diagnostics=False)
+            point[name] = {"checkpoints": paths,
+                           "layers": [mean_std([rows[layer]["divergence"] for rows in per_seed.values()])
+                                      for layer in range(n_layers)],
+                           "regions": [region_divergence(per_seed, lo, hi) for lo, hi in regions(n_layers)]}
+        if point["pair"] and point.get("control"):
+            point["ratio"] = [ratio([p["mean"]], [c["mean"]])
+                              for p, c in zip(point["pair"]["regions"], point["control"]["regions"])]
+        points.append(point)
+        if process.rank == 0:  # one line per step, also where the bar is off (a pipe, a log file)
+            pct = lambda name: " ".join(f"{100 * r['mean']:.2f}%" for r in point[name]["regions"]) \
+                if point.get(name) else "-"  # noqa: E731
+            tqdm.write(f"step {step} ({tokens_text(point['tokens'])} tokens, {point['phase']}): divergence by region, "
+                       f"pair {pct('pair')}, control {pct('control')}")
+    bar.close()
+    results = {"settings": {**vars(args), "seeds": sample.seeds, "n_layers": n_layers, "world_size": process.world,
+                            "regions": [f"{lo}-{hi - 1}" for lo, hi in regions(n_layers)]}, "steps": points}
+    distributed.teardown()
+    return results if process.rank == 0 else None
 
 
 # -----------------------------------------------------------------------------
@@ -279,12 +396,8 @@ def markdown(results):
 
 
 def figure(results, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no figure (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return False
     layers = np.array([int(k) for k in results["layers"]])
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -307,10 +420,109 @@ def figure(results, path):
     return True
 
 
+def tokens_text(tokens):
+    return "?" if tokens is None else f"{tokens / 1e9:.3g}B" if tokens >= 1e9 else f"{tokens / 1e6:.3g}M" \
+        if tokens >= 1e6 else f"{tokens / 1e3:.3g}k"
+
+
+def trajectory_markdown(results):
+    """Divergence by region against tokens, the control's beside it, and their ratio."""
+    regions_ = results["settings"]["regions"]
+    has_control = any(p.get("control") for p in results["steps"])
+    pct = lambda s: "" if s is None else f"{100 * s['mean']:.2f} ± {100 * s['std']:.2f}"  # noqa: E731
+    head, sep = "| step | tokens | phase |", "|---|---|---|"
+    for r in regions_:
+        head += f" {r} pair (%) |" + (f" {r} control (%) | {r} ratio |" if has_control else "")
+        sep += "---|" * (3 if has_control else 1)
+    lines = ["## Divergence (1 - linear CKA) by layer region over training, mean ± std over sampling seeds", "",
+             "pair: " + " vs ".join(results["settings"]["runs"]) + (
+                 "; control: " + " vs ".join(results["settings"]["control"]) if has_control else ""),
+             "", head, sep]
+    for p in results["steps"]:
+        row = f"| {p['step']} | {tokens_text(p['tokens'])} | {p['phase']} |"
+        for k in range(len(regions_)):
+            row += f" {pct(p['pair'] and p['pair']['regions'][k])} |"
+            if has_control:
+                ratio_ = p.get("ratio") and p["ratio"][k]
+                row += f" {pct(p['control'] and p['control']['regions'][k])} | {ratio_text(ratio_) if p.get('ratio') else ''} |"
+        lines.append(row)
+    return "\n".join(lines) + "\n"
+
+
+def trajectory_figure(results, path):
+    """Left: layers x checkpoints heat map of the pair's divergence, the phase boundary as a line between
+    the last checkpoint of a phase and the first of the next. Right: one curve per region against tokens,
+    the pair solid and the control dashed beside it."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    points = [p for p in results["steps"] if p["pair"]]
+    n_layers = results["settings"]["n_layers"]
+    heat = 100 * np.array([[p["pair"]["layers"][k]["mean"] for p in points] for k in range(n_layers)])  # (L, steps)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [1.2, 1]})
+    im = left.imshow(heat, aspect="auto", origin="lower", cmap="magma")
+    fig.colorbar(im, ax=left, label="pair divergence (%)")
+    left.set_xticks(range(len(points)), [tokens_text(p["tokens"]) for p in points], rotation=45, fontsize=8)
+    left.set_xlabel("tokens (one column per compared checkpoint)")
+    left.set_yticks(range(n_layers))
+    left.set_ylabel("layer")
+    left.set_title("pair: " + " vs ".join(os.path.basename(r.rstrip("/")) for r in results["settings"]["runs"]),
+                   fontsize=10)
+    ends = [k for k in range(len(points) - 1) if points[k]["phase"] != points[k + 1]["phase"]]
+    for k in ends:
+        left.axvline(k + 0.5, color="w", ls="--", lw=1.5)
+        left.text(k + 0.55, n_layers - 0.6, f"{points[k + 1]['phase']} ->", color="w", fontsize=8, va="top")
+    for k, (lo_hi, color) in enumerate(zip(results["settings"]["regions"], ("C0", "C1", "C2"))):
+        for name, style in (("pair", "o-"), ("control", "s--")):
+            ps = [p for p in results["steps"] if p.get(name)]
+            if ps:
+                right.plot([p["tokens"] for p in ps], [100 * p[name]["regions"][k]["mean"] for p in ps], style,
+                           color=color, ms=4, label=f"layers {lo_hi}, {name}")
+    for k in ends:  # the last kept checkpoint of the phase: the boundary itself when the phase end was kept
+        right.axvline(points[k]["tokens"], color="k", ls=":", lw=1)
+    right.set_xlabel("tokens")
+    right.set_ylabel("mean divergence over the region (%)")
+    right.set_title("by region: pair (solid) and control (dashed); dotted: end of a phase", fontsize=10)
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def pyplot():
+    """matplotlib's pyplot without a display, or None (and a line saying so) if it is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no figure (pip install matplotlib)")
+        return None
+    return plt
+
+
+def write(out, stem, results, table, figure_of):
+    """out/STEM.json, out/STEM.md (printed too) and the figure."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{stem}.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
+        f.write(table)
+    print(table)
+    png = {"results": "divergence.png", "trajectory": "trajectory.png"}[stem]
+    if figure_of(results, os.path.join(out, png)):
+        print(f"wrote {out}/{stem}.json, {stem}.md, {png}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pair", nargs=2, required=True, metavar=("A", "B"), help="the two checkpoints under study")
-    p.add_argument("--control", nargs=2, metavar=("C", "D"), help="two runs that differ only in seed")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--pair", nargs=2, metavar=("A", "B"), help="the two checkpoints under study")
+    what.add_argument("--runs", nargs=2, metavar=("RUN_A", "RUN_B"),
+                      help="two runs' out_dirs: the pair at every step both kept (keep_every), and at their finals")
+    p.add_argument("--control", nargs=2, metavar=("C", "D"),
+                   help="two checkpoints (with --runs: two runs) that differ only in seed")
     p.add_argument("--texts", required=True, help="held-out texts: .txt (one per line) or .jsonl")
     p.add_argument("--text_field", default="text")
     p.add_argument("--n", type=int, default=500)
@@ -325,19 +537,14 @@ def main(argv=None):
                    help="auto: bfloat16 autocast on GPU, float32 on CPU (CKA itself is computed in float64)")
     p.add_argument("--out", default="out/cka")
     args = p.parse_args(argv)
-    results = study(args)
-    if results is None:
-        return
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(results, f, indent=2)
-    table = markdown(results)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(table)
-    print(table)
-    if figure(results, os.path.join(args.out, "divergence.png")):
-        print(f"wrote {args.out}/results.json, results.md, divergence.png")
-
+    if args.runs:
+        results = trajectory(args)
+        if results is not None:
+            write(args.out, "trajectory", results, trajectory_markdown(results), trajectory_figure)
+    else:
+        results = study(args)
+        if results is not None:
+            write(args.out, "results", results, markdown(results), figure)
 
 if __name__ == "__main__":
     main()

@@ -93,7 +93,8 @@ class Config:
     eval_windows: int = 64  # val windows per evaluation (all of val.bin if fewer)
     ckpt_interval: int = 1000
     ckpt_every_minutes: float = 60.0  # also checkpoint when this long has passed since the last one; 0: off
-    max_ckpts: int = 3
+    max_ckpts: int = 3  # full checkpoints (with the optimizer state) kept; older ones are removed, except:
+    keep_every: int = 0  # steps: checkpoints at its multiples stay, weights-only, for cka.py --runs; 0: none
 
 
 def parse_config(argv):
@@ -375,7 +376,7 @@ def main(argv):
     compiled = {"auto": device.type == "cuda", "true": True, "false": False}[c.compile.lower()]
 
     # The loop's state: from the checkpoint this run resumes (out_dir's newest, or init_from's), else fresh.
-    checkpointer = Checkpointer(c, process)
+    checkpointer = Checkpointer(c, process, schedule)
     start = checkpointer.resume(continue_from=c.init_from if run.start > 0 else None)
     model = build_model(c, meta, start or c.init_from).to(device)
     frozen = frozen_params(c, model, schedule)

@@ -3,8 +3,14 @@ Checkpoints: the directory format, and the Checkpointer that decides when to wri
 to resume, so that train.py's loop only says "once in a while: checkpoint".
 
 A checkpoint is out_dir/ckpt-STEP/ (and out_dir/final/): the Hugging Face files (config.json,
-model.safetensors, tokenizer) + train_state.pt (optimizer, step, tokens, data position, every
-rank's random streams and loss sums) + manifest.json.
+model.safetensors, tokenizer) + progress.json (step, tokens, phase) + train_state.pt (optimizer,
+step, tokens, data position, every rank's random streams and loss sums) + manifest.json.
+
+Retention: the newest max_ckpts full checkpoints stay; an older one is removed, unless its step is
+a multiple of keep_every. Those stay, weights-only (no train_state.pt with AdamW's two moments:
+a third of a full checkpoint), for cka.py --runs to follow the run through time. A
+keep_every step that no other reason checkpoints is written weights-only at once. Resuming reads
+only full checkpoints.
 
 Everything is written to a temporary directory, the manifest (size and sha256 of every other
 file) last, synced to disk, then renamed: a kill at any moment leaves the previous checkpoints
@@ -37,11 +43,14 @@ from safetensors import SafetensorError
 from support.tokenizer import TOKENIZER_FILES
 
 MANIFEST = "manifest.json"
+TRAIN_STATE = "train_state.pt"
+PROGRESS = "progress.json"  # where a checkpoint is in its run: step, tokens, phase (what cka.py --runs reads)
 
 
 def save_checkpoint(path, model, optimizer, state, c):
-    """Write the checkpoint directory `path`. If a write fails (a full disk, a quota) the partial copy is
-    removed, the previous checkpoints stay intact, and the run stops saying how much space it needs."""
+    """Write the checkpoint directory `path`; with optimizer None, weights-only (no train state: not a
+    resume point). If a write fails (a full disk, a quota) the partial copy is removed, the previous
+    checkpoints stay intact, and the run stops saying how much space it needs."""
     out_dir = os.path.dirname(path)
     tmp = os.path.join(out_dir, ".tmp-" + os.path.basename(path))
     try:
@@ -51,8 +60,11 @@ def save_checkpoint(path, model, optimizer, state, c):
             src = os.path.join(c.data_dir, name)
             if os.path.isfile(src):
                 shutil.copyfile(src, os.path.join(tmp, name))
-        torch.save({**state, "optimizer": optimizer.state_dict(), "config": dataclasses.asdict(c)},
-                   os.path.join(tmp, "train_state.pt"))
+        with open(os.path.join(tmp, PROGRESS), "w") as f:
+            json.dump({k: state[k] for k in ("step", "tokens", "phase") if k in state}, f)
+        if optimizer is not None:
+            torch.save({**state, "optimizer": optimizer.state_dict(), "config": dataclasses.asdict(c)},
+                       os.path.join(tmp, TRAIN_STATE))
         # Hashing reads every file back: a few seconds for a Large checkpoint (about 5 GB with the optimizer).
         manifest = {}
         for name in sorted(os.listdir(tmp)):
@@ -68,7 +80,7 @@ def save_checkpoint(path, model, optimizer, state, c):
         fsync(out_dir)
     except (OSError, RuntimeError, SafetensorError) as e:  # how open(), torch.save and safetensors report it
         shutil.rmtree(tmp, ignore_errors=True)
-        moments = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        moments = [t for s in (optimizer.state.values() if optimizer else []) for t in s.values() if torch.is_tensor(t)]
         need = sum(t.numel() * t.element_size() for t in [*model.parameters(), *moments])
         free = shutil.disk_usage(out_dir).free
         raise SystemExit(f"could not write checkpoint {path}: {e}. A checkpoint needs about {need / 2 ** 30:.3g} GiB "
@@ -93,14 +105,27 @@ def fsync(path):
         os.close(fd)
 
 
+def read_manifest(path):
+    with open(os.path.join(path, MANIFEST)) as f:
+        return json.load(f)
+
+
+def weights_only(path):
+    """A checkpoint whose manifest lists no train state (a keep_every one): weights for analysis, not a
+    resume point. One with an unreadable manifest is not: it is damaged, and resume says so."""
+    try:
+        return TRAIN_STATE not in read_manifest(path)
+    except (OSError, ValueError):
+        return False
+
+
 def checkpoint_problem(path, checksums=True):
     """What is wrong with the checkpoint directory `path`, or None if every file its manifest lists is
     there with its size and (if checksums) its sha256."""
     if not os.path.isdir(path):
         return "no such directory"
     try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            manifest = json.load(f)
+        manifest = read_manifest(path)
     except FileNotFoundError:
         return f"no {MANIFEST}: it was not written completely"
     except (OSError, ValueError) as e:
@@ -116,17 +141,26 @@ def checkpoint_problem(path, checksums=True):
     return None
 
 
+def step_of(path):
+    return int(path.rsplit("-", 1)[1])
+
+
 def step_checkpoints(out_dir):
     """The ckpt-STEP directories in out_dir, complete or not, oldest first."""
     found = [p for p in glob.glob(os.path.join(out_dir, "ckpt-*")) if re.fullmatch(r"ckpt-\d+", os.path.basename(p))]
-    return sorted(found, key=lambda p: int(p.rsplit("-", 1)[1]))
+    return sorted(found, key=step_of)
+
+
+def full_checkpoints(out_dir):
+    """The ckpt-STEP directories a run can resume from (all but the weights-only ones), oldest first."""
+    return [p for p in step_checkpoints(out_dir) if not weights_only(p)]
 
 
 def latest_valid_checkpoint(out_dir):
-    """The newest checkpoint in out_dir that passes its manifest (None if out_dir has none). Each damaged
+    """The newest full checkpoint in out_dir that passes its manifest (None if out_dir has none). Each damaged
     newer one gets a warning; if all are damaged the run stops rather than start over silently."""
     damaged = []
-    for path in reversed(step_checkpoints(out_dir)):
+    for path in reversed(full_checkpoints(out_dir)):
         problem = checkpoint_problem(path)
         if problem is None:
             return path
@@ -136,6 +170,34 @@ def latest_valid_checkpoint(out_dir):
         raise SystemExit(f"no valid checkpoint in {out_dir}: {', '.join(damaged)} are damaged (see the warnings). "
                          "Restore one from a copy, or move them away to start over from init_from.")
     return None
+
+
+def prune(out_dir, max_ckpts, keep_every):
+    """Retention: the newest max_ckpts full checkpoints stay as they are. An older one is removed, unless its
+    step is a multiple of keep_every: that one stays, weights-only (weights_only says so from then on)."""
+    for old in full_checkpoints(out_dir)[:-max_ckpts]:
+        if keep_every and step_of(old) % keep_every == 0:
+            drop_train_state(old)
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def drop_train_state(path):
+    """Make a checkpoint weights-only. The file goes first, then the manifest is rewritten (atomically):
+    a kill in between leaves a manifest that names a missing train state, which the next prune finishes.
+    A checkpoint with no readable manifest is left as it is (damaged: resume warns and skips it)."""
+    try:
+        manifest = read_manifest(path)
+    except (OSError, ValueError):
+        return
+    if os.path.exists(os.path.join(path, TRAIN_STATE)):
+        os.remove(os.path.join(path, TRAIN_STATE))
+    manifest.pop(TRAIN_STATE, None)
+    with open(os.path.join(path, MANIFEST + ".tmp"), "w") as f:
+        json.dump(manifest, f, indent=1)
+    fsync(os.path.join(path, MANIFEST + ".tmp"))
+    os.replace(os.path.join(path, MANIFEST + ".tmp"), os.path.join(path, MANIFEST))
+    fsync(path)
 
 
 def trim_metrics(path, step):
@@ -182,11 +244,12 @@ class TrainState:
 
 class Checkpointer:
     """Chooses the checkpoint to resume from, writes checkpoints when the loop or a signal or the clock
-    says so, keeps the newest max_ckpts, and stops the run on a signal. Every rank makes the same calls:
-    rank 0 decides and writes, every rank gets the outcome (errors included) and checks that it sees it."""
+    says so, keeps the newest max_ckpts (and weights at every keep_every steps), and stops the run on a
+    signal. Every rank makes the same calls: rank 0 decides and writes, every rank gets the outcome (errors
+    included) and checks that it sees it. `schedule` names the phase each checkpoint is in."""
 
-    def __init__(self, c, process):
-        self.c, self.process = c, process
+    def __init__(self, c, process, schedule):
+        self.c, self.process, self.schedule = c, process, schedule
         self.saved, self.saved_at = None, time.monotonic()  # where the state at the current step already is
         self.seconds = 0.0  # spent writing checkpoints: not training time
         self.caught = 0  # the signal that reached this rank, if any
@@ -247,7 +310,8 @@ class Checkpointer:
 
     def after_step(self, model, optimizer, state, due, last=False):
         """At the step boundary `state.step`: write ckpt-STEP if `due` (the loop's interval, a phase's end),
-        or if a signal reached any rank, or if ckpt_every_minutes have passed on any rank's clock. Returns
+        or if a signal reached any rank, or if ckpt_every_minutes have passed on any rank's clock; else,
+        at a multiple of keep_every, write it weights-only (a trajectory point, not a resume point). Returns
         True when a signal came: the checkpoint is written and the run must stop (exit_code says how). After
         the `last` step nothing stops: the run ends there anyway, with its final checkpoint."""
         stopping, late = self.agree()
@@ -255,6 +319,8 @@ class Checkpointer:
         if (due or stopping or late) and path != self.saved:
             self.save(path, model, optimizer, state)
             stopping = stopping or self.agree()[0]  # a signal during the save: this checkpoint answers it
+        elif self.c.keep_every and state.step % self.c.keep_every == 0 and path != self.saved:
+            self.keep(path, model, state)
         if not stopping or last:
             return False
         self.exit_code = 128 + (self.caught or signal.SIGTERM)  # what a shell reports for a process it killed
@@ -287,23 +353,32 @@ class Checkpointer:
         bad = [r["loss_acc"] for r in ranks if not math.isfinite(r["loss_acc"])]
         if bad:  # a checkpoint between two logs: its loss was not checked yet
             raise loss_error(bad[0], state.step, self.c.out_dir)
-        saved = dict(step=state.step, tokens=state.tokens, loader=state.loader, loss_steps=state.loss_steps,
-                     ranks=ranks)
+        saved = dict(**self.progress(state), loader=state.loader, loss_steps=state.loss_steps, ranks=ranks)
 
         def write():
             save_checkpoint(path, model, optimizer, saved, self.c)
-            for old in step_checkpoints(self.c.out_dir)[:-self.c.max_ckpts]:
-                shutil.rmtree(old, ignore_errors=True)
+            prune(self.c.out_dir, self.c.max_ckpts, self.c.keep_every)
 
         on_rank0(write, self.process)  # also the barrier: no rank reads the checkpoint before it is complete
         every_rank_sees(path, self.process)
         self.saved, self.saved_at = path, time.monotonic()
         self.seconds += time.time() - started
 
+    def keep(self, path, model, state):
+        """A weights-only checkpoint at `path`, written by rank 0: no optimizer, no per-rank state to gather."""
+        started = time.time()
+        on_rank0(lambda: save_checkpoint(path, model, None, self.progress(state), self.c), self.process)
+        every_rank_sees(path, self.process)
+        self.seconds += time.time() - started
+
+    def progress(self, state):
+        """Where the run is after `state.step` steps: the phase is that of the last step done."""
+        return dict(step=state.step, tokens=state.tokens, phase=self.schedule.at(max(state.step - 1, 0)).name)
+
 
 def loss_error(loss, step, out_dir):
     return SystemExit(f"step {step}: loss is {loss}; stopping. The last good checkpoint is "
-                      f"{(step_checkpoints(out_dir) or ['(none)'])[-1]}; lower lr or check the data.")
+                      f"{(full_checkpoints(out_dir) or ['(none)'])[-1]}; lower lr or check the data.")
 
 
 def check_init_from(path):
