@@ -15,9 +15,10 @@ Steps, each a command a user could type (printed as it runs):
      "a pretrained ModernBERT"; skipped with --base);
   4. train.py from that base on the domain text: the CLM-detour arm, the MLM arm and an
      MLM seed twin, each followed by the MLM decay, with identical budgets;
-  5. cka.py: the pair (detour vs MLM) and the control (MLM vs its seed twin);
+  5. cka.py: the pair (detour vs MLM) and the control (MLM vs its seed twin), at the end and
+     over training (the checkpoints each arm kept every 100 steps: keep_every in configs/demo.py);
   6. eval.py: fine-tuning of both arms on the task over 3 seeds;
-  7. report.md with the tables, loss.png and divergence.png.
+  7. report.md with the tables, loss.png, divergence.png and trajectory.png.
 """
 
 import argparse
@@ -40,7 +41,8 @@ SCALES = {
     "full": dict(docs=None, base_tokens=1_200_000, arm_tokens=600_000, heldout=300, cka_n=200, task_per_class=150,
                  eval_epochs=4, eval_lr=5e-4, eval_seeds="42,43,44", eval_max_len=128, train=[]),
     "quick": dict(docs=2000, base_tokens=20_000, arm_tokens=10_000, heldout=40, cka_n=16, task_per_class=12,
-                  eval_epochs=1, eval_lr=5e-4, eval_seeds="42,43", eval_max_len=32, train=["--eval_windows=8"]),
+                  eval_epochs=1, eval_lr=5e-4, eval_seeds="42,43", eval_max_len=32,
+                  train=["--eval_windows=8", "--keep_every=4"]),
 }
 ARMS = {  # name -> train.py overrides on top of configs/demo.py; identical budgets
     "clm": ["--objective=clm"],
@@ -174,6 +176,31 @@ def loss_figure(arms, main_tokens, path):
     plt.close(fig)
 
 
+def trajectory_section(out, s):
+    """The trajectory's table (divergence by region at every kept step), its figure, and what it says."""
+    shutil.copyfile(os.path.join(out, "trajectory", "trajectory.png"), os.path.join(out, "trajectory.png"))
+    traj = json.load(open(os.path.join(out, "trajectory", "trajectory.json")))
+    table = open(os.path.join(out, "trajectory", "trajectory.md")).read().split("\n", 4)[4]  # rows, not headings
+    points = traj["steps"]
+    low = traj["settings"]["regions"][0]
+    pct = lambda p: 100 * p["pair"]["regions"][0]["mean"]  # noqa: E731  (the low region)
+    first, end, final = points[0], [p for p in points if p["phase"] == points[0]["phase"]][-1], points[-1]
+    ratio = "n/a" if first["ratio"][0] is None else f"{first['ratio'][0]['mean']:.1f}x"
+    back = pct(end) - pct(final)
+    return ["## CKA over training: detour vs MLM (pair) and MLM vs its seed twin (control)", "",
+            "Divergence (1 - CKA, %) by layer region at every step both arms kept (every 100 steps, the end of "
+            f"phase 1, and the final checkpoints), mean ± std over the sampling seeds; same texts as above.", "",
+            table.strip(), "", "![trajectory](trajectory.png)", "",
+            f"What this small run shows: the low layers ({low}) are already {pct(first):.1f}% apart after "
+            f"{first['tokens']:,} tokens of phase 1 ({ratio} the control), {pct(end):.1f}% at step {end['step']} "
+            f"(the last kept step of phase 1) and {pct(final):.1f}% after the decay, which "
+            + (f"takes back {back:.1f} points of it." if back > 0 else "takes none of it back.")
+            + f" What it does not show: this is one tiny run ({traj['settings']['n_layers']} layers, "
+            f"{s['arm_tokens']:,} tokens, {len(points)} checkpoints, its regions are thirds of the layers), and the "
+            "± is over text samples, not over training seeds; it says how to read a trajectory, not when a Base "
+            "model's layers 0-7 move over 10B tokens.", ""]
+
+
 def report(args, s, out, task_dir, kind, timings, total):
     import numpy
     import torch
@@ -217,7 +244,7 @@ def report(args, s, out, task_dir, kind, timings, total):
         lines.append(f"| {r['layers']} | {pct(r['pair_divergence'])} | {pct(r['control_divergence'])} | {ratio} |")
     worst = max(abs(1 - e["pair_cka"]["mean"]) for e in self_cka["layers"].values())
     lines += ["", f"Sanity: CKA of the detour model with itself = 1 at every layer (max |1 - CKA| = {worst:.1e}).",
-              "", "![per-layer divergence](divergence.png)", "",
+              "", "![per-layer divergence](divergence.png)", "", *trajectory_section(out, s), "",
               f"## Fine-tuning on the task (test, mean ± std over seeds {s['eval_seeds']})", "",
               "| arm | macro F1 (%) | micro F1 (%) |", "|---|---|---|"]
     for name, res in evals.items():
@@ -264,7 +291,8 @@ def main(argv=None):
     if not base:
         print("3. base model: MLM on the general text", flush=True)
         timings["base"] = run(common + [f"--data_dir={data('general')}", f"--out_dir={os.path.join(out, 'base')}",
-                                        "--init_from=scratch", "--objective=mlm", f"--tokens={s['base_tokens']}"],
+                                        "--init_from=scratch", "--objective=mlm", f"--tokens={s['base_tokens']}",
+                                        "--keep_every=0"],  # no trajectory of the base
                               os.path.join(logs, "base.log"))
         base = os.path.join(out, "base", "final")
 
@@ -274,13 +302,16 @@ def main(argv=None):
                                       f"--init_from={base}", f"--tokens={s['arm_tokens']}", *overrides],
                             os.path.join(logs, f"{name}.log"))
 
-    print("5. CKA: pair (clm vs mlm) and control (mlm vs mlm_twin)", flush=True)
+    print("5. CKA: pair (clm vs mlm) and control (mlm vs mlm_twin), at the end and over training", flush=True)
     final = lambda name: os.path.join(out, name, "final")  # noqa: E731
     cka = [py, "cka.py", "--texts", text("heldout.jsonl"), "--n", str(s["cka_n"]), "--max_len", "256"]
     timings["cka"] = run(cka + ["--pair", final("clm"), final("mlm"), "--control", final("mlm"), final("mlm_twin"),
                                 "--out", os.path.join(out, "cka")], os.path.join(logs, "cka.log"))
     run(cka + ["--pair", final("clm"), final("clm"), "--seeds", "42", "--out", os.path.join(out, "cka_self")],
         os.path.join(logs, "cka_self.log"))
+    arm = lambda name: os.path.join(out, name)  # noqa: E731
+    timings["trajectory"] = run(cka + ["--runs", arm("clm"), arm("mlm"), "--control", arm("mlm"), arm("mlm_twin"),
+                                       "--out", os.path.join(out, "trajectory")], os.path.join(logs, "trajectory.log"))
 
     print(f"6. fine-tuning on the task ({kind}) over seeds {s['eval_seeds']}", flush=True)
     timings["eval"] = 0.0

@@ -21,4 +21,5 @@ log_interval = 5
 eval_interval = 20  # 5 evaluations in the decay, its start and end included
 eval_windows = 32  # 8k tokens: cheap enough to evaluate every 20 steps
 ckpt_interval = 200
-max_ckpts = 2
+max_ckpts = 3  # the newest full checkpoints: 586 (the end of phase 1), 600, 645
+keep_every = 100  # and weights only at 100, 200, ...: the trajectory that cka.py --runs compares

@@ -36,7 +36,7 @@ def test_demo_pipeline_quick(tmp_path):
     assert r.stdout.count("\n$ ") == r.stdout.count("  done in "), "every step says when it ends"
     report = (out / "report.md").read_text()
     for heading in ("## Settings", "## Final validation loss per arm", "## The decay", "## CKA: divergence",
-                    "## Fine-tuning on the task"):
+                    "## CKA over training", "## Fine-tuning on the task"):
         assert heading in report
     tables = [line for line in report.splitlines() if line.startswith("| ")]
     arms = {line.split("|")[1].strip() for line in tables}
@@ -45,6 +45,8 @@ def test_demo_pipeline_quick(tmp_path):
     assert numbers and all(math.isfinite(x) for x in numbers)
     self_line = next(line for line in report.splitlines() if line.startswith("Sanity: CKA of the detour model"))
     assert float(re.search(r"max \|1 - CKA\| = ([-0-9.e+]+)", self_line)[1]) < 1e-9
-    for png in ("loss.png", "divergence.png"):
+    trajectory = [line.split("|")[1].strip() for line in tables if line.split("|")[3].strip() in ("main", "decay")]
+    assert trajectory == ["4", "8", "10", "11"]  # kept every 4 steps, the phase end, the final
+    for png in ("loss.png", "divergence.png", "trajectory.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"({png})" in report
