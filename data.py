@@ -384,15 +384,17 @@ def prefetch(produce, steps, depth=2):
             if item[1] is not None or done.is_set():
                 return
 
-    threading.Thread(target=work, daemon=True, name="prefetch").start()
+    thread = threading.Thread(target=work, daemon=True, name="prefetch")
+    thread.start()
     try:
         for _ in steps:
             item, error = ready.get()
             if error is not None:
                 raise error
             yield item
-    finally:
+    finally:  # on close(): the thread ends here (within a step's batches), not at the interpreter's exit
         done.set()
+        thread.join()
 
 
 # -----------------------------------------------------------------------------
