@@ -34,7 +34,7 @@ def setup(device="auto", timeout_minutes=60.0):
     # Imported before the process group exists, not by DDP's constructor after it: torch._dynamo imports modules
     # (torch.distributed.fsdp's ShardedGradScaler) with `process_group=dist.group.WORLD` as a default argument,
     # which would hold the world group for the interpreter's life, past destroy_process_group (see teardown).
-    import torch._dynamo  # noqa: F401
+    from torch import _dynamo  # noqa: F401
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=timeout_minutes))
     return Process(dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local_rank}" if cuda else "cpu"))
 
