@@ -67,11 +67,11 @@ class Config:
     betas: tuple = (0.9, 0.98)
     eps: float = 1e-6
     weight_decay: float = 1e-5  # decoupled: p <- p * (1 - weight_decay * lr_t / lr)
-    # freezing: these layers compute no weight gradients during the phases named in freeze_phase, and
+    # freezing: these layers compute no weight gradient during the phases named in freeze_phase
     freeze_layers: str = ""  # e.g. "0-7" or "8-14,20"; empty for none
     freeze_phase: str = "main"  # phase names, e.g. "main" or "clm,mlm"; "all" for every phase
-    freeze_mode: str = "exact"  # "exact": no update at all (bit-identical); "zero_grad": zero gradients, so
-    # decoupled AdamW still decays them and its moments from earlier steps still move them (the paper's words)
+    freeze_mode: str = "exact"  # "exact": no update at all (bit-identical); "zero_grad": gradients zeroed, so
+    # decoupled AdamW still decays them and its moments from earlier steps still move them (the paper's freeze)
     # batch
     seq_len: int = 8192
     global_batch_size: int = 384  # sequences per optimizer step, over all ranks
