@@ -7,7 +7,8 @@
 Each run is the tiny 2-process gloo run of tests/test_train.py (16 main + 4 decay steps, an evaluation and a
 checkpoint every 8 steps); it must print `done:` and exit 0. A run that exits otherwise is a failure; its
 stderr (with every thread's Python stack, PYTHONFAULTHANDLER=1, when a rank aborts) goes to --log.
-The CPU load is one busy process (on a 2-core machine: half of it), started here and stopped at the end (pass --load 0 for none).
+The CPU load is one busy process (on a 2-core machine: half of it), started here and stopped at the end
+(--load 0 for none).
 """
 
 import argparse
@@ -29,12 +30,14 @@ sys.path.insert(0, {code!r})
 from data import prepare, read_documents
 from support.tokenizer import train_bpe
 rng = random.Random(0)
-nouns, verbs = ["cell", "gene", "protein", "tumor", "patient", "dose", "virus"], ["binds", "inhibits", "expresses", "treats"]
-docs = [" ".join(f"the {{rng.choice(nouns)}} {{rng.choice(verbs)}} a {{rng.choice(nouns)}}." for _ in range(rng.randint(1, 6)))
-        for _ in range(3000)]
+nouns = ["cell", "gene", "protein", "tumor", "patient", "dose", "virus"]
+verbs = ["binds", "inhibits", "expresses", "treats"]
+docs = [" ".join(f"the {{rng.choice(nouns)}} {{rng.choice(verbs)}} a {{rng.choice(nouns)}}."
+                 for _ in range(rng.randint(1, 6))) for _ in range(3000)]
 open({tmp!r} + "/corpus.txt", "w").write("\\n".join(docs))
 train_bpe(iter(docs), 300, {tmp!r} + "/tokenizer.json")
-prepare(lambda: read_documents([{tmp!r} + "/corpus.txt"]), {tmp!r} + "/tokenizer.json", {tmp!r} + "/shards", val_docs=200)
+prepare(lambda: read_documents([{tmp!r} + "/corpus.txt"]), {tmp!r} + "/tokenizer.json", {tmp!r} + "/shards",
+        val_docs=200)
 """
     subprocess.run([sys.executable, "-c", script], check=True, capture_output=True)
     return os.path.join(tmp, "shards")

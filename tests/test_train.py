@@ -253,7 +253,8 @@ def test_zero_grad_freeze_moves_frozen_weights_by_decay_and_momentum_alone(data_
     after = load_file(tmp_path / "final" / "model.safetensors")
     model = ModernBertForMaskedLM(ModernBertConfig(vocab_size=320, **TINY))
     named = list(model.named_parameters())  # the optimizer's parameter ids: its groups' order, matrices first
-    index = {name: i for i, name in enumerate([n for n, p in named if p.ndim >= 2] + [n for n, p in named if p.ndim < 2])}
+    order = [n for n, p in named if p.ndim >= 2] + [n for n, p in named if p.ndim < 2]
+    index = {name: i for i, name in enumerate(order)}
     decayed = {i for g in ckpt["param_groups"] if g["weight_decay"] > 0 for i in g["params"]}
     checked = 0
     for name, i in index.items():
