@@ -90,7 +90,7 @@ def write_card(directory, c, step, tokens, model):
     sha = meta.get("tokenizer_sha256")
 
     lines = [*front, "", f"# {name}", "",
-             f"A ModernBERT encoder ({model.num_params() / 1e6:.1f}M parameters, {model.config.num_hidden_layers} "
+             f"A ModernBERT encoder ({model.num_params():,} parameters, {model.config.num_hidden_layers} "
              f"layers) trained with the clm-detour codebase from `{c.init_from}`: step {step:,} of "
              f"{schedule.starts[-1]:,}, {tokens:,} tokens.", "",
              "## Recipe", "",
@@ -108,10 +108,11 @@ def write_card(directory, c, step, tokens, model):
              "## How to load", "",
              "```python",
              "from transformers import AutoModelForMaskedLM, AutoTokenizer, pipeline",
-             f"model = AutoModelForMaskedLM.from_pretrained({path!r})",
-             f"tokenizer = AutoTokenizer.from_pretrained({path!r})",
-             f"fill = pipeline(\"fill-mask\", model={path!r})",
-             f"print(fill(\"The patient was treated with {{fill.tokenizer.mask_token}}.\"))",
+             f"path = {path!r}  # this directory, or its hub id once uploaded",
+             "model = AutoModelForMaskedLM.from_pretrained(path)",
+             "tokenizer = AutoTokenizer.from_pretrained(path)",
+             "fill = pipeline(\"fill-mask\", model=path)",
+             "print(fill(f\"The patient was treated with {tokenizer.mask_token}.\"))",
              "```", "",
              f"In the clm-detour codebase: `model.ModernBertForMaskedLM.from_pretrained({path!r})`; "
              f"`train.py --init_from={path}` continues from it.", ""]

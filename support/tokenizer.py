@@ -283,12 +283,10 @@ def write_hf_config(directory, model_max_length):
     if not os.path.isfile(path):
         return  # a tiktoken encoding name: there is no Hugging Face tokenizer to describe
     tok = tokenizers.Tokenizer.from_file(path)
-    ids = load_tokenizer(path).special_ids
-    special = {"cls_token": ids["cls_id"], "sep_token": ids["sep_id"], "pad_token": ids["pad_id"],
-               "mask_token": ids["mask_id"], "bos_token": ids["cls_id"], "eos_token": ids["sep_id"]}
-    special = {name: tok.id_to_token(i) for name, i in special.items()}
-    if tok.token_to_id("[UNK]") is not None:
-        special["unk_token"] = "[UNK]"
+    # the tokens load_tokenizer takes as special (_special_ids_from_tokens); documents end with [SEP]
+    special = {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "mask_token": "[MASK]",
+               "bos_token": "[CLS]", "eos_token": "[SEP]", "unk_token": "[UNK]"}
+    special = {name: token for name, token in special.items() if tok.token_to_id(token) is not None}
     config_file = os.path.join(directory, "tokenizer_config.json")
     config = {}
     if os.path.isfile(config_file):

@@ -11,6 +11,7 @@ import random
 import pytest
 import tokenizers
 import torch
+from safetensors.torch import load_file
 
 from data import prepare, read_documents
 from model import ModernBertConfig, ModernBertForMaskedLM
@@ -39,6 +40,11 @@ def front_matter(card):
 def sha256(path):
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
+
+
+def weights(path):
+    """The parameter count as stored (the tied decoder weight once, as transformers counts it)."""
+    return sum(t.numel() for t in load_file(os.path.join(path, "model.safetensors")).values())
 
 
 def check_fill_mask(path):
@@ -87,7 +93,7 @@ def test_card_numbers_are_the_runs_and_fill_mask_runs_with_a_trained_tokenizer(d
         assert f"{meta['train_tokens']:,} training tokens in {meta['train_docs']:,} documents" in card
         assert f"sha256 {sha256(os.path.join(data_dir, 'tokenizer.json'))}" in card
         assert "seed 17 (init, masking, dropout), data_seed 42 (data order)" in card
-        assert f"from_pretrained({str(d)!r})" in card
+        assert f"path = {str(d)!r}" in card and f"{weights(d):,} parameters" in card
     assert card.count("| done |") == 2  # final: both phases
     assert "| 12 of 16 steps |" in (out / "ckpt-12" / "README.md").read_text()
     assert "| not started |" in (out / "ckpt-12" / "README.md").read_text()
