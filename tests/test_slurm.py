@@ -19,8 +19,8 @@ import pytest
 
 from test_train import ROOT, base_ckpt, data_dir, metrics, train_cmd  # noqa: F401 (fixtures)
 
-DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch")
-missing = [d for d in DAEMONS if not shutil.which(d, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")]
+TOOLS = ("slurmctld", "slurmd", "sbatch", "munged", "munge")
+missing = [d for d in TOOLS if not shutil.which(d, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")]
 pytestmark = pytest.mark.skipif(bool(missing) or os.geteuid() != 0,
                                 reason=f"needs a local SLURM: {', '.join(missing)} not installed (Debian: apt-get "
                                        "install slurm-wlm munge), run as root" if missing else "needs root")
@@ -105,6 +105,10 @@ def slurm(tmp_path):
             time.sleep(0.2)
         yield env
     finally:
+        subprocess.run(["scancel", "--full", "--signal=KILL", "--user=root"], env=env)  # a test that failed midway
+        deadline = time.time() + 30
+        while subprocess.run(["squeue", "-h"], capture_output=True, text=True, env=env).stdout and time.time() < deadline:
+            time.sleep(0.2)
         for pid_file in reversed(started):
             try:
                 os.kill(int(open(pid_file).read()), 15)
