@@ -296,6 +296,8 @@ def write_hf_config(directory, model_max_length):
     # "RobertaTokenizer" (CamemBERTv2's) anew from its vocabulary and splits words into characters.
     config = {"clean_up_tokenization_spaces": False, **special, **{k: v for k, v in config.items() if v is not None},
               "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length}
+    if type(tok.model).__name__ == "BPE":  # the clean-up drops the spaces a byte-level BPE keeps (" ." -> ".")
+        config["clean_up_tokenization_spaces"] = False
     files = {"tokenizer_config.json": config}
     if not os.path.isfile(os.path.join(directory, "special_tokens_map.json")):  # a copied one's is kept as it is
         files["special_tokens_map.json"] = {name: config[name] for name in special}

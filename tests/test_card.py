@@ -57,7 +57,9 @@ def check_fill_mask(path):
         "[MASK]", "[PAD]", "[CLS]", "[SEP]")
     assert tokenizer.model_max_length == ModernBertConfig().max_position_embeddings
     ids = tokenizer(TEXT)["input_ids"]
-    assert ids == tokenizers.Tokenizer.from_file(os.path.join(path, "tokenizer.json")).encode(TEXT).ids
+    reference = tokenizers.Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    assert ids == reference.encode(TEXT).ids
+    assert tokenizer.decode(ids) == reference.decode(ids, skip_special_tokens=False)
     results = pipeline("fill-mask", model=path, top_k=3)(TEXT)
     ours = ModernBertForMaskedLM.from_pretrained(path).eval()
     with torch.no_grad():
