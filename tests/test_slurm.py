@@ -22,8 +22,8 @@ from test_train import ROOT, base_ckpt, data_dir, metrics, train_cmd  # noqa: F4
 TOOLS = ("slurmctld", "slurmd", "sbatch", "munged", "munge")
 missing = [d for d in TOOLS if not shutil.which(d, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")]
 pytestmark = pytest.mark.skipif(bool(missing) or os.geteuid() != 0,
-                                reason=f"needs a local SLURM: {', '.join(missing)} not installed (Debian: apt-get "
-                                       "install slurm-wlm munge), run as root" if missing else "needs root")
+                                reason=f"needs a local SLURM (as root): {', '.join(missing)} not installed (Debian: "
+                                       "apt-get install slurm-wlm munge)" if missing else "needs root to start SLURM")
 SBIN = "/usr/sbin"
 # 40 main + 10 decay steps of 8 x 64 tokens on 2 processes (micro batch 2: 2 micro batches per rank), dropout on.
 ARGS = ["--micro_batch_size=2", f"--tokens={40 * 8 * 64}", "--log_interval=2", "--ckpt_interval=10",
