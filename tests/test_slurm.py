@@ -10,6 +10,7 @@ Runs where Debian's slurm-wlm and munge are installed (.ci/run installs them); s
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -107,13 +108,17 @@ def slurm(tmp_path):
     finally:
         subprocess.run(["scancel", "--full", "--signal=KILL", "--user=root"], env=env)  # a test that failed midway
         deadline = time.time() + 30
-        while subprocess.run(["squeue", "-h"], capture_output=True, text=True, env=env).stdout and time.time() < deadline:
+        while queued(env) and time.time() < deadline:
             time.sleep(0.2)
         for pid_file in reversed(started):
             try:
-                os.kill(int(open(pid_file).read()), 15)
+                os.kill(int(open(pid_file).read()), signal.SIGTERM)
             except (FileNotFoundError, ProcessLookupError, ValueError):
                 pass
+
+
+def queued(env):
+    return subprocess.run(["squeue", "-h"], capture_output=True, text=True, env=env).stdout.strip()
 
 
 def sinfo(env):
