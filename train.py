@@ -98,6 +98,8 @@ class Config:
     ckpt_every_minutes: float = 60.0  # also checkpoint when this long has passed since the last one; 0: off
     max_ckpts: int = 3
     dist_timeout_minutes: float = 60.0  # torchrun: how long a rank waits in a collective (rank 0 writing a checkpoint)
+    wandb_project: str = ""  # also log every record to this Weights & Biases project (pip install wandb); "": off
+    wandb_run_name: str = ""  # the run's name there; "": out_dir's name
 
 
 def parse_config(argv):

@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 
-from support.tokenizer import TOKENIZER_FILES
+from support.card import write_card
+from support.tokenizer import TOKENIZER_FILES, write_hf_config
 
 MANIFEST = "manifest.json"
 
@@ -51,6 +52,8 @@ def save_checkpoint(path, model, optimizer, state, c):
             src = os.path.join(c.data_dir, name)
             if os.path.isfile(src):
                 shutil.copyfile(src, os.path.join(tmp, name))
+        write_hf_config(tmp, model.config.max_position_embeddings)  # so that transformers' tools know [MASK] & co
+        write_card(tmp, c, state["step"], state.get("tokens", 0), model)  # README.md: what the hub shows
         torch.save({**state, "optimizer": optimizer.state_dict(), "config": dataclasses.asdict(c)},
                    os.path.join(tmp, "train_state.pt"))
         # Hashing reads every file back: a few seconds for a Large checkpoint (about 5 GB with the optimizer).
