@@ -27,6 +27,8 @@ def workdir(tmp_path_factory):
     train_bpe(iter(TEXTS), 300, str(d / "tok.json"))
     train_bpe(iter(TEXTS[::-1] + ["another vocabulary entirely"] * 50), 320, str(d / "other_tok.json"))
     prepare(lambda: read_documents([str(d / "corpus.txt")]), str(d / "tok.json"), str(d / "shards"), val_docs=10)
+    r = subprocess.run(TRAIN + TINY_RUN + ["--out_dir=run"], cwd=d, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
     return d
 
 
@@ -45,6 +47,11 @@ def snapshot(folder):
 
 DATA = [sys.executable, os.path.join(ROOT, "data.py")]
 TRAIN = [sys.executable, os.path.join(ROOT, "train.py")]
+# A finished tiny CLM run in run/: 6 main + 2 decay steps of 4 x 32 tokens
+TINY_RUN = ["--data_dir=shards", "--model_config={'hidden_size': 32, 'intermediate_size': 48, 'num_hidden_layers': 2, "
+            "'num_attention_heads': 2, 'local_attention': 16}", "--seq_len=32", "--global_batch_size=4",
+            "--micro_batch_size=2", f"--tokens={6 * 4 * 32}", "--warmup_tokens=0", "--decay_frac=0.34",
+            "--eval_windows=4", "--device=cpu"]
 
 # (name, files to write first: path -> text, or "@path" to copy a file or folder; command, message fragment)
 ROWS = [
@@ -80,6 +87,15 @@ ROWS = [
      {"swapped": "@shards", "swapped/tokenizer.json": "@other_tok.json"},
      TRAIN + ["--data_dir=swapped", "--out_dir=run", "--device=cpu"],
      "is not the tokenizer the shards of swapped were made with"),
+    ("resuming a CLM run as MLM", {},
+     TRAIN + TINY_RUN + ["--out_dir=run", "--objective=mlm"],
+     "run holds a run with other settings: objective 'clm' -> 'mlm'"),
+    ("resuming with another seq_len and seed", {},
+     TRAIN + TINY_RUN + ["--out_dir=run", "--seq_len=16", "--seed=3"],
+     "--resume_changes=seq_len,seed"),
+    ("a phase of 0 tokens", {},
+     TRAIN + TINY_RUN + ["--out_dir=new_run", "--tokens=0"],
+     "a phase needs a positive length"),
 ]
 
 
@@ -124,3 +140,14 @@ def test_rerun_replaces_a_data_set_whole(workdir, tmp_path):
     assert (d / "shards" / "tokenizer.json").read_bytes() == (d / "other_tok.json").read_bytes()
     meta = json.loads((d / "shards" / "meta.json").read_text())
     assert meta["tokenizer_sha256"] == hashlib.sha256((d / "other_tok.json").read_bytes()).hexdigest()
+
+
+def test_resume_accepts_run_settings_and_named_changes(workdir, tmp_path):
+    """What does not change the run (an interval, the device) may change on resume; so may a key named in
+    resume_changes. A finished run resumed this way ends again at once."""
+    d = tmp_path / "work"
+    subprocess.run(["cp", "-r", str(workdir), str(d)], check=True)
+    for extra in (["--log_interval=2", "--eval_interval=3"], ["--seed=3", "--resume_changes=seed"]):
+        r = subprocess.run(TRAIN + TINY_RUN + ["--out_dir=run", *extra], cwd=d, capture_output=True, text=True)
+        assert r.returncode == 0, (extra, r.stderr[-1500:])
+    assert json.loads((d / "run" / "config.json").read_text())["seed"] == 3  # what it now runs with
