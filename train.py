@@ -61,6 +61,7 @@ class Config:
     # ... or any list of phases, written by hand: dicts of Phase's fields (they replace the keys above)
     phases: list = field(default_factory=list)
     run_phases: str = "all"  # "all", or the consecutive phases this run does ("decay": from a "main" checkpoint)
+    resume_changes: str = ""  # keys a resumed run changes on purpose, e.g. "tokens" (others must match config.json)
     split_docs: bool = False  # restart attention and positions at each document (the paper does not)
     lr: float = 2e-4  # peak, shared by every phase
     # decoupled AdamW

@@ -208,6 +208,8 @@ class Checkpointer:
             for tmp in glob.glob(os.path.join(self.c.out_dir, ".tmp-*")):  # a save that a kill interrupted
                 shutil.rmtree(tmp, ignore_errors=True)
             latest = latest_valid_checkpoint(self.c.out_dir)
+            if latest is not None:
+                check_same_run(self.c)
             if latest is None and self.c.init_from != "scratch":
                 check_init_from(self.c.init_from)
             return os.path.basename(latest) if latest else None
@@ -309,6 +311,31 @@ def loss_error(loss, step, out_dir):
                       f"{(step_checkpoints(out_dir) or ['(none)'])[-1]}; lower lr or check the data.")
 
 
+# Settings that do not change what a run computes: a resumed run may change them. Every other key (the
+# objective and phases, seq_len, data_dir, tokens, the model, the seeds, ...) must stay what the run was
+# started with, unless it is named in resume_changes.
+RUN_SETTINGS = {"out_dir", "run_phases", "resume_changes", "device", "dtype", "compile", "attn_backend",
+                "peak_tflops", "micro_batch_size", "log_interval", "eval_interval", "eval_windows",
+                "ckpt_interval", "ckpt_every_minutes", "max_ckpts"}
+
+
+def check_same_run(c):
+    """A run resumed from out_dir is the run its config.json describes: refuse a config that changes it."""
+    path = os.path.join(c.out_dir, "config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        old = json.load(f)
+    new = json.loads(json.dumps(dataclasses.asdict(c)))  # tuples as lists, as config.json has them
+    keep = RUN_SETTINGS | {k.strip() for k in c.resume_changes.split(",")}
+    changed = [k for k in new if k in old and k not in keep and old[k] != new[k]]
+    if changed:
+        raise SystemExit(f"{c.out_dir} holds a run with other settings: "
+                         f"{'; '.join(f'{k} {old[k]!r} -> {new[k]!r}' for k in changed)}. Resuming would change "
+                         f"what the run is: choose a new out_dir, or, if the change is deliberate, "
+                         f"--resume_changes={','.join(changed)}")
+
+
 def check_init_from(path):
     """init_from must exist; one of our checkpoints (it has a manifest) must also be intact."""
     if not os.path.isdir(path):
@@ -336,7 +363,8 @@ def check_tokenizer(ckpt, model_config, meta, data_dir):
 # outcome, errors included, so no rank is left waiting in a collective for one that stopped.
 
 def on_rank0(fn, process):
-    """fn() on rank 0; its result, or the SystemExit it raised, on every rank."""
+    """fn() on rank 0; its result on every rank, or the SystemExit it raised: its message on rank 0 alone
+    (a user's mistake is said once), the same exit code everywhere."""
     result = None
     if process.rank == 0:
         try:
@@ -348,7 +376,7 @@ def on_rank0(fn, process):
         dist.broadcast_object_list(box)
         result = box[0]
     if isinstance(result, SystemExit):
-        raise result
+        raise result if process.rank == 0 else SystemExit(1)
     return result
 
 
