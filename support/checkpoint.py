@@ -316,7 +316,8 @@ def loss_error(loss, step, out_dir):
 # started with, unless it is named in resume_changes.
 RUN_SETTINGS = {"out_dir", "run_phases", "resume_changes", "device", "dtype", "compile", "attn_backend",
                 "peak_tflops", "micro_batch_size", "log_interval", "eval_interval", "eval_windows",
-                "ckpt_interval", "ckpt_every_minutes", "max_ckpts"}
+                "ckpt_interval", "ckpt_every_minutes", "max_ckpts", "dist_timeout_minutes", "wandb_project",
+                "wandb_run_name"}
 
 
 def check_same_run(c):
