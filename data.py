@@ -20,6 +20,7 @@ import os
 import queue
 import shutil
 import sysconfig
+import tempfile
 import threading
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ import torch
 from tqdm import tqdm
 
 from support.checkpoint import sha256
+from support.config import check_out_dir
 from support.tokenizer import SPECIAL_NAMES, TOKENIZER_FILES, load_tokenizer, tokenizer_file, train_bpe
 
 # -----------------------------------------------------------------------------
@@ -36,14 +38,22 @@ from support.tokenizer import SPECIAL_NAMES, TOKENIZER_FILES, load_tokenizer, to
 # built-in demo corpus.
 
 
-def read_documents(paths, text_field="text", blank_line_docs=False):
-    """Yield documents (non-empty strings) from the input files, in order."""
+def check_inputs(paths):
+    """Each input file exists and has an extension prepare reads: checked before any work."""
     for path in paths:
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"input file {path!r} does not exist")
+            raise SystemExit(f"input file {path!r} does not exist")
         ext = os.path.splitext(path)[1].lower()
         if ext not in (".txt", ".jsonl", ".parquet"):
-            raise ValueError(f"{path}: unknown extension {ext!r}; prepare reads .txt, .jsonl and .parquet")
+            raise SystemExit(f"{path}: unknown extension {ext!r}; prepare reads .txt, .jsonl and .parquet")
+
+
+def read_documents(paths, text_field="text", blank_line_docs=False):
+    """Yield the documents of the input files, in order: strings, "" for an empty or null text (prepare
+    skips and counts those). A text that is not a string is refused with its file and line."""
+    check_inputs(paths)
+    for path in paths:
+        ext = os.path.splitext(path)[1].lower()
         try:
             if ext == ".txt":
                 yield from _read_txt(path, blank_line_docs)
@@ -52,7 +62,7 @@ def read_documents(paths, text_field="text", blank_line_docs=False):
             else:
                 yield from _read_parquet(path, text_field)
         except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path}: cannot be read as UTF-8 text ({e})") from None
+            raise SystemExit(f"{path}: cannot be read as UTF-8 text ({e})") from None
 
 
 def _read_txt(path, blank_line_docs):
@@ -79,23 +89,32 @@ def _read_jsonl(path, field):
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+                raise SystemExit(f"{path}:{n}: not valid JSON ({e})") from None
             if not isinstance(obj, dict) or field not in obj:
-                raise ValueError(f"{path}:{n}: no {field!r} field; choose the text field with --text_field")
-            if obj[field]:
-                yield obj[field]
+                raise SystemExit(f"{path}:{n}: no {field!r} field; choose the text field with --text_field")
+            yield _text(obj[field], f"{path}:{n}")
 
 
 def _read_parquet(path, field):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ImportError(f"{path}: reading .parquet needs pyarrow (pip install pyarrow)") from None
+        raise SystemExit(f"{path}: reading .parquet needs pyarrow (pip install pyarrow)") from None
     table = pq.ParquetFile(path)
     if field not in table.schema_arrow.names:
-        raise ValueError(f"{path}: no {field!r} column (columns: {table.schema_arrow.names}); use --text_field")
+        raise SystemExit(f"{path}: no {field!r} column (columns: {table.schema_arrow.names}); use --text_field")
+    row = 0
     for batch in table.iter_batches(columns=[field]):
-        yield from (t for t in batch.column(0).to_pylist() if t)
+        for t in batch.column(0).to_pylist():
+            row += 1
+            yield _text(t, f"{path}: row {row}")
+
+
+def _text(value, where):
+    if value is None or isinstance(value, str):
+        return value or ""
+    raise SystemExit(f"{where}: the text field holds {type(value).__name__} {str(value)[:40]!r}, not a string; "
+                     "fix the line or choose another field with --text_field")
 
 
 def demo_documents(part):
@@ -160,28 +179,46 @@ def _encode_chunk(job):
 
 
 def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk_docs=512):
-    """Tokenize the documents that docs_fn() yields into out/{train,val}.bin and out/meta.json.
+    """Tokenize the documents that docs_fn() yields into out/{train,val}.bin and out/meta.json,
+    with the tokenizer copied beside them.
 
-    docs_fn is called twice (a count, then the real pass) so nothing holds the corpus in
-    memory. The val documents are drawn at random (seed 0) from the whole input. Chunks
-    are written in input order whatever the number of workers, so the output is
-    deterministic. Files are written under temporary names and renamed at the end: an
-    interrupted run leaves no half file.
+    Every file (the tokenizer copy and meta.json included) is written into a staging folder
+    beside out and moved into out only at the end: a failed or interrupted run leaves what
+    out held as it was.
     """
-    os.makedirs(out, exist_ok=True)
-    file = _copy_tokenizer(tokenizer, out)
+    stage = os.path.normpath(out) + ".prepare.tmp"
+    shutil.rmtree(stage, ignore_errors=True)  # left by a run that was killed
+    os.makedirs(stage)
+    try:
+        meta = _write_shards(docs_fn, tokenizer, stage, val_docs, workers, sources, chunk_docs)
+        _publish(stage, out)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return meta
+
+
+def _write_shards(docs_fn, tokenizer, stage, val_docs, workers, sources, chunk_docs):
+    """The work of prepare, into stage. docs_fn is called twice (a count, then the real pass) so nothing
+    holds the corpus in memory; empty texts are skipped and counted. The val documents are drawn at
+    random (seed 0) from the whole input. Chunks are written in input order whatever the number of
+    workers, so the output is deterministic."""
+    file = _copy_tokenizer(tokenizer, stage)
     spec = file or tokenizer  # an encoding name (gpt2) has no file
     tok = load_tokenizer(spec)
-    n_docs = sum(1 for _ in docs_fn())
+    n_texts = n_docs = 0
+    for doc in docs_fn():
+        n_texts, n_docs = n_texts + 1, n_docs + bool(doc)
+    if n_texts > n_docs:
+        print(f"prepare: skipped {n_texts - n_docs:,} empty or null texts of {n_texts:,}")
     if n_docs == 0:
-        raise ValueError("prepare: the input holds no documents (empty files?)")
+        raise SystemExit("prepare: the input holds no documents (empty files?)")
     if n_docs <= val_docs:
-        raise ValueError(f"prepare: only {n_docs} documents, not enough for --val_docs {val_docs} plus training")
+        raise SystemExit(f"prepare: only {n_docs} documents, not enough for --val_docs {val_docs} plus training")
     val_set = set(np.random.default_rng(0).choice(n_docs, size=val_docs, replace=False).tolist())
 
     def jobs():  # (split, chunk of documents), in input order
         bufs = {"train": [], "val": []}
-        for i, doc in enumerate(docs_fn()):
+        for i, doc in enumerate(d for d in docs_fn() if d):
             split = "val" if i in val_set else "train"
             bufs[split].append(doc)
             if len(bufs[split]) == chunk_docs:
@@ -191,14 +228,12 @@ def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk
 
     dtype = np.uint16 if tok.vocab_size <= 2 ** 16 else np.uint32
     counts = {"train": [0, 0], "val": [0, 0]}  # documents, tokens
-    tmp = {split: os.path.join(out, f".{split}.bin.tmp") for split in counts}
-    files = {split: open(path, "wb") for split, path in tmp.items()}
+    files = {split: open(os.path.join(stage, f"{split}.bin"), "wb") for split in counts}
     pool = mp.get_context("spawn").Pool(workers, _init_worker, (spec,)) if workers > 1 else None
     if pool is None:
         _init_worker(spec)
     try:
-        with tqdm(total=n_docs, desc=f"prepare {os.path.basename(os.path.normpath(out))}", unit="doc",
-                  disable=None) as bar:
+        with tqdm(total=n_docs, desc="prepare", unit="doc", disable=None) as bar:
             for chunk in (pool.imap(_encode_chunk, jobs()) if pool else map(_encode_chunk, jobs())):
                 files[chunk.split].write(chunk.ids.astype(dtype).tobytes())
                 counts[chunk.split][0] += chunk.docs
@@ -209,44 +244,55 @@ def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk
             pool.terminate()
         for f in files.values():
             f.close()
-    for split, path in tmp.items():
-        os.replace(path, os.path.join(out, f"{split}.bin"))
     meta = dict(tokenizer=os.path.basename(file) if file else spec, tokenizer_sha256=sha256(file) if file else None,
                 vocab_size=tok.vocab_size, dtype=np.dtype(dtype).name, **tok.special_ids,
                 train_docs=counts["train"][0], train_tokens=counts["train"][1],
                 val_docs=counts["val"][0], val_tokens=counts["val"][1], sources=list(sources))
-    _atomic_write_json(os.path.join(out, "meta.json"), meta)
+    with open(os.path.join(stage, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=2)
     return meta
 
 
-def _copy_tokenizer(spec, out):
-    """Put the tokenizer file, whatever its name, as out/tokenizer.json, and its companions beside it;
+def _copy_tokenizer(spec, stage):
+    """Put the tokenizer file, whatever its name, as stage/tokenizer.json, and its companions beside it;
     return the copy's path (None for an encoding name such as gpt2, which has no file)."""
     path = tokenizer_file(spec)
     if path is None:
         return None
-    if os.path.dirname(os.path.abspath(path)) != os.path.abspath(out):
-        for name in TOKENIZER_FILES:
-            src = path if name == "tokenizer.json" else os.path.join(os.path.dirname(path), name)
-            if os.path.isfile(src):
-                shutil.copyfile(src, os.path.join(out, name))
-    return os.path.join(out, "tokenizer.json")
+    for name in TOKENIZER_FILES:
+        src = path if name == "tokenizer.json" else os.path.join(os.path.dirname(path), name)
+        if os.path.isfile(src):
+            shutil.copyfile(src, os.path.join(stage, name))
+    return os.path.join(stage, "tokenizer.json")
 
 
-def _atomic_write_json(path, obj):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
+def _publish(stage, out):
+    """Move the staged files into out. meta.json leaves first and comes back last: a kill in between
+    leaves a folder that train.py refuses (no meta.json), never old shards beside a new tokenizer.
+    A tokenizer file of an earlier run that this one does not have is removed."""
+    os.makedirs(out, exist_ok=True)
+    for name in ("meta.json", *TOKENIZER_FILES):
+        if os.path.exists(os.path.join(out, name)) and (name == "meta.json" or
+                                                        not os.path.exists(os.path.join(stage, name))):
+            os.remove(os.path.join(out, name))
+    for name in sorted(os.listdir(stage), key=lambda n: n == "meta.json"):
+        os.replace(os.path.join(stage, name), os.path.join(out, name))
 
 
 def load_meta(data_dir):
+    """meta.json of a folder made by prepare, after checking that its tokenizer.json is the one the
+    shards were made with (a copy that differs would go into every checkpoint)."""
     path = os.path.join(data_dir, "meta.json")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{data_dir}: no meta.json; make the shards first with "
-                                f"`python data.py --input FILES --tokenizer SPEC --out {data_dir}`")
+        raise SystemExit(f"{data_dir}: no meta.json; make the shards first with "
+                         f"`python data.py --input FILES --tokenizer SPEC --out {data_dir}`")
     with open(path) as f:
-        return json.load(f)
+        meta = json.load(f)
+    tok = os.path.join(data_dir, "tokenizer.json")
+    if meta.get("tokenizer_sha256") and (not os.path.isfile(tok) or sha256(tok) != meta["tokenizer_sha256"]):
+        raise SystemExit(f"{tok} is missing or is not the tokenizer the shards of {data_dir} were made with "
+                         "(meta.json records another hash); re-run data.py into a fresh --out")
+    return meta
 
 
 # -----------------------------------------------------------------------------
@@ -384,15 +430,17 @@ def prefetch(produce, steps, depth=2):
             if item[1] is not None or done.is_set():
                 return
 
-    threading.Thread(target=work, daemon=True, name="prefetch").start()
+    thread = threading.Thread(target=work, daemon=True, name="prefetch")
+    thread.start()
     try:
         for _ in steps:
             item, error = ready.get()
             if error is not None:
                 raise error
             yield item
-    finally:
+    finally:  # on close(): the thread ends here (within a step's batches), not at the interpreter's exit
         done.set()
+        thread.join()
 
 
 # -----------------------------------------------------------------------------
@@ -413,6 +461,7 @@ def main(argv=None):
     p.add_argument("--blank_line_docs", action="store_true",
                     help=".txt: documents are separated by blank lines (default: one per line)")
     args = p.parse_args(argv)
+    check_args(args)
 
     if args.demo:
         docs = [doc for _, doc in demo_documents(args.demo)]  # a few MB: parse the sources once
@@ -421,14 +470,33 @@ def main(argv=None):
     else:
         docs_fn = lambda: read_documents(args.input, args.text_field, args.blank_line_docs)  # noqa: E731
         sources = [os.path.abspath(x) for x in args.input]
-    tokenizer = args.tokenizer
-    if tokenizer.startswith("bpe:"):
-        os.makedirs(args.out, exist_ok=True)
-        tokenizer = os.path.join(args.out, "tokenizer.json")
-        train_bpe(docs_fn(), int(args.tokenizer[4:]), tokenizer)
-    meta = prepare(docs_fn, tokenizer, args.out, args.val_docs, args.workers, sources)
+    with tempfile.TemporaryDirectory() as scratch:  # a tokenizer trained here is copied in with the shards
+        tokenizer = args.tokenizer
+        if tokenizer.startswith("bpe:"):
+            tokenizer = os.path.join(scratch, "tokenizer.json")
+            train_bpe(docs_fn(), int(args.tokenizer[4:]), tokenizer)
+        meta = prepare(docs_fn, tokenizer, args.out, args.val_docs, args.workers, sources)
     print(f"wrote {args.out}: {meta['train_tokens']:,} train tokens in {meta['train_docs']:,} documents, "
           f"{meta['val_tokens']:,} val tokens in {meta['val_docs']:,} documents ({meta['dtype']})")
+
+
+def check_args(args):
+    """Everything the command line says, checked before any file is read or written."""
+    if args.val_docs < 1 or args.workers < 1:
+        raise SystemExit(f"--val_docs {args.val_docs} --workers {args.workers}: both must be at least 1")
+    if args.input:
+        check_inputs(args.input)
+    check_out_dir(args.out)
+    spec = args.tokenizer
+    if spec.startswith("bpe:"):
+        if not spec[4:].isdigit() or int(spec[4:]) < 262:
+            raise SystemExit(f"--tokenizer {spec}: write bpe:N with N a vocabulary size above 261 (its 256 bytes "
+                             "and 5 special tokens), e.g. bpe:4096")
+        return
+    try:
+        load_tokenizer(spec)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--tokenizer {spec}: cannot load it ({e})") from None
 
 
 if __name__ == "__main__":

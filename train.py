@@ -18,7 +18,6 @@ the step, write a checkpoint and exit with 128 + the signal number, for a schedu
 
 import math
 import os
-import re
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
@@ -28,10 +27,12 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from data import Loader, clm_batch, load_meta, mlm_batch, prefetch
+from data import Loader, clm_batch, mlm_batch, prefetch
 from model import ModernBertConfig, ModernBertForMaskedLM, load_config, training_flops
 from support import config, distributed
 from support.checkpoint import Checkpointer, check_tokenizer
+from support.checks import check_run
+from support.freeze import Freeze
 from support.logger import Logger, announce
 from support.tokenizer import SPECIAL_NAMES
 
@@ -60,15 +61,18 @@ class Config:
     # ... or any list of phases, written by hand: dicts of Phase's fields (they replace the keys above)
     phases: list = field(default_factory=list)
     run_phases: str = "all"  # "all", or the consecutive phases this run does ("decay": from a "main" checkpoint)
+    resume_changes: str = ""  # keys a resumed run changes on purpose, e.g. "tokens" (others must match config.json)
     split_docs: bool = False  # restart attention and positions at each document (the paper does not)
     lr: float = 2e-4  # peak, shared by every phase
     # decoupled AdamW
     betas: tuple = (0.9, 0.98)
     eps: float = 1e-6
     weight_decay: float = 1e-5  # decoupled: p <- p * (1 - weight_decay * lr_t / lr)
-    # freezing: these layers get no update at all (bit-identical) during the phases named in freeze_phase
+    # freezing: these layers compute no weight gradient during the phases named in freeze_phase
     freeze_layers: str = ""  # e.g. "0-7" or "8-14,20"; empty for none
     freeze_phase: str = "main"  # phase names, e.g. "main" or "clm,mlm"; "all" for every phase
+    freeze_mode: str = "exact"  # "exact": no update at all (bit-identical); "zero_grad": gradients zeroed, so
+    # decoupled AdamW still decays them and its moments from earlier steps still move them (the paper's freeze)
     # batch
     seq_len: int = 8192
     global_batch_size: int = 384  # sequences per optimizer step, over all ranks
@@ -95,6 +99,9 @@ class Config:
     ckpt_every_minutes: float = 60.0  # also checkpoint when this long has passed since the last one; 0: off
     max_ckpts: int = 3  # full checkpoints (with the optimizer state) kept; older ones are removed, except:
     keep_every: int = 0  # steps: checkpoints at its multiples stay, weights-only, for cka.py --runs; 0: none
+    dist_timeout_minutes: float = 60.0  # torchrun: how long a rank waits in a collective (rank 0 writing a checkpoint)
+    wandb_project: str = ""  # also log every record to this Weights & Biases project (pip install wandb); "": off
+    wandb_run_name: str = ""  # the run's name there; "": out_dir's name
 
 
 def parse_config(argv):
@@ -215,7 +222,7 @@ class Schedule:
 
 
 # -----------------------------------------------------------------------------
-# Model, optimizer, freezing
+# Model, optimizer
 
 
 def build_model(c, meta, path):
@@ -246,22 +253,6 @@ def make_optimizer(model, c, device):
     No decay on biases and norm weights (the 1-D parameters)."""
     fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
     return torch.optim.AdamW(model.param_groups(c.weight_decay / c.lr), lr=c.lr, betas=c.betas, eps=c.eps, **fast)
-
-
-def frozen_params(c, model, schedule):
-    """{phase name: the parameters it freezes}: those of freeze_layers ("0-7,10"), in the freeze_phase phases."""
-    layers = set()
-    for part in filter(None, c.freeze_layers.replace(" ", "").split(",")):
-        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
-        if not m:
-            raise SystemExit(f"freeze_layers={c.freeze_layers!r}: write layer ranges like '0-7' or '8-14,20'")
-        layers.update(range(int(m[1]), int(m[2] or m[1]) + 1))
-    n_layers = model.config.num_hidden_layers
-    if layers and max(layers) >= n_layers:
-        raise SystemExit(f"freeze_layers={c.freeze_layers!r}: the model has layers 0-{n_layers - 1}")
-    params = [p for i in sorted(layers) for p in model.model.layers[i].parameters()]
-    names = [p.name for p in schedule.phases] if c.freeze_phase == "all" else c.freeze_phase.split(",")
-    return {name: params for name in names}
 
 
 # -----------------------------------------------------------------------------
@@ -364,12 +355,10 @@ def evaluate(model, c, meta, process, autocast):
 
 def main(argv):
     c = parse_config(argv)
-    if not c.data_dir:
-        raise SystemExit("data_dir is not set: point it at a directory made by `python data.py`")
-    meta = load_meta(c.data_dir)
     schedule = Schedule.from_config(c)
     run = schedule.span(c.run_phases)  # the steps this run does
-    process = distributed.setup(c.device)  # the same without torchrun: one process
+    meta = check_run(c, len(run), int(os.environ.get("WORLD_SIZE", 1)))  # before any compute: see support/checks.py
+    process = distributed.setup(c.device, c.dist_timeout_minutes)  # the same without torchrun: one process
     rank, world, device = process.rank, process.world, process.device
     accum = c.global_batch_size // (c.micro_batch_size * world)  # micro batches per step (parse_config checks)
     autocast, dtype = distributed.autocast(device, c.dtype)
@@ -379,7 +368,7 @@ def main(argv):
     checkpointer = Checkpointer(c, process, schedule)
     start = checkpointer.resume(continue_from=c.init_from if run.start > 0 else None)
     model = build_model(c, meta, start or c.init_from).to(device)
-    frozen = frozen_params(c, model, schedule)
+    freeze = Freeze(c, model, [p.name for p in schedule.phases])
     optimizer = make_optimizer(model, c, device)
     loader = Loader(c.data_dir, "train", c.seq_len, c.micro_batch_size, c.data_seed, rank, world)
     torch.manual_seed(c.seed + rank)  # dropout; a checkpoint's random streams replace it
@@ -388,6 +377,7 @@ def main(argv):
         backend = model.model.attention_backend(device)
     announce(c, model, schedule, process, f"world {world}, accumulation {accum}; {device}, {str(dtype)[6:]}, "
              f"attention {backend}, compile {'on' if compiled else 'off'}", state.step if start else None)
+    freeze.enter(schedule.at(state.step))  # before DDP, which all-reduces what requires a gradient when built
     raw_model, model = model, wrap(model, compiled, world > 1, device)
 
     def step_batches(step):  # in the prefetch thread (the loader's only reader), off the training step's path
@@ -401,45 +391,48 @@ def main(argv):
     logger = Logger(c, process, checkpointer, run, state.step)
     stream = prefetch(step_batches, range(state.step, run.stop))
     checkpointer.watch_signals()  # from here on, SIGTERM and SIGINT stop the run at a step boundary
-    while state.step < run.stop:
-        # One step of the method: the phase in force, its batches (CLM targets or MLM masking), forward and
-        # backward with its mask (causal or bidirectional), the frozen layers left as they are.
-        phase, lr = schedule.at(state.step), schedule.lr_at(state.step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        batches = next(stream)
-        state.loss += forward_backward(model, batches.micro, phase.causal, process, autocast, compiled)
-        for p in frozen.get(phase.name, []):
-            p.grad = None  # AdamW skips a parameter with no gradient: no decay, no moment update
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        state.step, state.loader, state.loss_steps = state.step + 1, batches.loader, state.loss_steps + 1
-        state.tokens += c.global_batch_size * c.seq_len
-        logger.count(batches.flops)
-        end_of_phase = state.step in schedule.starts
-        checkpoint_due = state.step % c.ckpt_interval == 0 or end_of_phase
+    try:
+        while state.step < run.stop:
+            # One step of the method: the phase in force, its batches (CLM targets or MLM masking), forward and
+            # backward with its mask (causal or bidirectional), the frozen layers computing no weight gradient.
+            phase, lr = schedule.at(state.step), schedule.lr_at(state.step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            if freeze.enter(phase):  # frozen layers: no weight gradients to compute or all-reduce
+                model = wrap(raw_model, compiled, world > 1, device)
+            batches = next(stream)
+            state.loss += forward_backward(model, batches.micro, phase.causal, process, autocast, compiled)
+            freeze.after_backward()  # freeze_mode "zero_grad": zero gradients, which AdamW still decays and moves
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            state.step, state.loader, state.loss_steps = state.step + 1, batches.loader, state.loss_steps + 1
+            state.tokens += c.global_batch_size * c.seq_len
+            logger.count(batches.flops)
+            end_of_phase = state.step in schedule.starts
+            checkpoint_due = state.step % c.ckpt_interval == 0 or end_of_phase
 
-        # Once in a while: evaluate, every eval_interval steps and at the end of each phase.
-        val = {}
-        if state.step % c.eval_interval == 0 or end_of_phase:
-            with logger.pause():
-                val = evaluate(raw_model, c, meta, process, autocast)
+            # Once in a while: evaluate, every eval_interval steps and at the end of each phase.
+            val = {}
+            if state.step % c.eval_interval == 0 or end_of_phase:
+                with logger.pause():
+                    val = evaluate(raw_model, c, meta, process, autocast)
 
-        # Once in a while: log, every log_interval steps and with each evaluation and interval checkpoint.
-        if state.step % c.log_interval == 0 or val or checkpoint_due:
-            logger.log(state, phase, lr, val)
+            # Once in a while: log, every log_interval steps and with each evaluation and interval checkpoint.
+            if state.step % c.log_interval == 0 or val or checkpoint_due:
+                logger.log(state, phase, lr, val)
 
-        # Once in a while: checkpoint, every ckpt_interval steps and at the end of each phase. The checkpointer
-        # also writes one on a signal to any rank (and the run stops) or when ckpt_every_minutes have passed.
-        if checkpointer.after_step(raw_model, optimizer, state, due=checkpoint_due, last=state.step == run.stop):
-            break
-    stream.close()
-    finished = checkpointer.exit_code is None
-    if finished:
-        checkpointer.save(os.path.join(c.out_dir, "final"), raw_model, optimizer, state)
-    logger.close(state, finished)
-    del model  # before the process group: see distributed.teardown
-    distributed.teardown()
+            # Once in a while: checkpoint, every ckpt_interval steps and at the end of each phase. The checkpointer
+            # also writes one on a signal to any rank (and the run stops) or when ckpt_every_minutes have passed.
+            if checkpointer.after_step(raw_model, optimizer, state, due=checkpoint_due, last=state.step == run.stop):
+                break
+        finished = checkpointer.exit_code is None
+        if finished:
+            checkpointer.save(os.path.join(c.out_dir, "final"), raw_model, optimizer, state)
+        logger.close(state, finished)
+    finally:  # also when an error stops the run: leave in order (see distributed.teardown)
+        stream.close()  # the prefetch thread stops and is joined
+        del model  # the DDP model, before its process group
+        distributed.teardown()
     if not finished:
         sys.exit(checkpointer.exit_code)
 

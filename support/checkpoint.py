@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 
-from support.tokenizer import TOKENIZER_FILES
+from support.card import write_card
+from support.tokenizer import TOKENIZER_FILES, write_hf_config
 
 MANIFEST = "manifest.json"
 TRAIN_STATE = "train_state.pt"
@@ -60,6 +61,8 @@ def save_checkpoint(path, model, optimizer, state, c):
             src = os.path.join(c.data_dir, name)
             if os.path.isfile(src):
                 shutil.copyfile(src, os.path.join(tmp, name))
+        write_hf_config(tmp, model.config.max_position_embeddings)  # so that transformers' tools know [MASK] & co
+        write_card(tmp, c, state["step"], state.get("tokens", 0), model)  # README.md: what the hub shows
         with open(os.path.join(tmp, PROGRESS), "w") as f:
             json.dump({k: state[k] for k in ("step", "tokens", "phase") if k in state}, f)
         if optimizer is not None:
@@ -268,6 +271,8 @@ class Checkpointer:
             for tmp in glob.glob(os.path.join(self.c.out_dir, ".tmp-*")):  # a save that a kill interrupted
                 shutil.rmtree(tmp, ignore_errors=True)
             latest = latest_valid_checkpoint(self.c.out_dir)
+            if latest is not None:
+                check_same_run(self.c)
             if latest is None and self.c.init_from != "scratch":
                 check_init_from(self.c.init_from)
             return os.path.basename(latest) if latest else None
@@ -381,6 +386,32 @@ def loss_error(loss, step, out_dir):
                       f"{(full_checkpoints(out_dir) or ['(none)'])[-1]}; lower lr or check the data.")
 
 
+# Settings that do not change what a run computes: a resumed run may change them. Every other key (the
+# objective and phases, seq_len, data_dir, tokens, the model, the seeds, ...) must stay what the run was
+# started with, unless it is named in resume_changes.
+RUN_SETTINGS = {"out_dir", "run_phases", "resume_changes", "device", "dtype", "compile", "attn_backend",
+                "peak_tflops", "micro_batch_size", "log_interval", "eval_interval", "eval_windows",
+                "ckpt_interval", "ckpt_every_minutes", "max_ckpts", "keep_every", "dist_timeout_minutes",
+                "wandb_project", "wandb_run_name"}
+
+
+def check_same_run(c):
+    """A run resumed from out_dir is the run its config.json describes: refuse a config that changes it."""
+    path = os.path.join(c.out_dir, "config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        old = json.load(f)
+    new = json.loads(json.dumps(dataclasses.asdict(c)))  # tuples as lists, as config.json has them
+    keep = RUN_SETTINGS | {k.strip() for k in c.resume_changes.split(",")}
+    changed = [k for k in new if k in old and k not in keep and old[k] != new[k]]
+    if changed:
+        raise SystemExit(f"{c.out_dir} holds a run with other settings: "
+                         f"{'; '.join(f'{k} {old[k]!r} -> {new[k]!r}' for k in changed)}. Resuming would change "
+                         f"what the run is: choose a new out_dir, or, if the change is deliberate, "
+                         f"--resume_changes={','.join(changed)}")
+
+
 def check_init_from(path):
     """init_from must exist; one of our checkpoints (it has a manifest) must also be intact."""
     if not os.path.isdir(path):
@@ -408,7 +439,8 @@ def check_tokenizer(ckpt, model_config, meta, data_dir):
 # outcome, errors included, so no rank is left waiting in a collective for one that stopped.
 
 def on_rank0(fn, process):
-    """fn() on rank 0; its result, or the SystemExit it raised, on every rank."""
+    """fn() on rank 0; its result on every rank, or the SystemExit it raised: its message on rank 0 alone
+    (a user's mistake is said once), the same exit code everywhere."""
     result = None
     if process.rank == 0:
         try:
@@ -420,7 +452,7 @@ def on_rank0(fn, process):
         dist.broadcast_object_list(box)
         result = box[0]
     if isinstance(result, SystemExit):
-        raise result
+        raise result if process.rank == 0 else SystemExit(1)
     return result
 
 

@@ -54,3 +54,15 @@ def check_type(key, value, typ, where):
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
         raise SystemExit(f"{where}: {key} must be {typ.__name__}, got {value!r}")
     return value
+
+
+def check_out_dir(path, flag="--out"):
+    """The output location is a directory (or can be made one) that this user may write: checked before
+    any work, so that no result is lost at the end for a path that was wrong from the start."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise SystemExit(f"{flag} {path}: is a file, not a directory; give a directory path")
+    parent = path
+    while not os.path.exists(parent):  # the nearest folder that exists is where it will be made
+        parent = os.path.dirname(os.path.abspath(parent))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise SystemExit(f"{flag} {path}: {parent} is not a directory you can write; choose another path")

@@ -3,6 +3,7 @@ mixed precision."""
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -18,16 +19,23 @@ class Process:
     device: torch.device
 
 
-def setup(device="auto"):
+def setup(device="auto", timeout_minutes=60.0):
     """-> this Process. Under torchrun: join the process group (NCCL on GPU, gloo on CPU) and take
-    this rank's GPU. Without torchrun: one process (rank 0 of 1) on `device`."""
+    this rank's GPU. Without torchrun: one process (rank 0 of 1) on `device`. `timeout_minutes`: how long a
+    rank waits in a collective before the run fails. It must cover the slowest wait: the other ranks sit in
+    a collective while rank 0 writes a checkpoint (for Large about 5 GB, read back for its sha256, synced),
+    which on a slow shared filesystem takes far longer than NCCL's default of 10 minutes."""
     cuda = device != "cpu" and torch.cuda.is_available()
     if "RANK" not in os.environ:
         return Process(0, 1, torch.device(device if device != "auto" else ("cuda" if cuda else "cpu")))
     local_rank = int(os.environ["LOCAL_RANK"])
     if cuda:
         torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if cuda else "gloo")
+    # Imported before the process group exists, not by DDP's constructor after it: torch._dynamo imports modules
+    # (torch.distributed.fsdp's ShardedGradScaler) with `process_group=dist.group.WORLD` as a default argument,
+    # which would hold the world group for the interpreter's life, past destroy_process_group (see teardown).
+    from torch import _dynamo  # noqa: F401
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=timeout_minutes))
     return Process(dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local_rank}" if cuda else "cpu"))
 
 
@@ -46,8 +54,12 @@ def autocast(device, dtype="auto"):
 
 
 def teardown():
-    """Leave the process group, only once the DDP model is gone: torch frees a process group without holding
-    the GIL when it drops the last reference, but a DDP model freed later (at exit) frees it holding the GIL,
-    and the exit then deadlocks on gloo's threads, which need the GIL to free the last collectives' tensors."""
+    """Leave the process group, once the prefetch thread is joined and the DDP model is gone, so that the group
+    is freed here, its threads (gloo's two workers and its TCP loop, rank 0's TCPStore server) joined, before
+    the interpreter exits. A group that outlives this call is freed, or not, during the interpreter's
+    finalization, with those threads still running: a rank then sometimes aborted after its last line
+    ("terminate called without an active exception", SIGABRT, no Python frame left), and torchrun reported
+    a finished run as failed. Two things kept the group alive: a DDP model freed later (at exit, where freeing
+    the group holding the GIL also deadlocked on gloo's threads), and the default argument named in setup."""
     if dist.is_initialized():
         dist.destroy_process_group()

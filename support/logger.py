@@ -3,12 +3,16 @@ The training log: what a run is, at its start (and its config.json in out_dir); 
 log step on the console (under a progress bar) and in out_dir/metrics.jsonl, with the loss averaged
 over the steps since the last log and over all ranks, the lr, tokens/s and MFU. Evaluations and
 checkpoint writes are left out of the time, so tokens/s and MFU measure training alone.
+
+With wandb_project set, every record also goes to Weights & Biases (an optional dependency, imported
+only then), with the config; the run's id is kept in out_dir, so a resumed run continues the same W&B run.
 """
 
 import json
 import math
 import os
 import resource
+import secrets
 import time
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -28,6 +32,7 @@ class Logger:
         self.last, self.peak = run.stop, peak_flops(process.device, c.peak_tflops)
         self.bar = tqdm(total=len(run), initial=step - run.start, desc=c.run_phases, unit="step",
                         disable=process.rank != 0 or None)
+        self.wandb = wandb_run(c) if c.wandb_project and process.rank == 0 else None
         self.reset()
 
     def reset(self):
@@ -65,6 +70,8 @@ class Logger:
         if self.process.rank == 0:
             with open(os.path.join(self.c.out_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(record) + "\n")
+            if self.wandb:
+                self.wandb.log(record, step=state.step)
             mfu = f" mfu {100 * record['mfu']:.1f}%" if "mfu" in record else ""
             val = "".join(f" {k} {v:.4f}" for k, v in val.items())
             eta = (self.last - state.step) * dt / self.steps
@@ -75,6 +82,8 @@ class Logger:
 
     def close(self, state, finished):
         self.bar.close()
+        if self.wandb:
+            self.wandb.finish()
         if finished and self.process.rank == 0:
             device = self.process.device
             mem = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
@@ -98,3 +107,23 @@ def announce(c, model, schedule, process, system, resumed_at):
     print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.config.num_hidden_layers} layers; {phases} of "
           f"{c.global_batch_size * c.seq_len:,} tokens{source}{resuming}")
     print(system)
+
+
+def wandb_run(c):
+    """The Weights & Biases run that mirrors metrics.jsonl, with the config. Its id is kept in out_dir/wandb_id:
+    a resumed run (a requeued job) continues the same W&B run. W&B ignores the steps a resume logs again after a
+    kill (it only takes a step above its last one): those records were logged before, with the same numbers."""
+    try:
+        import wandb  # optional: only for runs that set wandb_project
+    except ImportError:
+        raise SystemExit(f"wandb_project={c.wandb_project!r} but wandb is not installed: pip install wandb "
+                         "(or leave wandb_project empty)") from None
+    id_file = os.path.join(c.out_dir, "wandb_id")
+    if not os.path.isfile(id_file):
+        with open(id_file + ".tmp", "w") as f:
+            f.write(secrets.token_hex(4))  # W&B's form of id: 8 lowercase letters or digits
+        os.replace(id_file + ".tmp", id_file)
+    with open(id_file) as f:
+        run_id = f.read().strip()
+    name = c.wandb_run_name or os.path.basename(os.path.abspath(c.out_dir))
+    return wandb.init(project=c.wandb_project, name=name, id=run_id, resume="allow", config=asdict(c), dir=c.out_dir)

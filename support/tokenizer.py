@@ -9,6 +9,7 @@ load_tokenizer(spec) picks one of three kinds:
   - HFTokenizer: any other tokenizer.json (WordPiece: ModernCamemBERT) on `tokenizers` itself.
   - TiktokenEncoding: a tiktoken encoding name (gpt2, cl100k_base, ...), if cached locally.
 train_bpe trains a byte-level BPE on the input, for the offline demo (`--tokenizer bpe:N`).
+write_hf_config writes what transformers needs beside a tokenizer.json (its special tokens, its maximum length).
 """
 
 import json
@@ -271,3 +272,35 @@ def train_bpe(texts, vocab_size, path):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
     tok.save(path)
+
+
+def write_hf_config(directory, model_max_length):
+    """Beside directory/tokenizer.json, tokenizer_config.json and special_tokens_map.json that name its
+    special tokens and the model's maximum length: without them AutoTokenizer knows no [MASK], [CLS], [SEP] or
+    [PAD] (a trained `bpe:N` tokenizer ships tokenizer.json alone) and pipeline("fill-mask") fails. A copied
+    tokenizer's own files are kept, completed with what they lack; the maximum length is the model's."""
+    path = os.path.join(directory, "tokenizer.json")
+    if not os.path.isfile(path):
+        return  # a tiktoken encoding name: there is no Hugging Face tokenizer to describe
+    tok = tokenizers.Tokenizer.from_file(path)
+    # the tokens load_tokenizer takes as special (_special_ids_from_tokens); documents end with [SEP]
+    special = {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "mask_token": "[MASK]",
+               "bos_token": "[CLS]", "eos_token": "[SEP]", "unk_token": "[UNK]"}
+    special = {name: token for name, token in special.items() if tok.token_to_id(token) is not None}
+    config_file = os.path.join(directory, "tokenizer_config.json")
+    config = {}
+    if os.path.isfile(config_file):
+        with open(config_file, encoding="utf-8") as f:
+            config = json.load(f)
+    # tokenizer.json is the tokenizer, whatever class a copied config names: transformers 5 builds a
+    # "RobertaTokenizer" (CamemBERTv2's) anew from its vocabulary and splits words into characters.
+    config = {"clean_up_tokenization_spaces": False, **special, **{k: v for k, v in config.items() if v is not None},
+              "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length}
+    if type(tok.model).__name__ == "BPE":  # the clean-up drops the spaces a byte-level BPE keeps (" ." -> ".")
+        config["clean_up_tokenization_spaces"] = False
+    files = {"tokenizer_config.json": config}
+    if not os.path.isfile(os.path.join(directory, "special_tokens_map.json")):  # a copied one's is kept as it is
+        files["special_tokens_map.json"] = {name: config[name] for name in special}
+    for name, obj in files.items():
+        with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, ensure_ascii=False)

@@ -124,7 +124,7 @@ def test_data_seed_changes_order_not_set(shards):
 
 
 def test_loader_errors(tmp_path, shards):
-    with pytest.raises(FileNotFoundError, match="python data.py --input"):
+    with pytest.raises(SystemExit, match="python data.py --input"):
         Loader(str(tmp_path), "train", 20, 2, data_seed=0)
     with pytest.raises(ValueError, match="fewer than one step"):
         Loader(shards, "val", 512, 4, data_seed=0)

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from data import load_meta
+from data import load_meta, prepare, read_documents
 from model import ModernBertConfig, ModernBertForMaskedLM
 from test_train import ROOT, TINY, base_ckpt, data_dir, metrics, train_cmd  # noqa: F401 (fixtures)
 from support.checkpoint import (check_init_from, checkpoint_problem, latest_valid_checkpoint, rng_state, save_checkpoint,
@@ -370,3 +370,71 @@ def test_torchrun_ranks_stop_together_and_resume_exactly(data_dir, base_ckpt, tm
     print(f"torchrun: stopped at step {first} (SIGTERM to rank 1, exit after {seconds_one:.2f} s) and {second} "
           f"(SIGTERM to torchrun, which exits with {code} after {seconds_all:.2f} s), 0 steps lost; resumed, "
           f"max loss diff {max_diff(whole, resumed)}")
+
+
+# -----------------------------------------------------------------------------
+# 7. torchrun: the process-group timeout covers a slow checkpoint write. The other rank waits in a
+#    collective while rank 0 writes; a write slower than the timeout would fail the run.
+
+SLOW_SAVE = """import os, runpy, sys, time
+sys.path.insert(0, {root!r})
+import support.checkpoint as checkpoint
+real, calls = checkpoint.save_checkpoint, []
+
+
+def slow_save(*args, **kwargs):  # the first checkpoint write takes {seconds} s more, as on a slow shared filesystem
+    if not calls:
+        time.sleep({seconds})
+    calls.append(1)
+    return real(*args, **kwargs)
+
+
+checkpoint.save_checkpoint = slow_save
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_ranks_wait_for_a_slow_checkpoint_write(data_dir, base_ckpt, tmp_path, start):
+    wrapper = tmp_path / "slow_save.py"
+    wrapper.write_text(SLOW_SAVE.format(root=ROOT, seconds=6))
+    args = [f"--init_from={base_ckpt}", "--micro_batch_size=2", f"--tokens={4 * 8 * 64}", "--run_phases=main",
+            "--ckpt_interval=2", "--eval_interval=4"]
+
+    def cmd(out, *extra, port):
+        plain = train_cmd(tmp_path / out, data_dir, *args, *extra, nproc=2, port=port)
+        at = plain.index(os.path.join(ROOT, "train.py"))
+        return plain[:at] + [str(wrapper)] + plain[at:]
+
+    # A 2-second timeout (what a short default would do): rank 1 gives up waiting while rank 0 writes ckpt-2.
+    code, out, err = finish(start(cmd("short", "--dist_timeout_minutes=0.0333", port=29546)), check=False)
+    assert code != 0 and not (tmp_path / "short" / "final").exists()
+    said = re.search(r".*(Timed out|timed out|Timeout).*", err)
+    assert said, err[-3000:]
+    print(f"timeout 2 s, first checkpoint write 6 s slower: {said[0].strip()[:200]}")
+    # The default timeout: rank 1 waits the 6 s, and the run goes on to its end.
+    started = time.time()
+    code, out, err = finish(start(cmd("default", port=29547)))
+    assert "done:" in out and [m["step"] for m in metrics(tmp_path / "default")] == [1, 2, 3, 4]
+    assert time.time() - started > 6
+
+
+# -----------------------------------------------------------------------------
+# 8. torchrun: what is known at step 0 stops the run at start-up, not at its first evaluation
+
+
+def test_a_small_validation_split_stops_the_run_before_any_step(data_dir, base_ckpt, tmp_path, start):
+    corpus = os.path.join(os.path.dirname(data_dir), "corpus.txt")
+    small_val = str(tmp_path / "small_val")
+    prepare(lambda: read_documents([corpus]), os.path.join(data_dir, "tokenizer.json"), small_val, val_docs=3)
+    windows = os.path.getsize(os.path.join(small_val, "val.bin")) // 2 // 64  # uint16 tokens
+    assert windows < 4 * 2, "3 documents must make fewer windows than micro_batch_size x world"
+    started = time.time()
+    code, out, err = finish(start(train_cmd(tmp_path / "out", small_val, f"--init_from={base_ckpt}", nproc=2,
+                                            port=29548)), check=False)
+    assert code != 0 and time.time() - started < 60
+    said = [line for line in err.splitlines() if "val.bin makes" in line]
+    assert said and f"val.bin makes {windows} windows of seq_len=64" in said[0], err[-3000:]
+    assert "micro_batch_size=4 x world size 2 = 8" in said[0] and "--val_docs" in said[0]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists() and not list((tmp_path / "out").glob("ckpt-*"))
+    print(f"val_docs=3 under torchrun: stopped at start-up in {time.time() - started:.1f} s: {said[0][-160:]}")

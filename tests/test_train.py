@@ -20,6 +20,7 @@ from data import Loader, clm_batch, load_meta, mlm_batch, prepare, read_document
 from model import ModernBertConfig, ModernBertForMaskedLM
 from support.tokenizer import train_bpe
 from support.distributed import Process
+from support.freeze import Freeze
 from train import Config, Schedule, batch_loss, forward_backward, make_optimizer, parse_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -240,6 +241,59 @@ def test_frozen_layers_are_bit_identical(data_dir, base_ckpt, tmp_path, freeze_p
             assert not torch.equal(before[key], after[key]), f"{key} did not train"
 
 
+def test_zero_grad_freeze_moves_frozen_weights_by_decay_and_momentum_alone(data_dir, base_ckpt, tmp_path):
+    """freeze_mode "zero_grad" in the decay phase: main (16 steps) fills AdamW's moments; then each decay step
+    zeroes the frozen gradients, so decoupled AdamW decays the weights and its moments keep moving them. The
+    frozen weights in final must be what the AdamW formula gives from ckpt-16, in float64, over the 4 steps."""
+    wd, lr, betas, eps = 0.1, 3e-3, (0.9, 0.98), 1e-6
+    run_train(tmp_path, data_dir, f"--init_from={base_ckpt}", "--freeze_layers=0-1", "--freeze_phase=decay",
+              "--freeze_mode=zero_grad", f"--weight_decay={wd}", "--max_ckpts=10")
+    ckpt = torch.load(tmp_path / "ckpt-16" / "train_state.pt", weights_only=False)["optimizer"]
+    before = load_file(tmp_path / "ckpt-16" / "model.safetensors")
+    after = load_file(tmp_path / "final" / "model.safetensors")
+    model = ModernBertForMaskedLM(ModernBertConfig(vocab_size=320, **TINY))
+    named = list(model.named_parameters())  # the optimizer's parameter ids: its groups' order, matrices first
+    order = [n for n, p in named if p.ndim >= 2] + [n for n, p in named if p.ndim < 2]
+    index = {name: i for i, name in enumerate(order)}
+    decayed = {i for g in ckpt["param_groups"] if g["weight_decay"] > 0 for i in g["params"]}
+    checked = 0
+    for name, i in index.items():
+        if not name.startswith(("model.layers.0.", "model.layers.1.")):
+            continue
+        state = ckpt["state"][i]
+        p, m, v = (t.double() for t in (before[name], state["exp_avg"], state["exp_avg_sq"]))
+        step = int(state["step"])
+        for t in range(4):  # the decay's lr: 1-sqrt from lr to 0.1 lr over its 4 steps
+            lr_t, step = lr * (0.1 + 0.9 * (1 - math.sqrt(t / 4))), step + 1
+            p = p * (1 - lr_t * wd / lr) if i in decayed else p  # decoupled: relative to the peak lr
+            m, v = betas[0] * m, betas[1] * v  # the gradient is 0
+            p = p - lr_t / (1 - betas[0] ** step) * m / ((v / (1 - betas[1] ** step)).sqrt() + eps)
+        moved = (after[name].double() - before[name].double()).abs().max().item()
+        ulps = 16 * 2 ** -24 * before[name].abs().max().item()  # float32 rounding over the 4 steps, and a margin
+        assert moved > 100 * ulps, f"{name} did not move by decay and momentum"
+        assert torch.allclose(after[name].double(), p, rtol=0, atol=ulps), name
+        checked += 1
+    assert checked == sum(1 for k in before if k.startswith(("model.layers.0.", "model.layers.1.")))
+
+
+def test_frozen_layers_compute_no_weight_gradient(data_dir):
+    """While frozen, the layers' weights get no gradient at all (not one computed, then dropped); the layers
+    below them and the embeddings still get theirs through the frozen layers."""
+    meta = load_meta(data_dir)
+    torch.manual_seed(0)
+    model = ModernBertForMaskedLM(ModernBertConfig(vocab_size=320, **TINY))
+    c = Config(freeze_layers="1-2", freeze_phase="main")
+    freeze, phases = Freeze(c, model, ["main", "decay"]), Schedule.from_config(c).phases
+    batch = clm_batch(Loader(data_dir, "train", 64, 2, data_seed=1).next(), meta["eos_id"])
+    assert freeze.enter(phases[0]) and not freeze.enter(phases[0])
+    forward_backward(model, [batch], True, Process(0, 1, torch.device("cpu")), torch.autocast("cpu", enabled=False),
+                     False)
+    frozen = {n for n, p in model.named_parameters() if n.startswith(("model.layers.1.", "model.layers.2."))}
+    assert frozen and all(p.grad is None for n, p in model.named_parameters() if n in frozen)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if n not in frozen)
+    assert freeze.enter(phases[1]) and all(p.requires_grad for p in model.parameters())  # the decay trains them
+
+
 # -----------------------------------------------------------------------------
 # 4. Resume after a real kill gives the same losses as an uninterrupted run
 
@@ -272,7 +326,9 @@ def test_resume_after_sigkill_is_exact(data_dir, base_ckpt, tmp_path):
 
 
 def test_torchrun_two_processes_equal_one(data_dir, base_ckpt, tmp_path):
-    args = [f"--init_from={base_ckpt}", "--attn_out_dropout=0.0", "--micro_batch_size=2"]
+    """Layers 0-1 frozen in the decay: DDP is rebuilt at the boundary to all-reduce only what trains."""
+    args = [f"--init_from={base_ckpt}", "--attn_out_dropout=0.0", "--micro_batch_size=2", "--freeze_layers=0-1",
+            "--freeze_phase=decay", "--max_ckpts=10"]
     run_train(tmp_path / "one", data_dir, *args)
     run_train(tmp_path / "two", data_dir, *args, nproc=2)
     one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
@@ -281,6 +337,8 @@ def test_torchrun_two_processes_equal_one(data_dir, base_ckpt, tmp_path):
     worst_val = max(abs(a[k] - b[k]) for a, b in zip(one, two) for k in ("val_mlm_loss", "val_clm_loss") if k in a)
     print(f"torchrun 2 vs 1 process: max |loss diff| {worst:.2e}, max |val loss diff| {worst_val:.2e}")
     assert worst <= 1e-5 and worst_val <= 1e-5
+    before, after = (load_file(tmp_path / "two" / d / "model.safetensors") for d in ("ckpt-16", "final"))
+    assert all(torch.equal(before[k], after[k]) == k.startswith(("model.layers.0.", "model.layers.1.")) for k in before)
 
 
 # -----------------------------------------------------------------------------

@@ -1,0 +1,120 @@
+"""
+The model card: README.md in every checkpoint directory (ckpt-STEP/ and final/), as the Hugging Face hub
+renders it. Front matter (library_name, pipeline_tag, base_model where init_from names a hub model, tags),
+then the recipe (each phase's objective, masking, tokens and lr), the data (sources, token counts, the
+tokenizer's sha256), the seeds, the latest validation losses from metrics.jsonl, and how to load it.
+"""
+
+import json
+import os
+import re
+
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def base_model(init_from):
+    """The hub id of the model this run continues, where it can be known: a hub cache path
+    (.../models--ORG--NAME/snapshots/...), a config.json whose _name_or_path is a hub id, or the base_model of
+    one of our checkpoints' cards. None for a run from scratch or an unnamed local copy."""
+    if init_from == "scratch":
+        return None
+    cached = re.search(r"models--([\w.-]+?)--([\w.-]+)", init_from)
+    if cached:
+        return f"{cached[1]}/{cached[2]}"
+    try:
+        with open(os.path.join(init_from, "config.json")) as f:
+            name = json.load(f).get("_name_or_path", "")
+        if HUB_ID.fullmatch(name) and not os.path.exists(name):
+            return name
+        with open(os.path.join(init_from, "README.md")) as f:
+            found = re.search(r"^base_model: (\S+)$", f.read().split("\n---", 1)[0], re.M)
+        return found[1] if found else None
+    except (OSError, ValueError):
+        return None
+
+
+def latest_records(out_dir, step):
+    """The last record of metrics.jsonl at or before `step`, and the last one with validation losses."""
+    last = val = None
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if os.path.isfile(path):
+        with open(path) as f:
+            for record in map(json.loads, f):
+                if record["step"] <= step:
+                    last = record
+                    val = record if "val_mlm_loss" in record else val
+    return last, val
+
+
+def write_card(directory, c, step, tokens, model):
+    """README.md in the checkpoint directory being written, for the run of config `c` at `step`."""
+    from train import Schedule  # the phases as train.py lays them out (imported here: train.py imports us)
+
+    schedule = Schedule.from_config(c)
+    with open(os.path.join(c.data_dir, "meta.json")) as f:
+        meta = json.load(f)
+    # where the directory ends up (it is written under a temporary name, then renamed)
+    path = os.path.join(c.out_dir, os.path.basename(directory).removeprefix(".tmp-"))
+    per_step = c.global_batch_size * c.seq_len
+    name = os.path.basename(os.path.abspath(c.out_dir))
+    hub = base_model(c.init_from)
+    objectives = sorted({p.objective for p in schedule.phases})
+    tags = ["modernbert", "fill-mask", "clm-detour", "continued-pretraining" if c.init_from != "scratch"
+            else "pretraining", *objectives]
+    front = ["---", "library_name: transformers", "pipeline_tag: fill-mask", *([f"base_model: {hub}"] if hub else []),
+             "tags:", *(f"- {t}" for t in tags), "---"]
+
+    rows = []
+    for phase, n, start in zip(schedule.phases, schedule.steps, schedule.starts):
+        if phase.decay:
+            shape = f"1-sqrt decay from {c.lr:g} to {phase.final_lr_frac * c.lr:g}"
+        elif phase.warmup_tokens:
+            shape = f"warmup over {phase.warmup_tokens:,.0f} tokens, then {c.lr:g}"
+        else:
+            shape = f"constant {c.lr:g}"
+        done = "done" if step >= start + n else (f"{step - start} of {n} steps" if step > start else "not started")
+        rows.append(f"| {phase.name} | {phase.objective} | {'causal' if phase.causal else 'bidirectional'} | "
+                    f"{f'{phase.mask_prob:.0%}' if phase.objective == 'mlm' else 'none (next token)'} | "
+                    f"{n * per_step:,} | {n:,} | {shape} | {done} |")
+
+    last, val = latest_records(c.out_dir, step)
+    losses = ["No evaluation yet."]
+    if val:
+        losses = [f"At step {val['step']:,} ({val['phase']} phase, {val['tokens']:,} tokens):", "",
+                  "| val MLM loss (15% masking) | val CLM loss | train loss |", "|---|---|---|",
+                  f"| {val['val_mlm_loss']:.4f} | {val['val_clm_loss']:.4f} | {val['loss']:.4f} |"]
+    if last and last is not val:
+        losses += ["", f"Latest training loss: {last['loss']:.4f} at step {last['step']:,}."]
+    frozen = f"; layers {c.freeze_layers} frozen in {c.freeze_phase}" if c.freeze_layers else ""
+    sources = meta.get("sources") or ["(not recorded)"]
+    sha = meta.get("tokenizer_sha256")
+
+    lines = [*front, "", f"# {name}", "",
+             f"A ModernBERT encoder ({model.num_params():,} parameters, {model.config.num_hidden_layers} "
+             f"layers) trained with the clm-detour codebase from `{c.init_from}`: step {step:,} of "
+             f"{schedule.starts[-1]:,}, {tokens:,} tokens.", "",
+             "## Recipe", "",
+             "| phase | objective | attention | masking | tokens | steps | lr | status |",
+             "|---|---|---|---|---|---|---|---|", *rows, "",
+             f"AdamW (decoupled weight decay {c.weight_decay:g}, betas {tuple(c.betas)}, eps {c.eps:g}); "
+             f"{c.global_batch_size} sequences of {c.seq_len} tokens per step ({per_step:,} tokens){frozen}.", "",
+             "## Data", "",
+             *(f"- {s}" for s in sources), "",
+             f"{meta['train_tokens']:,} training tokens in {meta['train_docs']:,} documents; {meta['val_tokens']:,} "
+             f"validation tokens in {meta['val_docs']:,} documents. Tokenizer `{meta['tokenizer']}` "
+             f"({meta['vocab_size']:,} tokens{f', sha256 {sha}' if sha else ''}).", "",
+             "## Seeds", "", f"seed {c.seed} (init, masking, dropout), data_seed {c.data_seed} (data order).", "",
+             "## Validation", "", *losses, "",
+             "## How to load", "",
+             "```python",
+             "from transformers import AutoModelForMaskedLM, AutoTokenizer, pipeline",
+             f"path = {path!r}  # this directory, or its hub id once uploaded",
+             "model = AutoModelForMaskedLM.from_pretrained(path)",
+             "tokenizer = AutoTokenizer.from_pretrained(path)",
+             "fill = pipeline(\"fill-mask\", model=path)",
+             "print(fill(f\"The patient was treated with {tokenizer.mask_token}.\"))",
+             "```", "",
+             f"In the clm-detour codebase: `model.ModernBertForMaskedLM.from_pretrained({path!r})`; "
+             f"`train.py --init_from={path}` continues from it.", ""]
+    with open(os.path.join(directory, "README.md"), "w", encoding="utf-8") as f:
+        f.write("\n".join(lines))

@@ -1,0 +1,93 @@
+"""
+The start-up checks of a training run: everything that can be known at step 0 is checked before any
+compute, so that no run dies hours in for a condition it had from the start (a validation split too
+small for the first evaluation, an out_dir it cannot write, an init_from it cannot read). Each problem
+is one line naming it and the fix. Every rank runs the same checks on the same files and stops alike,
+before any rank waits in a collective.
+"""
+
+import glob
+import os
+import sys
+import uuid
+
+import numpy as np
+
+from data import load_meta
+from model import load_config
+from support.checkpoint import check_tokenizer
+from support.tokenizer import SPECIAL_NAMES
+
+
+def check_run(c, steps, world):
+    """-> the data's meta.json, once the run `c` (`steps` optimizer steps on `world` processes) can start."""
+    if not c.data_dir:
+        raise SystemExit("data_dir is not set: point it at a directory made by `python data.py`")
+    try:
+        meta = load_meta(c.data_dir)
+    except FileNotFoundError as e:
+        raise SystemExit(str(e)) from None
+    missing = [k for k in ("vocab_size", "dtype", *SPECIAL_NAMES) if k not in meta]
+    if missing:
+        raise SystemExit(f"{c.data_dir}/meta.json lacks {', '.join(missing)}: prepare the data again with "
+                         "`python data.py`")
+    step_windows = c.micro_batch_size * world  # what one forward on every rank takes
+    train, val = (windows(c.data_dir, split, meta["dtype"], c.seq_len) for split in ("train", "val"))
+    for split, n, fix in [("train", train, "use more data"),
+                          ("val", val, "prepare the data with a larger --val_docs")]:
+        if n < step_windows:
+            raise SystemExit(f"{c.data_dir}/{split}.bin makes {n} windows of seq_len={c.seq_len}, fewer than one "
+                             f"micro batch on every rank needs (micro_batch_size={c.micro_batch_size} x world size "
+                             f"{world} = {step_windows}); {fix}, or lower micro_batch_size or seq_len")
+    needed = steps * c.global_batch_size
+    if needed > train and int(os.environ.get("RANK", 0)) == 0:
+        print(f"note: the schedule reads {needed:,} windows of {c.seq_len} tokens and train.bin holds {train:,}: "
+              f"the data repeats ({needed / train:.1f} epochs), each epoch in a new order", file=sys.stderr)
+    check_out_dir(c.out_dir)
+    resuming = glob.glob(os.path.join(c.out_dir, "ckpt-*"))  # then init_from is not read (checkpointer.resume)
+    if c.init_from != "scratch" and not resuming:
+        check_readable(c.init_from, meta, c.data_dir)
+    return meta
+
+
+def windows(data_dir, split, dtype, seq_len):
+    """How many windows of seq_len tokens {split}.bin holds."""
+    path = os.path.join(data_dir, f"{split}.bin")
+    if not os.path.isfile(path):
+        raise SystemExit(f"{path} is missing: prepare the data again with `python data.py`")
+    return os.path.getsize(path) // np.dtype(dtype).itemsize // seq_len
+
+
+def check_out_dir(out_dir):
+    """out_dir exists (or is created) and takes a file: the first checkpoint is written there."""
+    probe = os.path.join(out_dir, f".write-test-{uuid.uuid4().hex}")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise SystemExit(f"out_dir={out_dir!r} is not writable ({e.strerror}): choose a directory this user can "
+                         "write, on a filesystem every node shares") from None
+
+
+def check_readable(path, meta, data_dir):
+    """init_from is a model directory whose config and weights this process can read, with the data's tokenizer."""
+    if not os.path.isdir(path):
+        raise SystemExit(f"init_from={path!r} is neither 'scratch' nor a checkpoint directory "
+                         "(edit the path at the top of the config)")
+    weights = [f for f in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(os.path.join(path, f))]
+    if not weights:
+        raise SystemExit(f"init_from={path}: no model.safetensors (or pytorch_model.bin): is it a ModernBERT "
+                         "checkpoint directory?")
+    for name in ("config.json", weights[0]):
+        try:
+            with open(os.path.join(path, name), "rb") as f:
+                f.read(1)
+        except OSError as e:
+            raise SystemExit(f"init_from={path}: cannot read {name} ({e.strerror})") from None
+    try:
+        config = load_config(path)
+    except (FileNotFoundError, ValueError, TypeError) as e:
+        raise SystemExit(f"init_from={path}: {e}") from None
+    check_tokenizer(path, config, meta, data_dir)

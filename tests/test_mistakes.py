@@ -1,0 +1,153 @@
+"""A user's mistakes, tried as a new user would make them: each ends in one clear message and a non-zero
+exit code, with no traceback, before any work, and leaves everything on disk as it was.
+
+One row per mistake: the command (run in a folder holding a prepared data set), a fragment the message
+must contain, and the files to set up first. The folder is hashed before and after each command."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from data import prepare, read_documents
+from support.tokenizer import train_bpe
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEXTS = [f"document {i} is about {'cells ' * (i % 5)}and {'proteins ' * (i % 3)}in the liver" for i in range(120)]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A folder as a user has it: a corpus, two tokenizers, a prepared data set `shards`."""
+    d = tmp_path_factory.mktemp("mistakes")
+    (d / "corpus.txt").write_text("\n".join(TEXTS) + "\n")
+    train_bpe(iter(TEXTS), 300, str(d / "tok.json"))
+    train_bpe(iter(TEXTS[::-1] + ["another vocabulary entirely"] * 50), 320, str(d / "other_tok.json"))
+    prepare(lambda: read_documents([str(d / "corpus.txt")]), str(d / "tok.json"), str(d / "shards"), val_docs=10)
+    r = subprocess.run(TRAIN + TINY_RUN + ["--out_dir=run"], cwd=d, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return d
+
+
+def snapshot(folder):
+    """Every folder and file under folder, with each file's content hash: what 'nothing on disk changed'
+    compares."""
+    out = {}
+    for root, dirs, files in os.walk(folder):
+        out.update({os.path.relpath(os.path.join(root, name), folder): "folder" for name in dirs})
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, folder)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+DATA = [sys.executable, os.path.join(ROOT, "data.py")]
+TRAIN = [sys.executable, os.path.join(ROOT, "train.py")]
+# A finished tiny CLM run in run/: 6 main + 2 decay steps of 4 x 32 tokens
+TINY_RUN = ["--data_dir=shards", "--model_config={'hidden_size': 32, 'intermediate_size': 48, 'num_hidden_layers': 2, "
+            "'num_attention_heads': 2, 'local_attention': 16}", "--seq_len=32", "--global_batch_size=4",
+            "--micro_batch_size=2", f"--tokens={6 * 4 * 32}", "--warmup_tokens=0", "--decay_frac=0.34",
+            "--eval_windows=4", "--device=cpu"]
+
+# (name, files to write first: path -> text, or "@path" to copy a file or folder; command, message fragment)
+ROWS = [
+    ("re-run into a data set with another tokenizer, input with a bad line",
+     {"bad.jsonl": '{"text": "fine"}\n{"text": 42}\n'},
+     DATA + ["--input", "bad.jsonl", "--tokenizer", "other_tok.json", "--out", "shards"],
+     "bad.jsonl:2: the text field holds int"),
+    ("a JSONL text that is a number",
+     {"num.jsonl": '{"text": 3.5}\n'},
+     DATA + ["--input", "num.jsonl", "--tokenizer", "tok.json", "--out", "new_shards"],
+     "num.jsonl:1: the text field holds float"),
+    ("a JSONL text that is a list",
+     {"list.jsonl": '{"text": "a"}\n{"text": ["a", "b"]}\n'},
+     DATA + ["--input", "list.jsonl", "--tokenizer", "tok.json", "--out", "new_shards"],
+     "list.jsonl:2: the text field holds list"),
+    ("--out is a file",
+     {"taken": "not a folder"},
+     DATA + ["--input", "corpus.txt", "--tokenizer", "tok.json", "--out", "taken"],
+     "is a file, not a directory"),
+    ("an input file that does not exist", {},
+     DATA + ["--input", "corpus.txt", "nope.txt", "--tokenizer", "tok.json", "--out", "new_shards"],
+     "'nope.txt' does not exist"),
+    ("bpe:N with no number", {},
+     DATA + ["--input", "corpus.txt", "--tokenizer", "bpe:big", "--out", "new_shards"],
+     "write bpe:N"),
+    ("a tokenizer path that does not exist", {},
+     DATA + ["--input", "corpus.txt", "--tokenizer", "tokens/tok.json", "--out", "new_shards"],
+     "--tokenizer tokens/tok.json: cannot load it"),
+    ("no validation documents", {},
+     DATA + ["--input", "corpus.txt", "--tokenizer", "tok.json", "--out", "new_shards", "--val_docs", "0"],
+     "must be at least 1"),
+    ("a data set whose tokenizer.json was replaced",
+     {"swapped": "@shards", "swapped/tokenizer.json": "@other_tok.json"},
+     TRAIN + ["--data_dir=swapped", "--out_dir=run", "--device=cpu"],
+     "is not the tokenizer the shards of swapped were made with"),
+    ("resuming a CLM run as MLM", {},
+     TRAIN + TINY_RUN + ["--out_dir=run", "--objective=mlm"],
+     "run holds a run with other settings: objective 'clm' -> 'mlm'"),
+    ("resuming with another seq_len and seed", {},
+     TRAIN + TINY_RUN + ["--out_dir=run", "--seq_len=16", "--seed=3"],
+     "--resume_changes=seq_len,seed"),
+    ("a phase of 0 tokens", {},
+     TRAIN + TINY_RUN + ["--out_dir=new_run", "--tokens=0"],
+     "a phase needs a positive length"),
+]
+
+
+@pytest.mark.parametrize("name,files,command,message", ROWS, ids=[r[0] for r in ROWS])
+def test_mistake(workdir, tmp_path, name, files, command, message):
+    d = tmp_path / "work"
+    subprocess.run(["cp", "-r", str(workdir), str(d)], check=True)
+    for path, content in files.items():
+        if content.startswith("@"):
+            subprocess.run(["cp", "-rT", str(d / content[1:]), str(d / path)], check=True)
+        else:
+            (d / path).write_text(content)
+    before = snapshot(d)
+    r = subprocess.run(command, cwd=d, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0, f"{name}: exit 0\n{r.stdout[-1000:]}"
+    assert message in r.stderr, f"{name}: {r.stderr[-1500:]}"
+    assert "Traceback" not in r.stderr, f"{name}: a traceback for a user's mistake\n{r.stderr[-1500:]}"
+    assert snapshot(d) == before, f"{name}: the command changed what was on disk"
+
+
+def test_empty_and_null_texts_are_skipped_and_counted(workdir, tmp_path):
+    lines = [{"text": t} for t in TEXTS[:40]] + [{"text": ""}, {"text": None}, {"text": "   "}]
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    r = subprocess.run(DATA + ["--input", "in.jsonl", "--tokenizer", str(workdir / "tok.json"), "--out", "o",
+                               "--val_docs", "5", "--workers", "1"], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-1500:]
+    assert "skipped 2 empty or null texts of 43" in r.stdout
+    meta = json.loads((tmp_path / "o" / "meta.json").read_text())
+    assert meta["train_docs"] + meta["val_docs"] == 41  # "   " is a text (of spaces), kept as written
+
+
+def test_rerun_replaces_a_data_set_whole(workdir, tmp_path):
+    """A successful re-run with another tokenizer leaves the new tokenizer beside the new shards, nothing
+    of the old run (a tokenizer companion file the new one lacks included), and no staging folder."""
+    d = tmp_path / "work"
+    subprocess.run(["cp", "-r", str(workdir), str(d)], check=True)
+    (d / "shards" / "special_tokens_map.json").write_text("{}")  # as if the old tokenizer had one
+    r = subprocess.run(DATA + ["--input", "corpus.txt", "--tokenizer", "other_tok.json", "--out", "shards",
+                               "--val_docs", "10", "--workers", "1"], cwd=d, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-1500:]
+    assert sorted(os.listdir(d / "shards")) == ["meta.json", "tokenizer.json", "train.bin", "val.bin"]
+    assert (d / "shards" / "tokenizer.json").read_bytes() == (d / "other_tok.json").read_bytes()
+    meta = json.loads((d / "shards" / "meta.json").read_text())
+    assert meta["tokenizer_sha256"] == hashlib.sha256((d / "other_tok.json").read_bytes()).hexdigest()
+
+
+def test_resume_accepts_run_settings_and_named_changes(workdir, tmp_path):
+    """What does not change the run (an interval, the device) may change on resume; so may a key named in
+    resume_changes. A finished run resumed this way ends again at once."""
+    d = tmp_path / "work"
+    subprocess.run(["cp", "-r", str(workdir), str(d)], check=True)
+    for extra in (["--log_interval=2", "--eval_interval=3"], ["--seed=3", "--resume_changes=seed"]):
+        r = subprocess.run(TRAIN + TINY_RUN + ["--out_dir=run", *extra], cwd=d, capture_output=True, text=True)
+        assert r.returncode == 0, (extra, r.stderr[-1500:])
+    assert json.loads((d / "run" / "config.json").read_text())["seed"] == 3  # what it now runs with

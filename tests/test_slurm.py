@@ -1,0 +1,197 @@
+"""slurm/train.sbatch on a real SLURM: a one-node cluster on localhost (CPU only, no systemd or cgroups),
+the script submitted as a user would, with a tiny CPU run on 2 processes. Preempted twice mid-run, as
+SLURM does it: the warning signal to the batch shell (`scancel -b -s TERM`, what --signal=B:TERM@300 sends
+before the time limit), then `scontrol requeue` (SLURM's own SIGTERM to the shell and the step at once).
+Each time the job must come back by itself under the same id, resume from its checkpoint, and the run
+must end with the metrics of an uninterrupted one, bit for bit.
+
+Runs where Debian's slurm-wlm and munge are installed (.ci/run installs them); skips elsewhere."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_train import ROOT, base_ckpt, data_dir, metrics, train_cmd  # noqa: F401 (fixtures)
+
+TOOLS = ("slurmctld", "slurmd", "sbatch", "munged", "munge")
+missing = [d for d in TOOLS if not shutil.which(d, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")]
+pytestmark = pytest.mark.skipif(bool(missing) or os.geteuid() != 0,
+                                reason=f"needs a local SLURM (as root): {', '.join(missing)} not installed (Debian: "
+                                       "apt-get install slurm-wlm munge)" if missing else "needs root to start SLURM")
+SBIN = "/usr/sbin"
+# 40 main + 10 decay steps of 8 x 64 tokens on 2 processes (micro batch 2: 2 micro batches per rank), dropout on.
+ARGS = ["--micro_batch_size=2", f"--tokens={40 * 8 * 64}", "--log_interval=2", "--ckpt_interval=10",
+        "--eval_interval=20"]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+SLURM_CONF = """\
+ClusterName=test
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+SlurmUser=root
+AuthType=auth/munge
+CredType=cred/munge
+# a requeued job waits for its credential to expire before it starts again (120 s by default)
+AuthInfo=cred_expire=5
+SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=2
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+ProctrackType=proctrack/pgid
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobRequeue=1
+ReturnToService=2
+# SIGTERM to SIGKILL at a requeue: the step's end is waited for that long
+KillWait=10
+MpiDefault=none
+StateSaveLocation={tmp}/state
+SlurmdSpoolDir={tmp}/spool
+SlurmctldPidFile={tmp}/slurmctld.pid
+SlurmdPidFile={tmp}/slurmd.pid
+SlurmctldLogFile={tmp}/slurmctld.log
+SlurmdLogFile={tmp}/slurmd.log
+NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
+PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def munge_works():
+    return subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode == 0
+
+
+@pytest.fixture
+def slurm(tmp_path):
+    """A one-node SLURM on localhost: munged (if none runs yet), slurmctld, slurmd. -> the clients' environment.
+    The daemons it started are stopped by their pid files at the end."""
+    tmp = tmp_path / "slurm"
+    (tmp / "state").mkdir(parents=True)
+    (tmp / "spool").mkdir()
+    conf = tmp / "slurm.conf"
+    conf.write_text(SLURM_CONF.format(tmp=tmp, ctld_port=free_port(), slurmd_port=free_port(), cpus=os.cpu_count()))
+    env = {**os.environ, "SLURM_CONF": str(conf), "PATH": os.path.dirname(sys.executable) + ":" + os.environ["PATH"]}
+    started = []
+    if not munge_works():
+        os.makedirs("/run/munge", exist_ok=True)
+        shutil.chown("/run/munge", "munge", "munge")
+        subprocess.run(["runuser", "-u", "munge", "--", f"{SBIN}/munged"], check=True)
+        started.append("/run/munge/munged.pid")
+        deadline = time.time() + 10
+        while not munge_works():
+            assert time.time() < deadline, "munged does not answer"
+            time.sleep(0.1)
+    subprocess.run([f"{SBIN}/slurmctld", "-f", str(conf)], check=True, env=env)
+    started.append(str(tmp / "slurmctld.pid"))
+    subprocess.run([f"{SBIN}/slurmd", "-f", str(conf), "-N", "localhost"], check=True, env=env)
+    started.append(str(tmp / "slurmd.pid"))
+    try:
+        deadline = time.time() + 30
+        while "idle" not in sinfo(env):
+            assert time.time() < deadline, f"the node is not idle: {sinfo(env)}"
+            time.sleep(0.2)
+        yield env
+    finally:
+        subprocess.run(["scancel", "--full", "--signal=KILL", "--user=root"], env=env)  # a test that failed midway
+        deadline = time.time() + 30
+        while queued(env) and time.time() < deadline:
+            time.sleep(0.2)
+        for pid_file in reversed(started):
+            try:
+                os.kill(int(open(pid_file).read()), signal.SIGTERM)
+            except (FileNotFoundError, ProcessLookupError, ValueError):
+                pass
+
+
+def queued(env):
+    return subprocess.run(["squeue", "-h"], capture_output=True, text=True, env=env).stdout.strip()
+
+
+def sinfo(env):
+    return subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, env=env).stdout.strip()
+
+
+def job_state(job, env):
+    """(JobState, Restarts) of a job, from scontrol."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, env=env).stdout
+    fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
+    return fields.get("JobState", "?"), int(fields.get("Restarts", 0))
+
+
+def logged_steps(out):
+    try:
+        with open(out / "metrics.jsonl") as f:
+            return max((json.loads(line)["step"] for line in f if line.endswith("\n")), default=0)
+    except FileNotFoundError:
+        return 0
+
+
+def same_numbers(records):
+    """What must not change with an interruption: every logged number but the timings."""
+    return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in records]
+
+
+def test_slurm_job_is_preempted_requeued_and_resumes_exactly(slurm, data_dir, base_ckpt, tmp_path):
+    env = slurm
+    args = train_cmd(tmp_path / "x", data_dir, f"--init_from={base_ckpt}", *ARGS)[2:]  # train.py's --key=value
+    whole = tmp_path / "whole"
+    subprocess.run(train_cmd(whole, data_dir, f"--init_from={base_ckpt}", *ARGS, nproc=2, port=free_port()),
+                   check=True, capture_output=True, cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"})
+
+    out, log = tmp_path / "slurm_run", tmp_path / "job.out"
+    args = [a for a in args if not a.startswith("--out_dir=")] + [f"--out_dir={out}"]
+    t0 = time.time()
+    job = subprocess.run(["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=2", "--time=10",
+                          f"--output={log}", os.path.join(ROOT, "slurm", "train.sbatch"), *args],
+                         capture_output=True, text=True, cwd=ROOT, check=True,
+                         env={**env, "NPROC_PER_NODE": "2"}).stdout.strip()
+    timeline = [("submit", 0.0)]
+
+    def text():
+        return log.read_text() if log.exists() else ""
+
+    def wait(what, condition, timeout=180):
+        deadline = time.time() + timeout
+        while not condition():
+            state = job_state(job, env)[0]
+            assert state not in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "BOOT_FAIL"), f"{state}: {text()}"
+            assert time.time() < deadline, f"timed out waiting for {what}: {job_state(job, env)}\n{text()}"
+            time.sleep(0.1)
+        timeline.append((what, time.time() - t0))
+
+    wait("running", lambda: job_state(job, env)[0] == "RUNNING")
+    for restart, (name, preempt) in enumerate([("warning signal", ["scancel", "-b", "-s", "TERM", job]),
+                                              ("scontrol requeue", ["scontrol", "requeue", job])], start=1):
+        steps_before = logged_steps(out)
+        wait(f"training (step {steps_before + 4})", lambda: logged_steps(out) >= steps_before + 4)
+        subprocess.run(preempt, check=True, env=env)
+        timeline.append((name, time.time() - t0))
+        wait("checkpoint", lambda: text().count("stopped by SIGTERM") >= restart)
+        wait("requeued", lambda: job_state(job, env)[1] == restart)
+        wait("running again", lambda: job_state(job, env) == ("RUNNING", restart))
+        wait("resumed", lambda: text().count("resuming at step") >= restart)
+    wait("end (COMPLETED)", lambda: job_state(job, env)[0] == "COMPLETED")
+
+    print("\nSLURM timeline (s): " + ", ".join(f"{what} {t:.1f}" for what, t in timeline))
+    log_text = text()
+    stops = [line for line in log_text.splitlines() if "stopped by SIGTERM at step" in line]
+    assert len(stops) == 2 and log_text.count("requeue") >= 1, log_text
+    for line in stops:  # each stop is followed by a resume from its own checkpoint
+        step = line.split(" at step ")[1].split(":")[0]
+        assert f"resuming at step {step}" in log_text and step != "50", log_text
+    assert (out / "final" / "manifest.json").exists()
+    assert same_numbers(metrics(out)) == same_numbers(metrics(whole))
