@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from support import distributed
 from support.checkpoint import PROGRESS, sha256, step_checkpoints, step_of
+from support.config import check_out_dir
 from data import read_documents
 from model import ModernBertForMaskedLM, cu_seqlens_of, mean_pool
 from support.suite import mean_std
@@ -537,6 +538,13 @@ def main(argv=None):
                    help="auto: bfloat16 autocast on GPU, float32 on CPU (CKA itself is computed in float64)")
     p.add_argument("--out", default="out/cka")
     args = p.parse_args(argv)
+    if args.n < 4:
+        p.error(f"--n {args.n}: CKA needs at least 4 texts (the debiased estimate divides by n - 2); "
+                "a few hundred give a stable one")
+    if not all(s.strip().isdigit() for s in args.seeds.split(",")) or args.max_len < 3:
+        p.error(f"--seeds {args.seeds} --max_len {args.max_len}: seeds are integers like 42,43,44, and max_len "
+                "holds [CLS], [SEP] and at least one token")
+    check_out_dir(args.out)  # before the model passes: results are written there at the end
     if args.runs:
         results = trajectory(args)
         if results is not None:
@@ -545,6 +553,7 @@ def main(argv=None):
         results = study(args)
         if results is not None:
             write(args.out, "results", results, markdown(results), figure)
+
 
 if __name__ == "__main__":
     main()
