@@ -149,8 +149,14 @@ def _token_sample(length, text_index):
 
 def tokenizer_of(paths, override):
     """The one tokenizer every checkpoint shares: refuse if their tokenizer.json files differ."""
+    for p in paths:
+        if not os.path.isfile(os.path.join(p, "config.json")):
+            raise SystemExit(f"{p}: not a checkpoint directory (no config.json)")
     if override:
-        return load_tokenizer(override)
+        try:
+            return load_tokenizer(override)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--tokenizer {override}: {e}") from None
     hashes = {}
     for p in paths:
         f = os.path.join(p, "tokenizer.json")
