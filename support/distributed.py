@@ -1,6 +1,7 @@
 """The few lines of device set-up that train.py, cka.py and eval.py share: torch.distributed and
 mixed precision."""
 
+import contextlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -37,6 +38,18 @@ def setup(device="auto", timeout_minutes=60.0):
     from torch import _dynamo  # noqa: F401
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=timeout_minutes))
     return Process(dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local_rank}" if cuda else "cpu"))
+
+
+@contextlib.contextmanager
+def said_once():
+    """For the checks before the process group exists: every torchrun process runs them on the same files and
+    stops alike, so rank 0 alone says why (the others exit 1 quietly) and a mistake reads as one line."""
+    try:
+        yield
+    except SystemExit as e:
+        if int(os.environ.get("RANK", 0)) > 0 and isinstance(e.code, str):
+            raise SystemExit(1) from None
+        raise
 
 
 def autocast(device, dtype="auto"):
