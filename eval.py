@@ -221,7 +221,10 @@ def model_tokenizer(model, tokenizer=None):
         raise SystemExit(f"--model {model}: not a checkpoint directory (no config.json)")
     if not tokenizer and not os.path.isfile(os.path.join(model, "tokenizer.json")):
         raise SystemExit(f"{model} has no tokenizer.json; pass --tokenizer")
-    return load_tokenizer(tokenizer or model)
+    try:
+        return load_tokenizer(tokenizer or model)
+    except (OSError, ValueError) as e:  # a missing or unreadable --tokenizer
+        raise SystemExit(f"--tokenizer {tokenizer or model}: {e}") from None
 
 
 def encode_examples(examples, tok, task, labels, max_len):

@@ -31,7 +31,7 @@ from data import Loader, clm_batch, mlm_batch, prefetch
 from model import ModernBertConfig, ModernBertForMaskedLM, load_config, training_flops
 from support import config, distributed
 from support.checkpoint import Checkpointer, check_tokenizer
-from support.checks import check_run
+from support.checks import check_run, check_values
 from support.freeze import Freeze
 from support.logger import Logger, announce
 from support.tokenizer import SPECIAL_NAMES
@@ -106,6 +106,7 @@ class Config:
 def parse_config(argv):
     """Config files then --key=value (support/config.py); then the checks that need several keys."""
     c = config.parse(Config, argv)
+    check_values(c)  # each number in its range (support/checks.py)
     if c.compile.lower() not in ("auto", "true", "false"):
         raise SystemExit(f"compile={c.compile!r}: choose auto, True or False")
     world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's processes

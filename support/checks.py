@@ -20,6 +20,23 @@ from support.config import check_out_dir
 from support.tokenizer import SPECIAL_NAMES
 
 
+POSITIVE = ("seq_len", "global_batch_size", "micro_batch_size", "lr", "eps", "log_interval", "eval_interval",
+            "eval_windows", "ckpt_interval", "max_ckpts", "dist_timeout_minutes")
+NOT_NEGATIVE = ("weight_decay", "ckpt_every_minutes", "keep_every", "peak_tflops")
+PROBABILITIES = ("embedding_dropout", "attention_dropout", "attn_out_dropout", "mlp_dropout")  # in [0, 1)
+
+
+def check_values(c):
+    """Each number of the config in its range, before any other check divides by one of them."""
+    bad = ([f"{k}={getattr(c, k)} must be positive" for k in POSITIVE if hasattr(c, k) and not getattr(c, k) > 0]
+           + [f"{k}={getattr(c, k)} must be 0 or more" for k in NOT_NEGATIVE if hasattr(c, k) and getattr(c, k) < 0]
+           + [f"{k}={getattr(c, k)} must be in [0, 1)" for k in PROBABILITIES if not 0 <= getattr(c, k) < 1])
+    if len(c.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in c.betas):
+        bad.append(f"betas={c.betas} must be two numbers in [0, 1), e.g. (0.9, 0.98)")
+    if bad:
+        raise SystemExit(f"{'; '.join(bad)}: fix the config or the --key=value")
+
+
 def check_run(c, steps, world):
     """-> the data's meta.json, once the run `c` (`steps` optimizer steps on `world` processes) can start."""
     check_model_config(c)

@@ -27,6 +27,9 @@ def setup(device="auto", timeout_minutes=60.0):
     a collective while rank 0 writes a checkpoint (for Large about 5 GB, read back for its sha256, synced),
     which on a slow shared filesystem takes far longer than NCCL's default of 10 minutes."""
     cuda = device != "cpu" and torch.cuda.is_available()
+    if device.startswith("cuda") and not cuda:
+        raise SystemExit(f"device={device!r}: PyTorch sees no CUDA GPU here ({torch.__version__}); use --device=cpu "
+                         "or auto, or install a CUDA build of PyTorch")
     if "RANK" not in os.environ:
         return Process(0, 1, torch.device(device if device != "auto" else ("cuda" if cuda else "cpu")))
     local_rank = int(os.environ["LOCAL_RANK"])

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from data import prepare, read_documents
 from support.tokenizer import train_bpe
@@ -104,6 +105,22 @@ ROWS = [
     ("a hidden size that the heads do not divide", {},
      TRAIN + TINY_RUN + ["--out_dir=new_run", "--model_config={'hidden_size': 30, 'num_attention_heads': 4}"],
      "hidden_size=30 must split into num_attention_heads=4 heads of an even size"),
+    ("a micro batch of 0", {}, TRAIN + TINY_RUN + ["--out_dir=new_run", "--micro_batch_size=0"],
+     "micro_batch_size=0 must be positive"),
+    ("an evaluation interval of 0 and max_ckpts 0", {},
+     TRAIN + TINY_RUN + ["--out_dir=new_run", "--eval_interval=0", "--max_ckpts=0"],
+     "eval_interval=0 must be positive; max_ckpts=0 must be positive"),
+    ("betas with one value, a negative weight decay", {},
+     TRAIN + TINY_RUN + ["--out_dir=new_run", "--betas=(0.9,)", "--weight_decay=-1"],
+     "weight_decay=-1.0 must be 0 or more; betas=(0.9,) must be two numbers in [0, 1)"),
+    *([("a CUDA device on a machine without one", {}, TRAIN + TINY_RUN + ["--out_dir=new_run", "--device=cuda"],
+        "device='cuda': PyTorch sees no CUDA GPU here")] if not torch.cuda.is_available() else []),
+    ("data.py given a folder as input", {},
+     DATA + ["--input", "shards", "--tokenizer", "tok.json", "--out", "new_shards"],
+     "input file 'shards' is a directory"),
+    ("eval.py --tokenizer that does not exist", {},
+     EVAL + ["--task", "cls", "--data", "cls", "--tokenizer", "nope.json"],
+     "--tokenizer nope.json: tokenizer 'nope.json' not found"),
     ("eval.py --out is a file", {"taken": "not a folder"},
      EVAL + ["--task", "cls", "--data", "cls", "--out", "taken"],
      "--out=taken: is a file, not a directory"),
