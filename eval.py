@@ -33,6 +33,7 @@ from support import distributed
 from support import suite
 from model import (Flat, ModernBertForSequenceClassification, ModernBertForTokenClassification, cu_seqlens_of,
                    load_config, pick_backend)
+from support.config import check_out_dir
 from support.tokenizer import load_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -129,6 +130,7 @@ def read_split(path, task):
                 tags.append(parts[-1])
     else:
         field = {"cls": ("text", "label"), "multilabel": ("text", "labels"), "ner": ("tokens", "tags")}[task]
+        forms = {}  # a label value -> how it was first written, and where
         with open(path, encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
@@ -138,12 +140,44 @@ def read_split(path, task):
                 except ValueError as e:
                     raise SystemExit(f"{path}:{n}: not a JSON line ({e})") from None
                 for k in field:
-                    if k not in ex:
+                    if not isinstance(ex, dict) or k not in ex:
                         raise SystemExit(f"{path}:{n}: no {k!r} field; --task {task} needs {' and '.join(field)}")
+                problem = example_problem(ex, task)
+                if problem:
+                    raise SystemExit(f"{path}:{n}: {problem}")
                 examples.append({k: ex[k] for k in field})
+                for label in [ex["label"]] if task == "cls" else ex["labels"] if task == "multilabel" else []:
+                    if not isinstance(label, str):  # 1, 1.0 and True are one value but three class names
+                        first, where = forms.setdefault(label, (str(label), n))
+                        if first != str(label):
+                            raise SystemExit(f"{path}:{n}: label {label!r} is label {first} (line {where}) written "
+                                             "another way, which would make two classes of one; write every label "
+                                             "the same way")
     if not examples:
         raise SystemExit(f"{path}: the split is empty")
     return examples
+
+
+def example_problem(ex, task):
+    """What makes a JSON example unusable for `task` (numbers would be wrong, not just odd), or None."""
+    scalar = (str, int, float)  # a class label; bool is an int
+    if task == "ner":
+        tokens, tags = ex["tokens"], ex["tags"]
+        if not isinstance(tokens, list) or not isinstance(tags, list) or not all(
+                isinstance(x, str) for x in tokens + tags):
+            return "tokens and tags must be lists of strings"
+        if len(tokens) != len(tags):
+            return (f"{len(tokens)} tokens but {len(tags)} tags; every token needs its tag (every later sentence "
+                    "would be shifted)")
+        return None if tokens else "an empty sentence (no tokens); remove the line"
+    if not isinstance(ex["text"], str) or not ex["text"].strip():
+        return f"the text is {ex['text']!r}, not a text; remove the line or give it its text"
+    if task == "cls" and not isinstance(ex["label"], scalar):
+        return f"label {ex['label']!r} must be one class name or number (for several, use --task multilabel)"
+    if task == "multilabel" and not (isinstance(ex["labels"], list) and all(isinstance(x, scalar)
+                                                                           for x in ex["labels"])):
+        return f"labels {ex['labels']!r} must be a list of class names or numbers, e.g. [\"a\", \"b\"] or []"
+    return None
 
 
 def label_set(train, task):
@@ -187,7 +221,10 @@ def model_tokenizer(model, tokenizer=None):
         raise SystemExit(f"--model {model}: not a checkpoint directory (no config.json)")
     if not tokenizer and not os.path.isfile(os.path.join(model, "tokenizer.json")):
         raise SystemExit(f"{model} has no tokenizer.json; pass --tokenizer")
-    return load_tokenizer(tokenizer or model)
+    try:
+        return load_tokenizer(tokenizer or model)
+    except (OSError, ValueError) as e:  # a missing or unreadable --tokenizer
+        raise SystemExit(f"--tokenizer {tokenizer or model}: {e}") from None
 
 
 def encode_examples(examples, tok, task, labels, max_len):
@@ -490,6 +527,12 @@ def main(argv=None):
         for k in protocol:
             if getattr(args, k) is None:
                 setattr(args, k, defaults[k])
+        bad = [f"--{k}={getattr(args, k)}" for k in ("epochs", "batch_size", "max_len", "lr")
+               if not getattr(args, k) > (2 if k == "max_len" else 0)]  # max_len holds [CLS] and [SEP] too
+        if bad or not all(s.strip().isdigit() for s in args.seeds.split(",")):
+            p.error(f"{', '.join(bad) or '--seeds=' + args.seeds}: epochs, batch_size and lr must be positive, "
+                    "max_len above 2, and seeds integers like 42,43,44")
+    check_out_dir(args.out)  # before any training: results are written there at the end
 
     process = distributed.setup(args.device)
     rank, world, device = process.rank, process.world, process.device

@@ -31,7 +31,7 @@ from data import Loader, clm_batch, mlm_batch, prefetch
 from model import ModernBertConfig, ModernBertForMaskedLM, load_config, training_flops
 from support import config, distributed
 from support.checkpoint import Checkpointer, check_tokenizer
-from support.checks import check_run
+from support.checks import check_run, check_values
 from support.freeze import Freeze
 from support.logger import Logger, announce
 from support.tokenizer import SPECIAL_NAMES
@@ -107,6 +107,7 @@ class Config:
 def parse_config(argv):
     """Config files then --key=value (support/config.py); then the checks that need several keys."""
     c = config.parse(Config, argv)
+    check_values(c)  # each number in its range (support/checks.py)
     if c.compile.lower() not in ("auto", "true", "false"):
         raise SystemExit(f"compile={c.compile!r}: choose auto, True or False")
     world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's processes
@@ -231,9 +232,7 @@ def build_model(c, meta, path):
     dropout = dict(embedding_dropout=c.embedding_dropout, attention_dropout=c.attention_dropout,
                    attn_out_dropout=c.attn_out_dropout, mlp_dropout=c.mlp_dropout, attn_backend=c.attn_backend)
     if path == "scratch":
-        preset = {"base": ModernBertConfig.base, "large": ModernBertConfig.large}.get(c.model_size)
-        if preset is None:
-            raise SystemExit(f"model_size={c.model_size!r}: choose 'base' or 'large' (or set model_config)")
+        preset = {"base": ModernBertConfig.base, "large": ModernBertConfig.large}[c.model_size]  # checks.py: known
         vocab = 64 * math.ceil(meta["vocab_size"] / 64)  # a multiple of 64 for fast matmuls
         ids = dict(pad_token_id=meta["pad_id"], cls_token_id=meta["cls_id"], sep_token_id=meta["sep_id"],
                    bos_token_id=meta["cls_id"], eos_token_id=meta["sep_id"])
@@ -354,10 +353,11 @@ def evaluate(model, c, meta, process, autocast):
 
 
 def main(argv):
-    c = parse_config(argv)
-    schedule = Schedule.from_config(c)
-    run = schedule.span(c.run_phases)  # the steps this run does
-    meta = check_run(c, len(run), int(os.environ.get("WORLD_SIZE", 1)))  # before any compute: see support/checks.py
+    with distributed.said_once():  # every torchrun process checks the same; rank 0 says what is wrong
+        c = parse_config(argv)
+        schedule = Schedule.from_config(c)
+        run = schedule.span(c.run_phases)  # the steps this run does
+        meta = check_run(c, len(run), int(os.environ.get("WORLD_SIZE", 1)))  # before any compute: support/checks.py
     process = distributed.setup(c.device, c.dist_timeout_minutes)  # the same without torchrun: one process
     rank, world, device = process.rank, process.world, process.device
     accum = c.global_batch_size // (c.micro_batch_size * world)  # micro batches per step (parse_config checks)

@@ -9,18 +9,37 @@ before any rank waits in a collective.
 import glob
 import os
 import sys
-import uuid
+from dataclasses import fields
 
 import numpy as np
 
 from data import load_meta
-from model import load_config
+from model import ModernBertConfig, load_config
 from support.checkpoint import check_tokenizer
+from support.config import check_out_dir
 from support.tokenizer import SPECIAL_NAMES
+
+
+POSITIVE = ("seq_len", "global_batch_size", "micro_batch_size", "lr", "eps", "log_interval", "eval_interval",
+            "eval_windows", "ckpt_interval", "max_ckpts", "dist_timeout_minutes")
+NOT_NEGATIVE = ("weight_decay", "ckpt_every_minutes", "keep_every", "peak_tflops")
+PROBABILITIES = ("embedding_dropout", "attention_dropout", "attn_out_dropout", "mlp_dropout")  # in [0, 1)
+
+
+def check_values(c):
+    """Each number of the config in its range, before any other check divides by one of them."""
+    bad = ([f"{k}={getattr(c, k)} must be positive" for k in POSITIVE if hasattr(c, k) and not getattr(c, k) > 0]
+           + [f"{k}={getattr(c, k)} must be 0 or more" for k in NOT_NEGATIVE if hasattr(c, k) and getattr(c, k) < 0]
+           + [f"{k}={getattr(c, k)} must be in [0, 1)" for k in PROBABILITIES if not 0 <= getattr(c, k) < 1])
+    if len(c.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in c.betas):
+        bad.append(f"betas={c.betas} must be two numbers in [0, 1), e.g. (0.9, 0.98)")
+    if bad:
+        raise SystemExit(f"{'; '.join(bad)}: fix the config or the --key=value")
 
 
 def check_run(c, steps, world):
     """-> the data's meta.json, once the run `c` (`steps` optimizer steps on `world` processes) can start."""
+    check_model_config(c)
     if not c.data_dir:
         raise SystemExit("data_dir is not set: point it at a directory made by `python data.py`")
     try:
@@ -43,7 +62,7 @@ def check_run(c, steps, world):
     if needed > train and int(os.environ.get("RANK", 0)) == 0:
         print(f"note: the schedule reads {needed:,} windows of {c.seq_len} tokens and train.bin holds {train:,}: "
               f"the data repeats ({needed / train:.1f} epochs), each epoch in a new order", file=sys.stderr)
-    check_out_dir(c.out_dir)
+    check_out_dir(c.out_dir, "out_dir")
     resuming = glob.glob(os.path.join(c.out_dir, "ckpt-*"))  # then init_from is not read (checkpointer.resume)
     if c.init_from != "scratch" and not resuming:
         check_readable(c.init_from, meta, c.data_dir)
@@ -58,17 +77,28 @@ def windows(data_dir, split, dtype, seq_len):
     return os.path.getsize(path) // np.dtype(dtype).itemsize // seq_len
 
 
-def check_out_dir(out_dir):
-    """out_dir exists (or is created) and takes a file: the first checkpoint is written there."""
-    probe = os.path.join(out_dir, f".write-test-{uuid.uuid4().hex}")
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise SystemExit(f"out_dir={out_dir!r} is not writable ({e.strerror}): choose a directory this user can "
-                         "write, on a filesystem every node shares") from None
+def check_model_config(c):
+    """model_config names ModernBertConfig fields, and from scratch makes a model that can be built: heads
+    that split hidden_size into even head dims (RoPE rotates pairs)."""
+    keys = [f.name for f in fields(ModernBertConfig)]
+    unknown = sorted(set(c.model_config) - set(keys))
+    if unknown:
+        raise SystemExit(f"model_config: unknown key(s) {', '.join(unknown)}; ModernBertConfig has {', '.join(keys)}")
+    defaults = ModernBertConfig()
+    numbers = [k for k, v in c.model_config.items() if isinstance(getattr(defaults, k), (int, float))
+               and (isinstance(v, bool) or not isinstance(v, (int, float)))]
+    if numbers:
+        raise SystemExit(f"model_config: {', '.join(f'{k}={c.model_config[k]!r}' for k in numbers)} must be numbers")
+    if c.init_from != "scratch":
+        return  # the checkpoint brings its own
+    preset = {"base": ModernBertConfig.base, "large": ModernBertConfig.large}.get(c.model_size)
+    if preset is None:
+        raise SystemExit(f"model_size={c.model_size!r}: choose 'base' or 'large' (or set model_config)")
+    m = preset(**c.model_config)
+    if m.num_attention_heads <= 0 or m.hidden_size % m.num_attention_heads or m.head_dim % 2:
+        raise SystemExit(f"model_config: hidden_size={m.hidden_size} must split into num_attention_heads="
+                         f"{m.num_attention_heads} heads of an even size (RoPE rotates pairs), e.g. hidden_size 768 "
+                         "with 12 heads of 64")
 
 
 def check_readable(path, meta, data_dir):

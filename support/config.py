@@ -8,6 +8,7 @@ error that names the key.
 import ast
 import dataclasses
 import os
+import uuid
 
 
 def parse(cls, argv):
@@ -56,13 +57,21 @@ def check_type(key, value, typ, where):
     return value
 
 
-def check_out_dir(path, flag="--out"):
-    """The output location is a directory (or can be made one) that this user may write: checked before
-    any work, so that no result is lost at the end for a path that was wrong from the start."""
+def check_out_dir(path, name="--out"):
+    """The output location is a directory, or can be made one, that this user may write: checked before any
+    work, so that no result is lost at the end for a path that was wrong from the start. A probe file is
+    written and removed in the nearest folder that exists; nothing is left behind."""
     if os.path.exists(path) and not os.path.isdir(path):
-        raise SystemExit(f"{flag} {path}: is a file, not a directory; give a directory path")
-    parent = path
-    while not os.path.exists(parent):  # the nearest folder that exists is where it will be made
-        parent = os.path.dirname(os.path.abspath(parent))
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise SystemExit(f"{flag} {path}: {parent} is not a directory you can write; choose another path")
+        raise SystemExit(f"{name}={path}: is a file, not a directory; give a directory path")
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):  # where the directory will be made
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise SystemExit(f"{name}={path}: {parent} is a file, not a directory; choose another path")
+    probe = os.path.join(parent, f".write-test-{uuid.uuid4().hex}")
+    try:
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise SystemExit(f"{name}={path} is not writable ({e.strerror}): choose a directory this user can write"
+                         f"{', on a filesystem every node shares' if name == 'out_dir' else ''}") from None

@@ -1,6 +1,7 @@
 """The few lines of device set-up that train.py, cka.py and eval.py share: torch.distributed and
 mixed precision."""
 
+import contextlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,6 +27,9 @@ def setup(device="auto", timeout_minutes=60.0):
     a collective while rank 0 writes a checkpoint (for Large about 5 GB, read back for its sha256, synced),
     which on a slow shared filesystem takes far longer than NCCL's default of 10 minutes."""
     cuda = device != "cpu" and torch.cuda.is_available()
+    if device.startswith("cuda") and not cuda:
+        raise SystemExit(f"device={device!r}: PyTorch sees no CUDA GPU here ({torch.__version__}); use --device=cpu "
+                         "or auto, or install a CUDA build of PyTorch")
     if "RANK" not in os.environ:
         return Process(0, 1, torch.device(device if device != "auto" else ("cuda" if cuda else "cpu")))
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -37,6 +41,18 @@ def setup(device="auto", timeout_minutes=60.0):
     from torch import _dynamo  # noqa: F401
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=timeout_minutes))
     return Process(dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local_rank}" if cuda else "cpu"))
+
+
+@contextlib.contextmanager
+def said_once():
+    """For the checks before the process group exists: every torchrun process runs them on the same files and
+    stops alike, so rank 0 alone says why (the others exit 1 quietly) and a mistake reads as one line."""
+    try:
+        yield
+    except SystemExit as e:
+        if int(os.environ.get("RANK", 0)) > 0 and isinstance(e.code, str):
+            raise SystemExit(1) from None
+        raise
 
 
 def autocast(device, dtype="auto"):

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from data import prepare, read_documents
 from support.tokenizer import train_bpe
@@ -47,6 +48,8 @@ def snapshot(folder):
 
 DATA = [sys.executable, os.path.join(ROOT, "data.py")]
 TRAIN = [sys.executable, os.path.join(ROOT, "train.py")]
+EVAL_ANY = [sys.executable, os.path.join(ROOT, "eval.py"), "--device", "cpu"]
+EVAL = EVAL_ANY + ["--model", "run/final", "--out", "results"]  # the tiny run's model
 # A finished tiny CLM run in run/: 6 main + 2 decay steps of 4 x 32 tokens
 TINY_RUN = ["--data_dir=shards", "--model_config={'hidden_size': 32, 'intermediate_size': 48, 'num_hidden_layers': 2, "
             "'num_attention_heads': 2, 'local_attention': 16}", "--seq_len=32", "--global_batch_size=4",
@@ -96,6 +99,58 @@ ROWS = [
     ("a phase of 0 tokens", {},
      TRAIN + TINY_RUN + ["--out_dir=new_run", "--tokens=0"],
      "a phase needs a positive length"),
+    ("a model_config key with a typo", {},
+     TRAIN + TINY_RUN + ["--out_dir=new_run", "--model_config={'hidden_sise': 32}"],
+     "model_config: unknown key(s) hidden_sise; ModernBertConfig has vocab_size, hidden_size"),
+    ("a hidden size that the heads do not divide", {},
+     TRAIN + TINY_RUN + ["--out_dir=new_run", "--model_config={'hidden_size': 30, 'num_attention_heads': 4}"],
+     "hidden_size=30 must split into num_attention_heads=4 heads of an even size"),
+    ("a micro batch of 0", {}, TRAIN + TINY_RUN + ["--out_dir=new_run", "--micro_batch_size=0"],
+     "micro_batch_size=0 must be positive"),
+    ("an evaluation interval of 0 and max_ckpts 0", {},
+     TRAIN + TINY_RUN + ["--out_dir=new_run", "--eval_interval=0", "--max_ckpts=0"],
+     "eval_interval=0 must be positive; max_ckpts=0 must be positive"),
+    ("betas with one value, a negative weight decay", {},
+     TRAIN + TINY_RUN + ["--out_dir=new_run", "--betas=(0.9,)", "--weight_decay=-1"],
+     "weight_decay=-1.0 must be 0 or more; betas=(0.9,) must be two numbers in [0, 1)"),
+    *([("a CUDA device on a machine without one", {}, TRAIN + TINY_RUN + ["--out_dir=new_run", "--device=cuda"],
+        "device='cuda': PyTorch sees no CUDA GPU here")] if not torch.cuda.is_available() else []),
+    ("data.py given a folder as input", {},
+     DATA + ["--input", "shards", "--tokenizer", "tok.json", "--out", "new_shards"],
+     "input file 'shards' is a directory"),
+    ("eval.py --tokenizer that does not exist", {},
+     EVAL + ["--task", "cls", "--data", "cls", "--tokenizer", "nope.json"],
+     "--tokenizer nope.json: tokenizer 'nope.json' not found"),
+    ("eval.py --out is a file", {"taken": "not a folder"},
+     EVAL + ["--task", "cls", "--data", "cls", "--out", "taken"],
+     "--out=taken: is a file, not a directory"),
+    ("eval.py --suite --out is a file", {"taken": "not a folder", "s.py": "seeds = [1]\ntasks = []\n"},
+     EVAL_ANY + ["--suite", "s.py", "--models", "run/final", "--out", "taken"],
+     "--out=taken: is a file, not a directory"),
+    ("NER tags shorter than the tokens",
+     {"ner/train.jsonl": '{"tokens": ["a", "b"], "tags": ["O", "O"]}\n{"tokens": ["c", "d"], "tags": ["O"]}\n'},
+     EVAL + ["--task", "ner", "--data", "ner"],
+     "ner/train.jsonl:2: 2 tokens but 1 tags"),
+    ("a class label that is a list", {"cls/train.jsonl": '{"text": "liver", "label": ["a", "b"]}\n'},
+     EVAL + ["--task", "cls", "--data", "cls"],
+     "cls/train.jsonl:1: label ['a', 'b'] must be one class name or number (for several, use --task multilabel)"),
+    ("multi-label labels that are a string", {"ml/train.jsonl": '{"text": "liver", "labels": "a"}\n'},
+     EVAL + ["--task", "multilabel", "--data", "ml"],
+     "ml/train.jsonl:1: labels 'a' must be a list"),
+    ("labels 1 and 1.0 in one file",
+     {"cls/train.jsonl": '{"text": "liver", "label": 1}\n{"text": "cells", "label": 0}\n'
+                         '{"text": "proteins", "label": 1.0}\n'},
+     EVAL + ["--task", "cls", "--data", "cls"],
+     "cls/train.jsonl:3: label 1.0 is label 1 (line 1) written another way"),
+    ("a null text to fine-tune on", {"cls/train.jsonl": '{"text": "liver", "label": 1}\n{"text": null, "label": 0}\n'},
+     EVAL + ["--task", "cls", "--data", "cls"],
+     "cls/train.jsonl:2: the text is None, not a text"),
+    ("eval.py seeds that are not integers", {},
+     EVAL + ["--task", "cls", "--data", "cls", "--seeds", "42,x"],
+     "seeds integers like 42,43,44"),
+    ("eval.py 0 epochs", {},
+     EVAL + ["--task", "cls", "--data", "cls", "--epochs", "0"],
+     "--epochs=0: epochs, batch_size and lr must be positive"),
 ]
 
 
@@ -107,6 +162,7 @@ def test_mistake(workdir, tmp_path, name, files, command, message):
         if content.startswith("@"):
             subprocess.run(["cp", "-rT", str(d / content[1:]), str(d / path)], check=True)
         else:
+            (d / path).parent.mkdir(parents=True, exist_ok=True)
             (d / path).write_text(content)
     before = snapshot(d)
     r = subprocess.run(command, cwd=d, capture_output=True, text=True, timeout=300)
@@ -151,3 +207,13 @@ def test_resume_accepts_run_settings_and_named_changes(workdir, tmp_path):
         r = subprocess.run(TRAIN + TINY_RUN + ["--out_dir=run", *extra], cwd=d, capture_output=True, text=True)
         assert r.returncode == 0, (extra, r.stderr[-1500:])
     assert json.loads((d / "run" / "config.json").read_text())["seed"] == 3  # what it now runs with
+
+
+def test_torchrun_says_a_mistake_once(workdir):
+    """Every process checks the config; rank 0 alone prints what is wrong (torchrun adds its own report)."""
+    before = snapshot(workdir)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *TRAIN[1:], *TINY_RUN,
+                        "--out_dir=new_run", "--lr_typo=1"], cwd=workdir, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    assert (r.stdout + r.stderr).count("unknown config key 'lr_typo'") == 1, r.stderr[-3000:]
+    assert snapshot(workdir) == before
