@@ -28,8 +28,8 @@ PROBABILITIES = ("embedding_dropout", "attention_dropout", "attn_out_dropout", "
 
 def check_values(c):
     """Each number of the config in its range, before any other check divides by one of them."""
-    bad = ([f"{k}={getattr(c, k)} must be positive" for k in POSITIVE if hasattr(c, k) and not getattr(c, k) > 0]
-           + [f"{k}={getattr(c, k)} must be 0 or more" for k in NOT_NEGATIVE if hasattr(c, k) and getattr(c, k) < 0]
+    bad = ([f"{k}={getattr(c, k)} must be positive" for k in POSITIVE if not getattr(c, k) > 0]
+           + [f"{k}={getattr(c, k)} must be 0 or more" for k in NOT_NEGATIVE if getattr(c, k) < 0]
            + [f"{k}={getattr(c, k)} must be in [0, 1)" for k in PROBABILITIES if not 0 <= getattr(c, k) < 1])
     if len(c.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in c.betas):
         bad.append(f"betas={c.betas} must be two numbers in [0, 1), e.g. (0.9, 0.98)")

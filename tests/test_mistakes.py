@@ -48,6 +48,8 @@ def snapshot(folder):
 
 DATA = [sys.executable, os.path.join(ROOT, "data.py")]
 TRAIN = [sys.executable, os.path.join(ROOT, "train.py")]
+CKA = [sys.executable, os.path.join(ROOT, "cka.py"), "--pair", "run/final", "run/final", "--texts", "corpus.txt",
+       "--n", "8", "--device", "cpu", "--out", "cka"]
 EVAL_ANY = [sys.executable, os.path.join(ROOT, "eval.py"), "--device", "cpu"]
 EVAL = EVAL_ANY + ["--model", "run/final", "--out", "results"]  # the tiny run's model
 # A finished tiny CLM run in run/: 6 main + 2 decay steps of 4 x 32 tokens
@@ -121,6 +123,13 @@ ROWS = [
     ("eval.py --tokenizer that does not exist", {},
      EVAL + ["--task", "cls", "--data", "cls", "--tokenizer", "nope.json"],
      "--tokenizer nope.json: tokenizer 'nope.json' not found"),
+    ("cka.py --n 2", {}, CKA + ["--n", "2"], "--n 2: CKA needs at least 4 texts"),
+    ("cka.py --n 1", {}, CKA + ["--n", "1"], "--n 1: CKA needs at least 4 texts"),
+    ("cka.py --out is a file", {"taken": "not a folder"}, CKA + ["--out", "taken"], "--out=taken: is a file"),
+    ("cka.py --pair with a path that is not a checkpoint", {},
+     [*CKA[:3], "run/final", "shards", *CKA[5:]], "shards: not a checkpoint directory (no config.json)"),
+    ("cka.py --runs with a checkpoint instead of a run", {},
+     [*CKA[:2], "--runs", "run/final", "run", *CKA[5:]], "run/final holds no ckpt-STEP or final checkpoint"),
     ("eval.py --out is a file", {"taken": "not a folder"},
      EVAL + ["--task", "cls", "--data", "cls", "--out", "taken"],
      "--out=taken: is a file, not a directory"),
