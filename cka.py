@@ -451,7 +451,8 @@ def trajectory_markdown(results):
             row += f" {pct(p['pair'] and p['pair']['regions'][k])} |"
             if has_control:
                 ratio_ = p.get("ratio") and p["ratio"][k]
-                row += f" {pct(p['control'] and p['control']['regions'][k])} | {ratio_text(ratio_) if p.get('ratio') else ''} |"
+                control = pct(p["control"] and p["control"]["regions"][k])
+                row += f" {control} | {ratio_text(ratio_) if p.get('ratio') else ''} |"
         lines.append(row)
     return "\n".join(lines) + "\n"
 

@@ -189,7 +189,7 @@ def trajectory_section(out, s):
     back = pct(end) - pct(final)
     return ["## CKA over training: detour vs MLM (pair) and MLM vs its seed twin (control)", "",
             "Divergence (1 - CKA, %) by layer region at every step both arms kept (every 100 steps, the end of "
-            f"phase 1, and the final checkpoints), mean ± std over the sampling seeds; same texts as above.", "",
+            "phase 1, and the final checkpoints), mean ± std over the sampling seeds; same texts as above.", "",
             table.strip(), "", "![trajectory](trajectory.png)", "",
             f"What this small run shows: the low layers ({low}) are already {pct(first):.1f}% apart after "
             f"{first['tokens']:,} tokens of phase 1 ({ratio} the control), {pct(end):.1f}% at step {end['step']} "

@@ -7,6 +7,7 @@ before any rank waits in a collective.
 """
 
 import glob
+import importlib.util
 import os
 import sys
 from dataclasses import fields
@@ -40,6 +41,7 @@ def check_values(c):
 def check_run(c, steps, world):
     """-> the data's meta.json, once the run `c` (`steps` optimizer steps on `world` processes) can start."""
     check_model_config(c)
+    check_wandb(c)
     if not c.data_dir:
         raise SystemExit("data_dir is not set: point it at a directory made by `python data.py`")
     try:
@@ -67,6 +69,13 @@ def check_run(c, steps, world):
     if c.init_from != "scratch" and not resuming:
         check_readable(c.init_from, meta, c.data_dir)
     return meta
+
+
+def check_wandb(c):
+    """wandb (an optional dependency) is installed when the run asks for it, so it is known before any compute."""
+    if c.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise SystemExit(f"wandb_project={c.wandb_project!r} but wandb is not installed: pip install wandb "
+                         "(or leave wandb_project empty)")
 
 
 def windows(data_dir, split, dtype, seq_len):

@@ -113,11 +113,7 @@ def wandb_run(c):
     """The Weights & Biases run that mirrors metrics.jsonl, with the config. Its id is kept in out_dir/wandb_id:
     a resumed run (a requeued job) continues the same W&B run. W&B ignores the steps a resume logs again after a
     kill (it only takes a step above its last one): those records were logged before, with the same numbers."""
-    try:
-        import wandb  # optional: only for runs that set wandb_project
-    except ImportError:
-        raise SystemExit(f"wandb_project={c.wandb_project!r} but wandb is not installed: pip install wandb "
-                         "(or leave wandb_project empty)") from None
+    import wandb  # optional: only for runs that set wandb_project (support/checks.check_wandb said it is there)
     id_file = os.path.join(c.out_dir, "wandb_id")
     if not os.path.isfile(id_file):
         with open(id_file + ".tmp", "w") as f:

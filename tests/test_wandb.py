@@ -4,6 +4,7 @@ included. What W&B stored is read back from its own run files (.wandb: a LevelDB
 records, read here with wandb's protobuf classes), not from our code."""
 
 import glob
+import importlib.util
 import json
 import os
 import signal
@@ -13,7 +14,7 @@ import time
 
 import pytest
 
-from support.logger import wandb_run
+from support.checks import check_wandb
 from test_train import ROOT, data_dir, metrics, train_cmd  # noqa: F401 (fixtures)
 from train import Config
 
@@ -88,6 +89,7 @@ def test_wandb_offline_logs_every_record_and_a_resume_continues_the_same_run(dat
 
 
 def test_wandb_missing_is_a_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
     with pytest.raises(SystemExit, match="wandb is not installed: pip install wandb"):
-        wandb_run(Config(out_dir=str(tmp_path), wandb_project="p"))
+        check_wandb(Config(out_dir=str(tmp_path), wandb_project="p"))
