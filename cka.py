@@ -34,7 +34,7 @@ from support import distributed
 from support.checkpoint import PROGRESS, sha256, step_checkpoints, step_of
 from support.config import check_out_dir
 from data import read_documents
-from model import ModernBertForMaskedLM, cu_seqlens_of, mean_pool
+from model import ModernBertForMaskedLM, cu_seqlens_of, load_config, mean_pool
 from support.suite import mean_std
 from support.tokenizer import load_tokenizer
 
@@ -152,6 +152,10 @@ def tokenizer_of(paths, override):
     for p in paths:
         if not os.path.isfile(os.path.join(p, "config.json")):
             raise SystemExit(f"{p}: not a checkpoint directory (no config.json)")
+        try:
+            load_config(p)
+        except ValueError as e:  # another architecture's config.json
+            raise SystemExit(f"{p}: {e}") from None
     if override:
         try:
             return load_tokenizer(override)

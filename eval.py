@@ -401,9 +401,12 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
 
 
 def check_model(path, tokenizer):
-    """The tokenizer of a checkpoint, once its weights load and the tokenizer fits its embedding."""
+    """The tokenizer of a checkpoint, once it loads as a ModernBERT and the tokenizer fits its embedding."""
     tok = model_tokenizer(path, tokenizer)
-    config = ModernBertForSequenceClassification.from_pretrained(path, id2label={"0": "a", "1": "b"}).config
+    try:
+        config = ModernBertForSequenceClassification.from_pretrained(path, id2label={"0": "a", "1": "b"}).config
+    except (OSError, ValueError, RuntimeError) as e:  # not ModernBERT, no weights, weights of another shape
+        raise SystemExit(f"--model {path}: {e}") from None
     if tok.vocab_size > config.vocab_size:
         raise SystemExit(f"its tokenizer has {tok.vocab_size} tokens, its embedding {config.vocab_size}; "
                          "pass the tokenizer the model was trained with (--tokenizer)")
@@ -420,7 +423,7 @@ def run_suite(args, rank, world, device, autocast, dtype):
     for path in args.models:
         try:
             toks[path] = check_model(path, args.tokenizer)
-        except (SystemExit, OSError, ValueError) as e:
+        except SystemExit as e:
             problems.append(f"model {path}: {e}")
     for t in tasks:
         try:
@@ -541,7 +544,7 @@ def main(argv=None):
         run_suite(args, rank, world, device, autocast, dtype)
         distributed.teardown()
         return
-    tok = model_tokenizer(args.model, args.tokenizer)
+    tok = check_model(args.model, args.tokenizer)
     raw, labels = read_task(args.data, args.task)
     splits = encode_splits(raw, tok, args.task, labels, args.max_len)
     if rank == 0:

@@ -52,6 +52,7 @@ CKA = [sys.executable, os.path.join(ROOT, "cka.py"), "--pair", "run/final", "run
        "--n", "8", "--device", "cpu", "--out", "cka"]
 EVAL_ANY = [sys.executable, os.path.join(ROOT, "eval.py"), "--device", "cpu"]
 EVAL = EVAL_ANY + ["--model", "run/final", "--out", "results"]  # the tiny run's model
+BERT_CONFIG = json.dumps({"model_type": "bert", "hidden_size": 32, "num_attention_heads": 2})  # another architecture
 # A finished tiny CLM run in run/: 6 main + 2 decay steps of 4 x 32 tokens
 TINY_RUN = ["--data_dir=shards", "--model_config={'hidden_size': 32, 'intermediate_size': 48, 'num_hidden_layers': 2, "
             "'num_attention_heads': 2, 'local_attention': 16}", "--seq_len=32", "--global_batch_size=4",
@@ -128,6 +129,11 @@ ROWS = [
     ("cka.py --out is a file", {"taken": "not a folder"}, CKA + ["--out", "taken"], "--out=taken: is a file"),
     ("cka.py --pair with a path that is not a checkpoint", {},
      [*CKA[:3], "run/final", "shards", *CKA[5:]], "shards: not a checkpoint directory (no config.json)"),
+    ("cka.py --pair with a BERT checkpoint", {"bert/config.json": BERT_CONFIG, "bert/tokenizer.json": "{}"},
+     [*CKA[:3], "run/final", "bert", *CKA[5:]], "bert: config.json has model_type='bert'; this code only reads"),
+    ("eval.py --model a BERT checkpoint", {"bert/config.json": BERT_CONFIG},
+     EVAL_ANY + ["--model", "bert", "--tokenizer", "tok.json", "--task", "cls", "--data", "cls", "--out", "results"],
+     "--model bert: config.json has model_type='bert'; this code only reads ModernBERT"),
     ("cka.py --runs with a checkpoint instead of a run", {},
      [*CKA[:2], "--runs", "run/final", "run", *CKA[5:]], "run/final holds no ckpt-STEP or final checkpoint"),
     ("eval.py --out is a file", {"taken": "not a folder"},
