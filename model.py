@@ -276,7 +276,7 @@ def find_varlen_attn():
 BACKENDS = ("flash", "varlen", "sdpa")
 # The fused kernels run on CUDA and take float16 / bfloat16 q, k, v only (both check it and raise);
 # a float32 forward (no autocast) attends with SDPA. Tests point KERNEL_DEVICE at "cpu" to run
-# stand-ins of the kernels there (tests/fake_kernels.py).
+# the kernels' real wrappers there on an emulation of the kernels (tests/cpu_kernels.py).
 KERNEL_DEVICE = "cuda"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
