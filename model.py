@@ -193,6 +193,10 @@ class Packing:
 
     def __init__(self, T, cu_seqlens, max_seqlen, causal, half_window, backend):
         self.cu_seqlens, self.max_seqlen, self.causal, self.backend = cu_seqlens, max_seqlen, causal, backend
+        # The kernels take the keys' cu_seqlens apart from the queries'. One tensor passed as both would be a
+        # duplicate input of flash-attn's autograd.Function, which torch.compile cannot trace: a graph break in
+        # every layer. A copy, once per batch, costs B+1 ints.
+        self.cu_seqlens_k = cu_seqlens.clone() if backend != "sdpa" else None
         lengths = cu_seqlens.diff()  # (B,)
         starts = torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=T)  # (T,)
         self.positions = torch.arange(T, device=cu_seqlens.device) - starts  # (T,)
@@ -229,12 +233,12 @@ class Packing:
 def attention(q, k, v, packing, layer_type, dropout_p):
     """Scaled dot-product attention over the sequences of an unpadded batch, in a "global" or "local" layer."""
     left, right = packing.windows[layer_type]
-    cu, S = packing.cu_seqlens, packing.max_seqlen
+    cu, cu_k, S = packing.cu_seqlens, packing.cu_seqlens_k, packing.max_seqlen
     if packing.backend == "flash":
-        return flash_attn_varlen_func(q, k, v, cu, cu, S, S, dropout_p=dropout_p, causal=packing.causal,
+        return flash_attn_varlen_func(q, k, v, cu, cu_k, S, S, dropout_p=dropout_p, causal=packing.causal,
                                       window_size=(left, right))
     if packing.backend == "varlen":
-        return varlen_attn(q, k, v, cu, cu, S, S, window_size=(left, right))
+        return varlen_attn(q, k, v, cu, cu_k, S, S, window_size=(left, right))
     # SDPA on a (B, S) view: zero-padded by a scatter when the sequences differ in length.
     T, nh, hd = q.shape
     B = cu.numel() - 1

@@ -99,21 +99,26 @@ def forward(q, k, v, ok, scale):
     s = s.masked_fill(~ok, float("-inf"))
     lse = s.logsumexp(-1)  # (heads, total_q)
     p = (s - lse[..., None]).exp()
-    return torch.einsum("hqk,khd->qhd", p, v.float()).to(q.dtype), lse
+    return like(q, torch.einsum("hqk,khd->qhd", p, v.float())), lse
+
+
+def like(x, result):
+    """The kernels allocate their outputs with empty_like (x's strides where x is dense, else contiguous),
+    as their fake registrations say: a compiled graph views them with those strides."""
+    return torch.empty_like(x).copy_(result)
 
 
 def backward(dout, q, k, v, out, lse, ok, scale):
     """-> dq, dk, dv in q's dtype and softmax_d = rowsum(dout * out) (heads, total_q) float32."""
-    q, k, v, dout = q.float(), k.float(), v.float(), dout.float()
-    s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    qf, kf, vf, dof = q.float(), k.float(), v.float(), dout.float()
+    s = torch.einsum("qhd,khd->hqk", qf, kf) * scale
     p = (s.masked_fill(~ok, float("-inf")) - lse[..., None]).exp()  # the probabilities, from the saved lse
-    d = (dout * out.float()).sum(-1).T  # (heads, total_q)
-    dp = torch.einsum("qhd,khd->hqk", dout, v)
-    ds = p * (dp - d[..., None])
-    dq = torch.einsum("hqk,khd->qhd", ds, k) * scale
-    dk = torch.einsum("hqk,qhd->khd", ds, q) * scale
-    dv = torch.einsum("hqk,qhd->khd", p, dout)
-    return dq.to(out.dtype), dk.to(out.dtype), dv.to(out.dtype), d
+    d = (dof * out.float()).sum(-1).T  # (heads, total_q)
+    ds = p * (torch.einsum("qhd,khd->hqk", dof, vf) - d[..., None])  # dS = P * (dO V^T - D)
+    dq = torch.einsum("hqk,khd->qhd", ds, kf) * scale
+    dk = torch.einsum("hqk,qhd->khd", ds, qf) * scale
+    dv = torch.einsum("hqk,qhd->khd", p, dof)
+    return like(q, dq), like(k, dk), like(v, dv), d
 
 
 def record(kernel, q, window, causal):
