@@ -786,7 +786,10 @@ def training_flops(config, seqlens, causal, n_rows):
     6 = 2 FLOPs per multiply-add x 3 (forward, and backward to inputs and to weights). A pair costs
     2 x 2 x H forward (QK^T and AV over all heads), x 3 with backward, and only the pairs the mask
     keeps count: each sequence's real length (not seq_len), the local window clipped at both ends,
-    and under the causal mask only keys at or before the query (attention_pairs)."""
+    and under the causal mask only keys at or before the query (attention_pairs): the work of the
+    varlen kernels. SDPA with a dense mask computes every pair of its padded (B, S, S) view and
+    masks afterwards; tests/test_flops.py checks that torch's FlopCounterMode on that path counts
+    exactly this plus 12 x H per pair masked out."""
     H, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
     seqlens = [int(n) for n in seqlens]
     per_layer = 4 * H * H + 3 * H * config.intermediate_size  # Wqkv + Wo + Wi (2 branches) + Wo
