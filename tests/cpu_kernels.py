@@ -2,7 +2,8 @@
 compiled kernel, which is emulated here.
 
 - flash-attn 2.8.3, the real package (tests/install_kernels.sh puts it in tests/.kernels, which only this
-  module puts on sys.path). Its compiled extension `flash_attn_2_cuda` is replaced by `FlashExtension`
+  module puts on sys.path; where the environment has a flash-attn of its own, it is left alone and the
+  tests that need this copy skip). Its compiled extension `flash_attn_2_cuda` is replaced by `FlashExtension`
   below (`varlen_fwd`, `varlen_bwd`, with the argument lists and return tuples of flash_api.cpp), and the
   package's own custom ops `flash_attn::_flash_attn_varlen_forward` / `_backward` (declared for CUDA only)
   get their own Python bodies as CPU kernels: so `flash_attn.flash_attn_varlen_func`, its autograd
@@ -35,12 +36,11 @@ import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repo root, run as a script
-sys.path.insert(0, os.path.join(HERE, ".kernels"))
 
 import torch  # noqa: E402
 from torch.nn.attention.varlen import varlen_attn  # noqa: E402
 
-import model  # noqa: E402
+import model  # noqa: E402  (first: the flash-attn model.py imports is the environment's, if it has one)
 
 calls = {"flash": [], "varlen": []}
 
@@ -51,6 +51,8 @@ calls = {"flash": [], "varlen": []}
 
 def check(q, k, v, cu_q, cu_k, max_q, max_k):
     """The kernel's TORCH_CHECKs on what model.py can send it, and the bound it does not check."""
+    if q.device.type != "cpu":
+        raise RuntimeError("tests/cpu_kernels.py emulates the kernels on CPU tensors only")
     for t, what in ((q, "q"), (k, "k"), (v, "v")):
         if t.dtype not in (torch.float16, torch.bfloat16):
             raise RuntimeError(f"FlashAttention only support fp16 and bf16 data type ({what} is {t.dtype})")
@@ -131,13 +133,13 @@ def record(kernel, q, window, causal):
 
 
 class FlashExtension(types.ModuleType):
-    """flash_attn_2_cuda: CPU tensors to the emulation, CUDA tensors to the real build where there is one."""
+    """flash_attn_2_cuda, on CPU tensors."""
 
     def varlen_fwd(self, *args):
-        return self.real.varlen_fwd(*args) if args[0].is_cuda else self.emulated_fwd(*args)
+        return self.emulated_fwd(*args)
 
     def varlen_bwd(self, *args):
-        return self.real.varlen_bwd(*args) if args[0].is_cuda else self.emulated_bwd(*args)
+        return self.emulated_bwd(*args)
 
     def emulated_fwd(self, q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table,
                    alibi_slopes, max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale, zero_tensors, is_causal,
@@ -163,24 +165,26 @@ class FlashExtension(types.ModuleType):
 
 
 def install_flash():
-    """Import the real package with the emulated extension under it; CPU kernels for its custom ops."""
+    """The package from tests/.kernels with the emulated extension under it; CPU kernels for its custom ops.
+    None where the environment has a working flash-attn: a GPU user's is left as it is (tests/test_gpu.py
+    runs it on the GPU), and the tests that need this one skip."""
+    if model.flash_attn_varlen_func is not None:
+        return None
+    sys.path.insert(0, os.path.join(HERE, ".kernels"))
+    sys.modules["flash_attn_2_cuda"] = FlashExtension("flash_attn_2_cuda")
     try:
-        import flash_attn_2_cuda as real  # a GPU user's real build: CUDA tensors still go to it
+        import flash_attn
     except ImportError:
-        real = None
-    ext = FlashExtension("flash_attn_2_cuda")
-    ext.real = real
-    sys.modules["flash_attn_2_cuda"] = ext
-    import flash_attn
+        raise SystemExit("tests need flash-attn's Python package in tests/.kernels: run bash tests/install_kernels.sh")
     from flash_attn import flash_attn_interface as fi
-    assert flash_attn.__version__ == "2.8.3", flash_attn.__file__
-    fi.flash_attn_gpu = ext
+    assert flash_attn.__version__ == "2.8.3" and flash_attn.__file__.startswith(HERE), flash_attn.__file__
     for op in (fi._flash_attn_varlen_forward, fi._flash_attn_varlen_backward):
         op.register_kernel("cpu")(op._init_fn)  # the op's own body, which calls the extension
     return flash_attn.flash_attn_varlen_func
 
 
 flash_attn_varlen_func = install_flash()
+NO_FLASH = "flash-attn is installed here: the CPU emulation runs only its own copy (tests/install_kernels.sh)"
 
 
 # -----------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import cpu_kernels
 import data
 import train
 from model import ModernBertConfig
-from test_gpu_path import SPECIAL, randomized, tiny, train_losses  # noqa: F401 (tiny is a fixture)
+from test_gpu_path import SPECIAL, needs_flash, randomized, tiny, train_losses  # noqa: F401 (tiny is a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Each process: torch.compile with aot_eager, and the number of graphs it compiled printed on exit.
@@ -62,7 +62,7 @@ def test_a_run_compiles_one_graph_per_mask(tiny, tmp_path, monkeypatch, keep_sig
         assert s == t and abs(a - b) <= 1e-5 * abs(b)
 
 
-@pytest.mark.parametrize("kernel", ["flash", "varlen"])
+@pytest.mark.parametrize("kernel", [pytest.param("flash", marks=needs_flash), "varlen"])
 def test_a_run_through_each_kernel_compiles_one_graph_per_mask(tiny, tmp_path, monkeypatch, keep_signal_handlers,
                                                                kernel):
     """The real wrappers (tests/cpu_kernels.py) under torch.compile and bf16 autocast, CLM then MLM. flash-attn

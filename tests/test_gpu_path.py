@@ -18,15 +18,18 @@ import sys
 
 import pytest
 import torch
+from torch.nn.attention.varlen import AuxRequest
 
 import cpu_kernels
-from torch.nn.attention.varlen import AuxRequest
 from data import prepare, read_documents
 from model import ModernBertConfig, ModernBertForMaskedLM
 from support.tokenizer import train_bpe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = os.path.join(ROOT, "tests", "cpu_kernels.py")
+# A GPU user's own flash-attn is left as it is; tests/test_gpu.py runs it on the GPU.
+needs_flash = pytest.mark.skipif(cpu_kernels.flash_attn_varlen_func is None, reason=cpu_kernels.NO_FLASH)
+FLASH = pytest.param("flash", marks=needs_flash)
 SPECIAL = dict(pad_token_id=0, cls_token_id=1, sep_token_id=2, bos_token_id=1, eos_token_id=2)
 
 
@@ -80,7 +83,7 @@ def reference(q, k, v, lengths, left, right, scale):
     return torch.cat(out), torch.cat(lse, 1)
 
 
-@pytest.mark.parametrize("kernel", ["flash", "varlen"])
+@pytest.mark.parametrize("kernel", [FLASH, "varlen"])
 @pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (False, (3, 3)), (True, (-1, -1)), (True, (3, 3)),
                                             (False, (30, 30))])  # a window longer than any sequence: unlimited
 def test_kernel_through_its_wrapper_matches_float64(kernel, causal, window):
@@ -110,7 +113,7 @@ def test_kernel_through_its_wrapper_matches_float64(kernel, causal, window):
 # 1-2. The model
 
 
-@pytest.mark.parametrize("backend", ["flash", "varlen"])
+@pytest.mark.parametrize("backend", [FLASH, "varlen"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("window", [8, 256])  # local window shorter / longer than the sequences
@@ -132,6 +135,7 @@ def test_model_through_each_kernel_matches_sdpa(monkeypatch, backend, causal, pa
         assert (grads[name] - g).norm() <= 0.03 * g.norm() + 1e-6, name
 
 
+@needs_flash
 def test_float32_forward_never_reaches_a_kernel(monkeypatch):
     """Defect 1: without autocast the kernels would get float32 q, k, v and raise on CUDA."""
     cpu_kernels.install(monkeypatch)
@@ -150,6 +154,7 @@ def test_float32_forward_never_reaches_a_kernel(monkeypatch):
             model(ids)
 
 
+@needs_flash
 def test_bad_kernel_inputs_are_caught():
     """The emulation raises where the kernels do: a harness that accepted anything would prove nothing."""
     q = torch.randn(10, 2, 16, dtype=torch.bfloat16)
@@ -214,6 +219,7 @@ def train_losses(out):
         return [(m["step"], m["loss"], m.get("val_mlm_loss")) for m in map(json.loads, f)]
 
 
+@needs_flash
 def test_train_steps_through_the_kernels(tiny, tmp_path):
     args = [f"--data_dir={tiny / 'shards'}", f"--init_from={tiny / 'a'}", "--seq_len=32", "--global_batch_size=4",
             "--micro_batch_size=2", f"--tokens={6 * 4 * 32}", "--warmup_tokens=0", "--lr=1e-3", "--decay_frac=0.34",
@@ -249,6 +255,7 @@ def eval_default(tiny, tmp_path_factory):
     return eval_run(tiny, tmp_path_factory.mktemp("eval_default"))
 
 
+@needs_flash
 def test_eval_through_the_kernels(tiny, eval_default, tmp_path):
     """Defect 1: eval.py ran its model in float32 and handed float32 q, k, v to the kernel."""
     res, r, seen = eval_default  # no --dtype: float32 on CPU must not reach the kernel
@@ -262,6 +269,7 @@ def test_eval_through_the_kernels(tiny, eval_default, tmp_path):
             assert abs(a["validation"]["macro_f1"] - b["validation"]["macro_f1"]) <= 0.07
 
 
+@needs_flash
 def test_cka_through_the_kernels(tiny, tmp_path):
     texts = tmp_path / "texts.txt"
     texts.write_text((tiny / "corpus.txt").read_text())
