@@ -3,8 +3,8 @@ compiled kernel, which is emulated here.
 
 - flash-attn 2.8.3, the real package (tests/install_kernels.sh puts it in tests/.kernels, which only this
   module puts on sys.path; where the environment has a flash-attn of its own, it is left alone and the
-  tests that need this copy skip). Its compiled extension `flash_attn_2_cuda` is replaced by `FlashExtension`
-  below (`varlen_fwd`, `varlen_bwd`, with the argument lists and return tuples of flash_api.cpp), and the
+  tests that need this copy skip). Its compiled extension `flash_attn_2_cuda` is a module made here of
+  `varlen_fwd` and `varlen_bwd` below (the argument lists and return tuples of flash_api.cpp), and the
   package's own custom ops `flash_attn::_flash_attn_varlen_forward` / `_backward` (declared for CUDA only)
   get their own Python bodies as CPU kernels: so `flash_attn.flash_attn_varlen_func`, its autograd
   Function, its custom ops and their fake (meta) registrations all run as on a GPU.
@@ -63,7 +63,7 @@ def check(q, k, v, cu_q, cu_k, max_q, max_k):
     if q.shape[-1] > 256:
         raise RuntimeError("FlashAttention forward only supports head dimension at most 256")
     if k.shape[1] != q.shape[1]:
-        raise RuntimeError("stand-in: no GQA")  # model.py never asks for it
+        raise RuntimeError("emulation: no GQA")  # model.py never asks for it
     for cu, m, t in ((cu_q, max_q, q), (cu_k, max_k, k)):
         if cu.dtype != torch.int32 or not cu.is_contiguous():
             raise RuntimeError("cu_seqlens must have dtype int32 and be contiguous")
@@ -132,36 +132,28 @@ def record(kernel, q, window, causal):
 # flash-attn: the compiled extension's two functions, as flash_api.cpp declares them
 
 
-class FlashExtension(types.ModuleType):
-    """flash_attn_2_cuda, on CPU tensors."""
+def varlen_fwd(q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table, alibi_slopes,
+               max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale, zero_tensors, is_causal, window_size_left,
+               window_size_right, softcap, return_softmax, gen_):
+    check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    assert p_dropout == 0 and softcap == 0 and alibi_slopes is None and block_table is None and out_ is None
+    ok = allowed(cu_seqlens_q, cu_seqlens_k, max_seqlen_k, is_causal, window_size_left, window_size_right)
+    record("flash", q, (window_size_left, 0 if is_causal else window_size_right), is_causal)
+    out, lse = forward(q, k, v, ok, softmax_scale)
+    # (out, softmax_lse, S_dmask, rng_state); S_dmask is empty without return_softmax
+    return out, lse, q.new_empty(0), torch.zeros(2, dtype=torch.int64)
 
-    def varlen_fwd(self, *args):
-        return self.emulated_fwd(*args)
 
-    def varlen_bwd(self, *args):
-        return self.emulated_bwd(*args)
-
-    def emulated_fwd(self, q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table,
-                   alibi_slopes, max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale, zero_tensors, is_causal,
-                   window_size_left, window_size_right, softcap, return_softmax, gen_):
-        check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        assert p_dropout == 0 and softcap == 0 and alibi_slopes is None and block_table is None and out_ is None
-        ok = allowed(cu_seqlens_q, cu_seqlens_k, max_seqlen_k, is_causal, window_size_left, window_size_right)
-        record("flash", q, (window_size_left, 0 if is_causal else window_size_right), is_causal)
-        out, lse = forward(q, k, v, ok, softmax_scale)
-        # (out, softmax_lse, S_dmask, rng_state); S_dmask is empty without return_softmax
-        return out, lse, q.new_empty(0), torch.zeros(2, dtype=torch.int64)
-
-    def emulated_bwd(self, dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-                   max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale, zero_tensors, is_causal, window_size_left,
-                   window_size_right, softcap, deterministic, gen_, rng_state):
-        check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        ok = allowed(cu_seqlens_q, cu_seqlens_k, max_seqlen_k, is_causal, window_size_left, window_size_right)
-        dq, dk, dv, d = backward(dout, q, k, v, out, softmax_lse, ok, softmax_scale)
-        for buf, g in ((dq_, dq), (dk_, dk), (dv_, dv)):  # the wrapper passes its buffers; the kernel fills them
-            buf.copy_(g)
-        batch = cu_seqlens_q.numel() - 1  # softmax_d is (heads, total_q + 128 x batch), as the kernel pads it
-        return dq_, dk_, dv_, torch.cat([d, d.new_zeros(d.shape[0], 128 * batch)], 1)
+def varlen_bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+               max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale, zero_tensors, is_causal, window_size_left,
+               window_size_right, softcap, deterministic, gen_, rng_state):
+    check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    ok = allowed(cu_seqlens_q, cu_seqlens_k, max_seqlen_k, is_causal, window_size_left, window_size_right)
+    dq, dk, dv, d = backward(dout, q, k, v, out, softmax_lse, ok, softmax_scale)
+    for buf, g in ((dq_, dq), (dk_, dk), (dv_, dv)):  # the wrapper passes its buffers; the kernel fills them
+        buf.copy_(g)
+    batch = cu_seqlens_q.numel() - 1  # softmax_d is (heads, total_q + 128 x batch), as the kernel pads it
+    return dq_, dk_, dv_, torch.cat([d, d.new_zeros(d.shape[0], 128 * batch)], 1)
 
 
 def install_flash():
@@ -171,7 +163,9 @@ def install_flash():
     if model.flash_attn_varlen_func is not None:
         return None
     sys.path.insert(0, os.path.join(HERE, ".kernels"))
-    sys.modules["flash_attn_2_cuda"] = FlashExtension("flash_attn_2_cuda")
+    extension = types.ModuleType("flash_attn_2_cuda")
+    extension.varlen_fwd, extension.varlen_bwd = varlen_fwd, varlen_bwd
+    sys.modules["flash_attn_2_cuda"] = extension
     try:
         import flash_attn
     except ImportError:

@@ -1,7 +1,8 @@
 """torch.compile as train.py uses it on GPU, checked on CPU: how many graphs a run compiles (dynamo's
 counters, with the aot_eager backend: the same tracing and guards as inductor, without its C++ build), with
-SDPA and through each kernel's real wrapper (tests/cpu_kernels.py), no graph break, compiled = eager with inductor, and the two pieces around it: the chunked loss does no
-gradient work under no_grad, and the prefetch thread keeps the batch stream as it is."""
+SDPA and through each kernel's real wrapper (tests/cpu_kernels.py), no graph break, compiled = eager with
+inductor, and the two pieces around it: the chunked loss does no gradient work under no_grad, and the
+prefetch thread keeps the batch stream as it is."""
 
 import os
 import re
