@@ -193,6 +193,10 @@ class Packing:
 
     def __init__(self, T, cu_seqlens, max_seqlen, causal, half_window, backend):
         self.cu_seqlens, self.max_seqlen, self.causal, self.backend = cu_seqlens, max_seqlen, causal, backend
+        # The kernels take the keys' cu_seqlens apart from the queries'. One tensor passed as both would be a
+        # duplicate input of flash-attn's autograd.Function, which torch.compile cannot trace: a graph break in
+        # every layer. A copy, once per batch, costs B+1 ints.
+        self.cu_seqlens_k = cu_seqlens.clone() if backend != "sdpa" else None
         lengths = cu_seqlens.diff()  # (B,)
         starts = torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=T)  # (T,)
         self.positions = torch.arange(T, device=cu_seqlens.device) - starts  # (T,)
@@ -229,12 +233,12 @@ class Packing:
 def attention(q, k, v, packing, layer_type, dropout_p):
     """Scaled dot-product attention over the sequences of an unpadded batch, in a "global" or "local" layer."""
     left, right = packing.windows[layer_type]
-    cu, S = packing.cu_seqlens, packing.max_seqlen
+    cu, cu_k, S = packing.cu_seqlens, packing.cu_seqlens_k, packing.max_seqlen
     if packing.backend == "flash":
-        return flash_attn_varlen_func(q, k, v, cu, cu, S, S, dropout_p=dropout_p, causal=packing.causal,
+        return flash_attn_varlen_func(q, k, v, cu, cu_k, S, S, dropout_p=dropout_p, causal=packing.causal,
                                       window_size=(left, right))
     if packing.backend == "varlen":
-        return varlen_attn(q, k, v, cu, cu, S, S, window_size=(left, right))
+        return varlen_attn(q, k, v, cu, cu_k, S, S, window_size=(left, right))
     # SDPA on a (B, S) view: zero-padded by a scatter when the sequences differ in length.
     T, nh, hd = q.shape
     B = cu.numel() - 1
@@ -276,7 +280,7 @@ def find_varlen_attn():
 BACKENDS = ("flash", "varlen", "sdpa")
 # The fused kernels run on CUDA and take float16 / bfloat16 q, k, v only (both check it and raise);
 # a float32 forward (no autocast) attends with SDPA. Tests point KERNEL_DEVICE at "cpu" to run
-# stand-ins of the kernels there (tests/fake_kernels.py).
+# the kernels' real wrappers there on an emulation of the kernels (tests/cpu_kernels.py).
 KERNEL_DEVICE = "cuda"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -782,7 +786,10 @@ def training_flops(config, seqlens, causal, n_rows):
     6 = 2 FLOPs per multiply-add x 3 (forward, and backward to inputs and to weights). A pair costs
     2 x 2 x H forward (QK^T and AV over all heads), x 3 with backward, and only the pairs the mask
     keeps count: each sequence's real length (not seq_len), the local window clipped at both ends,
-    and under the causal mask only keys at or before the query (attention_pairs)."""
+    and under the causal mask only keys at or before the query (attention_pairs): the work of the
+    varlen kernels. SDPA with a dense mask computes every pair of its padded (B, S, S) view and
+    masks afterwards; tests/test_flops.py checks that torch's FlopCounterMode on that path counts
+    exactly this plus 12 x H per pair masked out."""
     H, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
     seqlens = [int(n) for n in seqlens]
     per_layer = 4 * H * H + 3 * H * config.intermediate_size  # Wqkv + Wo + Wi (2 branches) + Wo

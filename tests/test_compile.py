@@ -1,7 +1,8 @@
 """torch.compile as train.py uses it on GPU, checked on CPU: how many graphs a run compiles (dynamo's
-counters, with the aot_eager backend: the same tracing and guards as inductor, without its C++ build),
-no graph break, compiled = eager with inductor, and the two pieces around it: the chunked loss does no
-gradient work under no_grad, and the prefetch thread keeps the batch stream as it is."""
+counters, with the aot_eager backend: the same tracing and guards as inductor, without its C++ build), with
+SDPA and through each kernel's real wrapper (tests/cpu_kernels.py), no graph break, compiled = eager with
+inductor, and the two pieces around it: the chunked loss does no gradient work under no_grad, and the
+prefetch thread keeps the batch stream as it is."""
 
 import os
 import re
@@ -14,10 +15,11 @@ import torch
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import cpu_kernels
 import data
 import train
 from model import ModernBertConfig
-from test_gpu_path import SPECIAL, randomized, tiny, train_losses  # noqa: F401 (tiny is a fixture)
+from test_gpu_path import SPECIAL, needs_flash, randomized, tiny, train_losses  # noqa: F401 (tiny is a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Each process: torch.compile with aot_eager, and the number of graphs it compiled printed on exit.
@@ -59,6 +61,28 @@ def test_a_run_compiles_one_graph_per_mask(tiny, tmp_path, monkeypatch, keep_sig
     train.main(run_args(tiny, tmp_path / "eager", compile=False))
     for (s, a, _), (t, b, _) in zip(train_losses(tmp_path / "compiled"), train_losses(tmp_path / "eager")):
         assert s == t and abs(a - b) <= 1e-5 * abs(b)
+
+
+@pytest.mark.parametrize("kernel", [pytest.param("flash", marks=needs_flash), "varlen"])
+def test_a_run_through_each_kernel_compiles_one_graph_per_mask(tiny, tmp_path, monkeypatch, keep_signal_handlers,
+                                                               kernel):
+    """The real wrappers (tests/cpu_kernels.py) under torch.compile and bf16 autocast, CLM then MLM. flash-attn
+    broke the graph at every layer when model.py gave it one tensor as both cu_seqlens_q and cu_seqlens_k
+    ("autograd.Function.apply: duplicate tensor input"): 14 graphs and 11 breaks for these 3 layers."""
+    cpu_kernels.install(monkeypatch, backends=(kernel,))
+    orig = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: orig(model, backend="aot_eager", **kw))
+    torch._dynamo.reset()
+    counters.clear()
+    over = dict(tokens=4 * 32, decay_frac=3.0, dtype="bfloat16")  # 1 CLM step, 3 MLM steps, 2 micro batches each
+    train.main(run_args(tiny, tmp_path / "compiled", compile=True, **over))
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    print(f"{kernel}: 4 steps (1 CLM, 3 MLM): {graphs} compiled graphs, {breaks} graph breaks")
+    assert {c["causal"] for c in cpu_kernels.calls[kernel]} == {True, False}  # the kernel ran, both masks
+    assert breaks == 0 and graphs == 2
+    train.main(run_args(tiny, tmp_path / "eager", compile=False, **over))
+    for (s, a, _), (t, b, _) in zip(train_losses(tmp_path / "compiled"), train_losses(tmp_path / "eager")):
+        assert s == t and abs(a - b) <= 1e-3 * abs(b)
 
 
 def test_ddp_of_the_compiled_model_under_torchrun(tiny, tmp_path):

@@ -1,6 +1,6 @@
 """On a CUDA GPU: every attention backend available against SDPA, train.py with each backend, and
 exact resume with dropout on. Skipped without CUDA (tests/test_gpu_path.py runs the same paths on
-CPU through stand-ins of the kernels).
+CPU through the real wrappers on emulated kernels, tests/cpu_kernels.py).
 
     python -m pytest tests/test_gpu.py -q -s     # -s prints the measured differences
 """
