@@ -159,7 +159,7 @@ ROWS = [
      "seeds integers like 42,43,44"),
     ("eval.py 0 epochs", {},
      EVAL + ["--task", "cls", "--data", "cls", "--epochs", "0"],
-     "--epochs=0: epochs, batch_size and lr must be positive"),
+     "--epochs=0: epochs, batch_size, max_tokens and lr must be positive"),
 ]
 
 

@@ -68,7 +68,8 @@ def test_suite_file_defaults_paths_and_errors(tmp_path):
     seeds, tasks = suite.load_suite(str(tmp_path / "s.py"))
     assert seeds == [1, 2]
     assert tasks[0] == dict(name="n", task="ner", data=str(tmp_path / "tasks" / "n"), epochs=20, lr=5e-5,
-                            batch_size=16, max_len=512, warmup_ratio=0.1, weight_decay=0.01, pooling="mean")
+                            batch_size=16, max_len=None, max_tokens=None, warmup_ratio=0.0, weight_decay=0.01,
+                            pooling="mean", select="macro_f1")
     assert tasks[1]["data"] == "/abs/c" and tasks[1]["lr"] == 1e-4 and tasks[1]["epochs"] == 3
     (tmp_path / "bad.py").write_text("seeds = [1]\ntasks = [dict(name='n', task='ner', data='x', learning_rate=1)]\n")
     with pytest.raises(SystemExit, match=r"unknown key\(s\) \['learning_rate'\].*lr"):
