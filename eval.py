@@ -557,8 +557,8 @@ def main(argv=None):
     p.add_argument("--batch_size", type=int, help=f"default {suite.PROTOCOL['batch_size']}")
     p.add_argument("--max_len", type=int, help="tokens an example keeps, [CLS] and [SEP] included (default: the "
                                                "model's max_position_embeddings)")
-    p.add_argument("--max_tokens", type=int, help="tokens per micro batch; a batch is split into micro batches "
-                   f"with the same update (default {suite.MAX_TOKENS['cuda']} on GPU, {suite.MAX_TOKENS['cpu']} on CPU)")
+    p.add_argument("--max_tokens", type=int, help="tokens per micro batch; a batch is split into micro batches with "
+                   f"the same update (default {suite.MAX_TOKENS['cuda']} on GPU, {suite.MAX_TOKENS['cpu']} on CPU)")
     p.add_argument("--select", help=f"the validation metric that picks the best epoch (default "
                                     f"{suite.PROTOCOL['select']}; cls: {', '.join(suite.SELECT['cls'])}; multilabel: "
                                     f"{', '.join(suite.SELECT['multilabel'])}; ner: {', '.join(suite.SELECT['ner'])})")
