@@ -179,6 +179,21 @@ def test_learns_a_separable_task_and_is_deterministic(tiny_model, tmp_path):
     assert len(results[0]["runs"][0]["epochs"]) == 4
 
 
+def test_select_picks_the_best_epoch_by_its_metric_and_settings_are_recorded(tiny_model, tmp_path):
+    separable_task(tmp_path / "task")
+    run_eval("--model", tiny_model, "--task", "cls", "--data", str(tmp_path / "task"), "--seeds", "7", "--epochs", "3",
+             "--lr", "1e-3", "--select", "accuracy", "--out", str(tmp_path / "out"))
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    run = res["runs"][0]
+    accuracy = [e["validation"]["accuracy"] for e in run["epochs"]]
+    assert run["selected_by"] == "accuracy" and run["best_epoch"] == 1 + accuracy.index(max(accuracy))
+    settings = res["settings"]  # resolved: the model's full context, the CPU budget, no warmup
+    assert (settings["max_len"], settings["max_tokens"], settings["warmup_ratio"]) == (8192, 4096, 0.0)
+    r = run_eval("--model", tiny_model, "--task", "ner", "--data", str(tmp_path / "task"), "--select", "accuracy",
+                 check=False)
+    assert r.returncode == 2 and "--select=accuracy: for --task ner it is one of macro_f1, micro_f1" in r.stderr
+
+
 @pytest.mark.skipif(not os.path.isdir(NCBI), reason="../shared/data/ncbi_disease is not beside the checkout")
 def test_ncbi_disease_one_epoch_beats_all_o(tmp_path):
     torch.manual_seed(0)
