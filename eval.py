@@ -329,8 +329,9 @@ def accumulate(model, items, task, device, weight, max_tokens, autocast):
     parts, total = micro_batches(items, max_tokens), 0.0
     for k, part in enumerate(parts):
         last = k == len(parts) - 1
-        with (model.no_sync() if hasattr(model, "no_sync") and not last else contextlib.nullcontext()), autocast:
-            loss = task_loss_sum(model, part, task, device) * weight
+        with model.no_sync() if hasattr(model, "no_sync") and not last else contextlib.nullcontext():
+            with autocast:
+                loss = task_loss_sum(model, part, task, device) * weight
             loss.backward()
         total += loss.item()
     return total
