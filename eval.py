@@ -1,8 +1,16 @@
 """
 Fine-tuning evaluation over seeds, with the paper's protocol: AdamW (lr 5e-5, weight
-decay 0.01, batch 16), linear decay after a 10% warmup, 10 epochs (20 for NER), evaluate
-on validation after every epoch, keep the best epoch by validation macro F1, report test
-at that epoch. Any of these can be set on the command line (suite.PROTOCOL holds them).
+decay 0.01, batch 16), 10 epochs (20 for NER), evaluate on validation after every epoch,
+report test at the best epoch. Where the paper says nothing, the protocol it follows
+(BioClinical-ModernBERT, Hugging Face Trainer defaults): no warmup, linear decay to 0;
+examples truncated only at the model's maximum length (max_position_embeddings). The best
+epoch is the one with the highest validation macro F1, the reported metric (--select).
+Any of these can be set on the command line; support/suite.py's PROTOCOL holds them, each
+with its source.
+
+At full context a batch of 16 examples can hold 16 x 8192 tokens: it is cut into micro
+batches of at most --max_tokens tokens (default 16384 on GPU, 4096 on CPU), whose summed
+gradients make exactly the update of the whole batch.
 
     python eval.py --model out/clm/final --task ner --data ../shared/data/ncbi_disease
     python eval.py --model DIR --task cls --data DIR --seeds 42,43,44,45,46 --epochs 10
@@ -17,6 +25,7 @@ Data: a directory with train / validation (or dev, devel, valid) / test splits.
 """
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -270,6 +279,19 @@ def encode_splits(raw, tok, task, labels, max_len):
     return {split: encode_examples(examples, tok, task, labels, max_len) for split, examples in raw.items()}
 
 
+def micro_batches(items, max_tokens, max_items=None):
+    """Consecutive groups of the items with at most max_tokens tokens (and max_items items) each; an item
+    longer than max_tokens is a group of its own."""
+    groups, size = [[]], 0
+    for item in items:
+        if groups[-1] and (size + len(item[0]) > max_tokens or len(groups[-1]) == max_items):
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += len(item[0])
+    return groups
+
+
 def flat_batch(items, task, device):
     """A list of (ids, target) -> (the model's Flat batch, the targets: one per token for ner, else per item)."""
     lengths = [len(x) for x, _ in items]
@@ -287,9 +309,10 @@ def flat_batch(items, task, device):
 def task_loss_sum(model, items, task, device):
     """The summed loss of the items' targets: cross-entropy (cls, ner), binary cross-entropy (multilabel)."""
     flat, targets = flat_batch(items, task, device)
-    logits = model(flat.tokens, cu_seqlens=flat.cu_seqlens, max_seqlen=flat.max_seqlen).float()
+    logits = model(flat.tokens, cu_seqlens=flat.cu_seqlens, max_seqlen=flat.max_seqlen)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bfloat16 up; float64 (tests) kept
     if task == "multilabel":
-        return F.binary_cross_entropy_with_logits(logits, targets, reduction="sum")
+        return F.binary_cross_entropy_with_logits(logits, targets.to(logits.dtype), reduction="sum")
     return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
 
 
@@ -299,14 +322,29 @@ def count_targets(items, task, n_labels):
     return len(items) * (n_labels if task == "multilabel" else 1)
 
 
+def accumulate(model, items, task, device, weight, max_tokens, autocast):
+    """Backward of weight x the summed loss of the items, one micro batch of at most max_tokens tokens at a
+    time: the gradients add up to those of the items in one forward. Under DDP only the last micro batch
+    all-reduces (ranks may have different numbers of them). -> the weighted loss, a float."""
+    parts, total = micro_batches(items, max_tokens), 0.0
+    for k, part in enumerate(parts):
+        last = k == len(parts) - 1
+        with model.no_sync() if hasattr(model, "no_sync") and not last else contextlib.nullcontext():
+            with autocast:
+                loss = task_loss_sum(model, part, task, device) * weight
+            loss.backward()
+        total += loss.item()
+    return total
+
+
 @torch.no_grad()
-def predict(model, items, task, device, batch_size, rank, world, autocast):
+def predict(model, items, task, device, batch_size, max_tokens, rank, world, autocast):
     """Predictions for all items: label ids (cls), 0/1 rows (multilabel), per-token tag ids (ner)."""
     model.eval()
-    mine = list(range(rank, len(items), world))
+    mine = [(items[i][0], i) for i in range(rank, len(items), world)]  # (ids, index): grouped like training items
     preds = {}
-    for start in range(0, len(mine), batch_size):
-        idx = mine[start:start + batch_size]
+    for group in micro_batches(mine, max_tokens, batch_size):
+        idx = [i for _, i in group]
         flat, _ = flat_batch([items[i] for i in idx], task, device)
         with autocast:
             logits = model(flat.tokens, cu_seqlens=flat.cu_seqlens, max_seqlen=flat.max_seqlen).float()
@@ -355,8 +393,10 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
     steps_per_epoch = math.ceil(len(train) / args.batch_size)
     total = steps_per_epoch * args.epochs
     warmup = int(args.warmup_ratio * total)
+    # AdamW with the Hugging Face Trainer's betas and eps, and its "linear" schedule: a linear warmup (none by
+    # default), then a linear decay to 0
     opt = torch.optim.AdamW(core.param_groups(args.weight_decay), lr=args.lr, betas=(0.9, 0.999), eps=1e-8)
-    sched = torch.optim.lr_scheduler.LambdaLR(  # linear warmup, then linear decay to 0 (transformers' schedule)
+    sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: s / max(1, warmup) if s < warmup else max(0.0, (total - s) / max(1, total - warmup)))
     g = torch.Generator().manual_seed(seed)
     history, best, best_state = [], None, None
@@ -374,26 +414,26 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
                 # runs the DDP model (on an example, weighted 0): DDP's gradient all-reduce is armed by the
                 # forward, and a rank that skips it leaves the others waiting forever.
                 mine, weight = batch[:1], 0.0
-            with autocast:
-                loss = task_loss_sum(model, mine, task, device) * weight
-            loss.backward()
+            loss = accumulate(model, mine, task, device, weight, args.max_tokens, autocast)
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
-            bar.set_postfix(loss=f"{loss.item() / world:.4f}")
+            bar.set_postfix(loss=f"{loss / world:.4f}")
         val = score(task, splits["validation"], predict(core, splits["validation"]["items"], task, device,
-                                                        args.batch_size, rank, world, autocast), labels)
+                                                        args.batch_size, args.max_tokens, rank, world, autocast),
+                    labels)
         history.append({"epoch": epoch + 1, "validation": val, "seconds": time.time() - t0})
-        if best is None or val["macro_f1"] > best["validation"]["macro_f1"]:
+        if best is None or val[args.select] > best["validation"][args.select]:
             best = history[-1]
             best_state = copy.deepcopy(core.state_dict())
         if rank == 0:
             tqdm.write(f"seed {seed} epoch {epoch + 1}: validation macro F1 {val['macro_f1']:.4f} "
                        f"micro F1 {val['micro_f1']:.4f} ({time.time() - t0:.1f}s)")
     core.load_state_dict(best_state)
-    test = score(task, splits["test"], predict(core, splits["test"]["items"], task, device, args.batch_size, rank,
-                                               world, autocast), labels)
-    return core, {"seed": seed, "best_epoch": best["epoch"], "test": test, "epochs": history}
+    test = score(task, splits["test"], predict(core, splits["test"]["items"], task, device, args.batch_size,
+                                               args.max_tokens, rank, world, autocast), labels)
+    return core, {"seed": seed, "best_epoch": best["epoch"], "selected_by": args.select, "test": test,
+                  "epochs": history}
 
 
 # -----------------------------------------------------------------------------
@@ -401,7 +441,8 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
 
 
 def check_model(path, tokenizer):
-    """The tokenizer of a checkpoint, once it loads as a ModernBERT and the tokenizer fits its embedding."""
+    """(The tokenizer of a checkpoint, its max_position_embeddings), once it loads as a ModernBERT and the
+    tokenizer fits its embedding."""
     tok = model_tokenizer(path, tokenizer)
     try:
         config = ModernBertForSequenceClassification.from_pretrained(path, id2label={"0": "a", "1": "b"}).config
@@ -410,7 +451,15 @@ def check_model(path, tokenizer):
     if tok.vocab_size > config.vocab_size:
         raise SystemExit(f"its tokenizer has {tok.vocab_size} tokens, its embedding {config.vocab_size}; "
                          "pass the tokenizer the model was trained with (--tokenizer)")
-    return tok
+    return tok, config.max_position_embeddings
+
+
+def full_context(max_len, positions, where):
+    """max_len as given (at most the model's positions), or None: the model's max_position_embeddings."""
+    if max_len is not None and max_len > positions:
+        raise SystemExit(f"{where}: max_len={max_len} is beyond the model's {positions} positions; give at most "
+                         f"{positions}, or leave it out for the model's full context")
+    return max_len or positions
 
 
 def run_suite(args, rank, world, device, autocast, dtype):
@@ -419,28 +468,31 @@ def run_suite(args, rank, world, device, autocast, dtype):
     names = suite.model_names(args.models)
 
     # Check everything before training anything: a problem in the last task must not surface hours in.
-    problems, toks, data = [], {}, {}
+    problems, toks, positions, data, max_len = [], {}, {}, {}, {}
     for path in args.models:
         try:
-            toks[path] = check_model(path, args.tokenizer)
+            toks[path], positions[path] = check_model(path, args.tokenizer)
         except SystemExit as e:
             problems.append(f"model {path}: {e}")
     for t in tasks:
         try:
             data[t["name"]] = read_task(t["data"], t["task"])
+            for path in positions:
+                max_len[t["name"], path] = full_context(t["max_len"], positions[path], f"model {path}")
         except SystemExit as e:
             problems.append(f"task {t['name']!r}: {e}")
     if problems:
         raise SystemExit(f"{args.suite}: nothing was trained; first fix:\n  " + "\n  ".join(problems))
 
     # The runs, in order. A run's options are what finetune() sees (the task's protocol, the model, the
-    # dtype resolved) less where it runs and writes: they identify its file, so that a changed suite never
-    # reuses a stale run.
+    # dtype, max_len and max_tokens resolved) less where it runs and writes: they identify its file, so
+    # that a changed suite never reuses a stale run.
     runs = []
     for t in tasks:
         for path, name in zip(args.models, names):
             run_args = argparse.Namespace(**{**vars(args), **{k: t[k] for k in suite.TASK_KEYS if k != "name"},
-                                             "model": os.path.abspath(path)})
+                                             "model": os.path.abspath(path), "max_len": max_len[t["name"], path],
+                                             "max_tokens": t["max_tokens"] or suite.max_tokens(device)})
             options = {k: v for k, v in vars(run_args).items() if k not in ("suite", "models", "out", "seeds",
                                                                               "device", "save_model")}
             options["dtype"] = str(dtype).removeprefix("torch.")
@@ -469,7 +521,7 @@ def run_suite(args, rank, world, device, autocast, dtype):
         raw, labels = data[t["name"]]
         if encoded != (t["name"], r["model"]):
             encoded = (t["name"], r["model"])
-            splits = encode_splits(raw, toks[r["model"]], t["task"], labels, t["max_len"])
+            splits = encode_splits(raw, toks[r["model"]], t["task"], labels, r["args"].max_len)
         model, result = finetune(r["args"], r["seed"], splits, labels, device, rank, world, autocast)
         done[i] = result
         if rank == 0:
@@ -486,6 +538,9 @@ def run_suite(args, rank, world, device, autocast, dtype):
         for i, r in enumerate(runs):
             scores.setdefault((r["task"]["name"], r["name"]), []).append(done[i]["test"])
         results = suite.summarize(args.suite, seeds, tasks, dict(zip(names, args.models)), scores)
+        for r in runs:  # what each model ran with, where the task left it to the model and the device
+            results["tasks"][r["task"]["name"]]["models"][r["name"]]["ran_with"] = {
+                k: getattr(r["args"], k) for k in ("max_len", "max_tokens")}
         print(suite.write_results(args.out, results))
 
 
@@ -504,7 +559,13 @@ def main(argv=None):
     p.add_argument("--weight_decay", type=float, help=f"default {suite.PROTOCOL['weight_decay']}")
     p.add_argument("--warmup_ratio", type=float, help=f"default {suite.PROTOCOL['warmup_ratio']}")
     p.add_argument("--batch_size", type=int, help=f"default {suite.PROTOCOL['batch_size']}")
-    p.add_argument("--max_len", type=int, help=f"default {suite.PROTOCOL['max_len']}")
+    p.add_argument("--max_len", type=int, help="tokens an example keeps, [CLS] and [SEP] included (default: the "
+                                               "model's max_position_embeddings)")
+    p.add_argument("--max_tokens", type=int, help="tokens per micro batch; a batch is split into micro batches with "
+                   f"the same update (default {suite.MAX_TOKENS['cuda']} on GPU, {suite.MAX_TOKENS['cpu']} on CPU)")
+    p.add_argument("--select", help=f"the validation metric that picks the best epoch (default "
+                                    f"{suite.PROTOCOL['select']}; cls: {', '.join(suite.SELECT['cls'])}; multilabel: "
+                                    f"{', '.join(suite.SELECT['multilabel'])}; ner: {', '.join(suite.SELECT['ner'])})")
     p.add_argument("--pooling", choices=["mean", "cls"], help="sequence classification pooling (default mean)")
     p.add_argument("--tokenizer", help="when the checkpoint carries no tokenizer.json")
     p.add_argument("--device", default="auto")
@@ -530,11 +591,13 @@ def main(argv=None):
         for k in protocol:
             if getattr(args, k) is None:
                 setattr(args, k, defaults[k])
-        bad = [f"--{k}={getattr(args, k)}" for k in ("epochs", "batch_size", "max_len", "lr")
-               if not getattr(args, k) > (2 if k == "max_len" else 0)]  # max_len holds [CLS] and [SEP] too
-        if bad or not all(s.strip().isdigit() for s in args.seeds.split(",")):
-            p.error(f"{', '.join(bad) or '--seeds=' + args.seeds}: epochs, batch_size and lr must be positive, "
-                    "max_len above 2, and seeds integers like 42,43,44")
+        bad = [f"--{k}={getattr(args, k)}" for k in ("epochs", "batch_size", "max_tokens", "max_len", "lr")
+               if getattr(args, k) is not None and not getattr(args, k) > (2 if k == "max_len" else 0)]
+        if bad or not all(s.strip().isdigit() for s in args.seeds.split(",")):  # max_len holds [CLS] and [SEP]
+            p.error(f"{', '.join(bad) or '--seeds=' + args.seeds}: epochs, batch_size, max_tokens and lr must be "
+                    "positive, max_len above 2, and seeds integers like 42,43,44")
+        if args.select not in suite.SELECT[args.task]:
+            p.error(f"--select={args.select}: for --task {args.task} it is one of {', '.join(suite.SELECT[args.task])}")
     check_out_dir(args.out)  # before any training: results are written there at the end
 
     process = distributed.setup(args.device)
@@ -544,7 +607,9 @@ def main(argv=None):
         run_suite(args, rank, world, device, autocast, dtype)
         distributed.teardown()
         return
-    tok = check_model(args.model, args.tokenizer)
+    tok, positions = check_model(args.model, args.tokenizer)
+    args.max_len = full_context(args.max_len, positions, "--max_len")
+    args.max_tokens = args.max_tokens or suite.max_tokens(device)
     raw, labels = read_task(args.data, args.task)
     splits = encode_splits(raw, tok, args.task, labels, args.max_len)
     if rank == 0:
@@ -552,7 +617,8 @@ def main(argv=None):
         backend = pick_backend(config.attn_backend, device, dtype, config.attention_dropout)
         print(f"{args.task}: {len(labels)} labels; train {len(raw['train'])}, validation {len(raw['validation'])}, "
               f"test {len(raw['test'])} examples ({len(splits['train']['items'])} training sequences); "
-              f"{device}, {str(dtype).removeprefix('torch.')}, attention {backend}")
+              f"{device}, {str(dtype).removeprefix('torch.')}, attention {backend}; max_len {args.max_len}, "
+              f"{args.max_tokens} tokens per micro batch")
 
     runs = []
     for seed in [int(s) for s in args.seeds.split(",")]:

@@ -62,6 +62,8 @@ class Config:
     phases: list = field(default_factory=list)
     run_phases: str = "all"  # "all", or the consecutive phases this run does ("decay": from a "main" checkpoint)
     resume_changes: str = ""  # keys a resumed run changes on purpose, e.g. "tokens" (others must match config.json)
+    skip_tokens: int = 0  # a run that starts without a train state (the decay from a Hugging Face directory) starts
+    # the data this many tokens in, where the phases before it left it; a run with a train state ignores it
     split_docs: bool = False  # restart attention and positions at each document (the paper does not)
     lr: float = 2e-4  # peak, shared by every phase
     # decoupled AdamW

@@ -1,4 +1,5 @@
-# English Base: ModernBERT-base -> English biomedical text, 10B + 1B tokens (the paper also ran 50B + 5B: --tokens=50e9).
+# English Base: ModernBERT-base -> English biomedical text, 10B + 1B tokens (the paper also ran 50B + 5B: stack
+# configs/tokens_50b.py, which gives that run its own out_dir and data_dir).
 #   torchrun --nproc_per_node=4 train.py configs/en_base.py
 # Everything not set here is train.py's default, which is the paper's recipe:
 # lr 2e-4 (warmup 100M tokens, then constant), decoupled AdamW, seq 8192,

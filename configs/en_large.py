@@ -6,7 +6,8 @@
 # Stack an ablation after it: train.py configs/en_large.py configs/mlm_baseline.py
 
 init_from = "checkpoints/ModernBERT-large"  # <- your local copy of answerdotai/ModernBERT-large (config.json, model.safetensors, tokenizer.json)
-data_dir = "data/en_bio"  # <- python data.py --input CORPUS.jsonl --tokenizer checkpoints/ModernBERT-large --out data/en_bio
+# The 50B corpus, as for en_base + tokens_50b (one tokenizer for Base and Large), not the 10B run's data/en_bio:
+data_dir = "data/en_bio_50b"  # <- python data.py --input CORPUS_50B.jsonl --tokenizer checkpoints/ModernBERT-large --out data/en_bio_50b
 out_dir = "out/en_large"
 objective = "clm"
 tokens = 50_000_000_000  # phase 1; the decay adds 5B

@@ -1,7 +1,10 @@
 # The paper's 11 English biomedical tasks (5 clinical, after BioClinical-ModernBERT, and 6 from BigBIO/BLURB).
 #   python eval.py --suite suites/en_bio.py --models out/en_base/final out/en_base_mlm/final --out out/eval_en
-# Every key a task leaves out is the paper's protocol (support/suite.py: lr 5e-5, batch 16, 10 epochs, 20 for NER,
-# max_len 512, warmup 0.1, weight decay 0.01); the table reports test macro F1, mean over the seeds.
+# Every key a task leaves out is the protocol (support/suite.PROTOCOL, each value with its source): from the paper
+# lr 5e-5, batch 16, weight decay 0.01, 10 epochs (20 for NER); from the protocol it follows (BioClinical-ModernBERT,
+# Hugging Face Trainer defaults) no warmup and a linear decay, examples truncated only at the model's maximum length
+# (8,192 tokens for ModernBERT); the best epoch by validation macro F1, the reported metric. The table reports test
+# macro F1, mean over the seeds. Seeds: the paper runs 5 for English; these five are our choice.
 #
 # The datasets are not downloaded for you: several need a data-use agreement. Convert each to a folder
 # with train / dev (or validation) / test splits in eval.py's formats: cls {"text", "label"} JSONL,
@@ -19,8 +22,8 @@ tasks = [
     dict(name="chemprot", task="cls", data=f"{DATA}/chemprot"),
     # Phenotype: patient phenotypes (advanced cancer, depression, obesity, ...) of MIMIC-III discharge notes,
     # several per note. physionet.org/content/phenotype-annotations-mimic/1.20.03 plus MIMIC-III's
-    # NOTEEVENTS.csv; credentialed PhysioNet access (training course, data-use agreement). Long notes: 512
-    # tokens, as in the paper, keeps their beginning.
+    # NOTEEVENTS.csv; credentialed PhysioNet access (training course, data-use agreement). Long notes: read
+    # whole up to the model's 8,192 tokens (the followed protocol's truncation), in micro batches of max_tokens.
     dict(name="phenotype", task="multilabel", data=f"{DATA}/phenotype"),
     # COS: change-of-status events in radiology reports (University of Washington BioNLP),
     # depts.washington.edu/bionlp/data/corpora/files/events-COS-corpus.zip; BRAT spans converted to BIO.

@@ -290,6 +290,17 @@ class Checkpointer:
         rank's random streams set to it; metrics.jsonl is cut back to its step. A run of later phases starts
         at `first_step`, from a checkpoint of the phases before it."""
         device, rank = self.process.device, self.process.rank
+        if path is None and self.c.skip_tokens:
+            skipped = skip_data(loader, self.c.skip_tokens)
+            if rank == 0:
+                print(f"data: starting {skipped:,} tokens into the stream ({skipped // loader.seq_len:,} windows; "
+                      f"skip_tokens={self.c.skip_tokens:,})")
+        elif path is None and first_step > 0 and rank == 0:
+            print(f"warning: {self.c.init_from} has no train state, so the data position restarts at the stream's "
+                  f"beginning and run_phases={self.c.run_phases!r} replays the data of the phases before it. If those "
+                  f"phases trained on this data_dir with this data_seed, pass --skip_tokens="
+                  f"{first_step * self.c.global_batch_size * self.c.seq_len} (where the uninterrupted run stands at "
+                  f"step {first_step})", file=sys.stderr)
         state = TrainState(loader=loader.state_dict(), loss=torch.zeros((), device=device))
         if path is not None:
             saved = torch.load(os.path.join(path, "train_state.pt"), map_location="cpu", weights_only=False)
@@ -386,10 +397,19 @@ def loss_error(loss, step, out_dir):
                       f"{(full_checkpoints(out_dir) or ['(none)'])[-1]}; lower lr or check the data.")
 
 
+def skip_data(loader, tokens):
+    """Move a fresh data.Loader past the first `tokens` tokens of the stream, in whole windows (tokens //
+    seq_len of them): where an uninterrupted run that had trained on those tokens would stand. -> the tokens
+    skipped."""
+    windows = tokens // loader.seq_len
+    loader.load_state_dict({**loader.state_dict(), "consumed": loader.state_dict()["consumed"] + windows})
+    return windows * loader.seq_len
+
+
 # Settings that do not change what a run computes: a resumed run may change them. Every other key (the
 # objective and phases, seq_len, data_dir, tokens, the model, the seeds, ...) must stay what the run was
 # started with, unless it is named in resume_changes.
-RUN_SETTINGS = {"out_dir", "run_phases", "resume_changes", "device", "dtype", "compile", "attn_backend",
+RUN_SETTINGS = {"out_dir", "run_phases", "resume_changes", "skip_tokens", "device", "dtype", "compile", "attn_backend",
                 "peak_tflops", "micro_batch_size", "log_interval", "eval_interval", "eval_windows",
                 "ckpt_interval", "ckpt_every_minutes", "max_ckpts", "keep_every", "dist_timeout_minutes",
                 "wandb_project", "wandb_run_name"}

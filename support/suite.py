@@ -7,12 +7,15 @@ statistics that tell a real gain from noise.
 eval.py fine-tunes; this file holds what is around the fine-tuning:
 - the suite file: plain Python, like configs/, with `seeds = [...]` and `tasks = [dict(name=...,
   task="cls" | "multilabel" | "ner", data=DIR, ...), ...]`. A key that a task leaves out takes the
-  paper's protocol (PROTOCOL below); a relative `data` path is relative to the suite file's folder.
+  protocol (PROTOCOL below, each default with its source); a relative `data` path is relative to the
+  suite file's folder.
 - the runs: each finished (task, model, seed) is one file OUT/runs/TASK/MODEL/seedN.json, written
   atomically, with the options that determine it. The same command run again skips the runs that are
   there, so a killed suite goes on where it stopped. A run stored with other options (the suite's lr
   was changed since) stops the suite before any training: reusing it would mix two protocols in one
-  table, overwriting it would throw finished work away; the message says which files to delete.
+  table, overwriting it would throw finished work away; the message says which files to delete. The
+  options hold max_len and max_tokens as resolved for the model and device, so runs stored by an older
+  protocol (512 tokens, a warmup, no max_tokens) are refused the same way.
 - the table (results.md, results.json, results.png): per task and model the test macro F1 (the
   paper's metric) and the metric other papers report, mean ± std over seeds; their average over tasks
   (the paper's headline); and each model's difference to the first model, paired over seeds (seed i
@@ -25,16 +28,39 @@ import os
 
 import numpy as np
 
-# The paper's fine-tuning protocol (after BioClinical-ModernBERT): what a task dict does not say.
-PROTOCOL = dict(lr=5e-5, batch_size=16, max_len=512, warmup_ratio=0.1, weight_decay=0.01, pooling="mean")
-EPOCHS = {"cls": 10, "multilabel": 10, "ner": 20}
-SEEDS = [42, 43, 44, 45, 46]  # eval.py's default for one task; a suite file lists its own
+# The fine-tuning protocol: what a task dict (or eval.py's command line) does not say, each with its source.
+# "The paper" is its fine-tuning section (English protocol after BioClinical-ModernBERT); what the paper does not
+# give comes from the protocol it follows, which runs the Hugging Face Trainer with its defaults, or is our choice.
+PROTOCOL = dict(
+    lr=5e-5,  # the paper
+    batch_size=16,  # the paper: examples per optimizer step, however many micro batches they take
+    weight_decay=0.01,  # the paper
+    warmup_ratio=0.0,  # the followed protocol: HF Trainer default (no warmup, then its default "linear" decay to 0)
+    max_len=None,  # the followed protocol truncates only at the model's maximum length: None = the checkpoint's
+    # max_position_embeddings (8192 for ModernBERT); a task may set less
+    max_tokens=None,  # our choice, memory only (the update is the same): tokens per micro batch, None = MAX_TOKENS
+    pooling="mean",  # the released ModernBERT checkpoints' classifier_pooling; the paper does not say
+    select="macro_f1",  # the paper keeps the best epoch "by validation F1"; we read it as its reported metric
+)
+MAX_TOKENS = {"cuda": 16384, "cpu": 4096}  # our choice, per device type (tests/bench_finetune_memory.py)
+EPOCHS = {"cls": 10, "multilabel": 10, "ner": 20}  # the paper
+SEEDS = [42, 43, 44, 45, 46]  # the paper: 5 seeds for English; which five is our choice (the French 42-50 begin so)
 TASK_KEYS = {"name": str, "task": str, "data": str, "epochs": int, "lr": float, "batch_size": int, "max_len": int,
-             "warmup_ratio": float, "weight_decay": float, "pooling": str}
+             "max_tokens": int, "warmup_ratio": float, "weight_decay": float, "pooling": str, "select": str}
+OPTIONAL = {"max_len", "max_tokens"}  # None: the model's or the device's, known when the suite runs
+SELECT = {"cls": ("macro_f1", "micro_f1", "weighted_f1", "accuracy"),  # what `select` may name, per task type
+          "multilabel": ("macro_f1", "micro_f1", "subset_accuracy"), "ner": ("macro_f1", "micro_f1")}
 
 METRIC = "macro_f1"  # the paper's
 UPSTREAM = {"cls": "weighted_f1", "multilabel": "micro_f1", "ner": "micro_f1"}  # what other papers print beside it
 UPSTREAM_NAME = {"cls": "weighted F1", "multilabel": "micro F1", "ner": "entity micro F1"}
+
+
+
+def max_tokens(device):
+    """The default token budget of a micro batch on this torch.device."""
+    return MAX_TOKENS["cuda" if device.type == "cuda" else "cpu"]
+
 
 # -----------------------------------------------------------------------------
 # The suite file
@@ -68,9 +94,16 @@ def load_suite(path):
         for key, typ in TASK_KEYS.items():
             if typ is float and type(task[key]) is int:
                 task[key] = float(task[key])
+            if key in OPTIONAL and task[key] is None:
+                continue
             if type(task[key]) is not typ or (typ is int and task[key] <= 0):
                 raise SystemExit(f"{where}: {key} must be {'a positive int' if typ is int else typ.__name__}, "
                                  f"got {task[key]!r}")
+        if task["max_len"] is not None and task["max_len"] <= 2:
+            raise SystemExit(f"{where}: max_len must be above 2 (it holds [CLS] and [SEP] too), got {task['max_len']}")
+        if task["select"] not in SELECT[task["task"]]:
+            raise SystemExit(f"{where}: select={task['select']!r}; for a {task['task']} task it is one of "
+                             f"{', '.join(SELECT[task['task']])}")
         if task["pooling"] not in ("mean", "cls"):
             raise SystemExit(f"{where}: pooling must be 'mean' or 'cls', got {task['pooling']!r}")
         if not task["name"] or task["name"].startswith(".") or "/" in task["name"] or os.sep in task["name"]:

@@ -1,5 +1,6 @@
 """eval.py: metrics against seqeval and scikit-learn, heads against transformers, learning, determinism."""
 
+import copy
 import json
 import os
 import random
@@ -178,6 +179,21 @@ def test_learns_a_separable_task_and_is_deterministic(tiny_model, tmp_path):
     assert len(results[0]["runs"][0]["epochs"]) == 4
 
 
+def test_select_picks_the_best_epoch_by_its_metric_and_settings_are_recorded(tiny_model, tmp_path):
+    separable_task(tmp_path / "task")
+    run_eval("--model", tiny_model, "--task", "cls", "--data", str(tmp_path / "task"), "--seeds", "7", "--epochs", "3",
+             "--lr", "1e-3", "--select", "accuracy", "--out", str(tmp_path / "out"))
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    run = res["runs"][0]
+    accuracy = [e["validation"]["accuracy"] for e in run["epochs"]]
+    assert run["selected_by"] == "accuracy" and run["best_epoch"] == 1 + accuracy.index(max(accuracy))
+    settings = res["settings"]  # resolved: the model's full context, the CPU budget, no warmup
+    assert (settings["max_len"], settings["max_tokens"], settings["warmup_ratio"]) == (8192, 4096, 0.0)
+    r = run_eval("--model", tiny_model, "--task", "ner", "--data", str(tmp_path / "task"), "--select", "accuracy",
+                 check=False)
+    assert r.returncode == 2 and "--select=accuracy: for --task ner it is one of macro_f1, micro_f1" in r.stderr
+
+
 @pytest.mark.skipif(not os.path.isdir(NCBI), reason="../shared/data/ncbi_disease is not beside the checkout")
 def test_ncbi_disease_one_epoch_beats_all_o(tmp_path):
     torch.manual_seed(0)
@@ -206,3 +222,57 @@ def test_bad_inputs_are_clear(tiny_model, tmp_path):
     (tmp_path / "task" / "validation.jsonl").write_text("")
     r = run_eval("--model", tiny_model, "--task", "cls", "--data", str(tmp_path / "task"), check=False)
     assert r.returncode != 0 and "empty" in r.stderr
+
+
+# -----------------------------------------------------------------------------
+# 6. Micro batches under a token budget: the update of the whole batch
+
+
+@pytest.mark.parametrize("task", ["cls", "multilabel", "ner"])
+def test_micro_batches_make_the_update_of_one_batch(task):
+    """In float64, a batch of 16 examples cut into micro batches of at most 40 tokens gives the gradients and,
+    after an AdamW step, the parameters of the batch in one forward. Averaging each micro batch's loss (the
+    usual slip) is shown to differ by far more than the tolerance, so the comparison can fail."""
+    from eval import accumulate, count_targets, micro_batches, task_loss_sum
+
+    rng = random.Random(0)
+    lengths = [rng.randint(4, 30) for _ in range(16)]
+    n_labels = 3
+    items = []
+    for n in lengths:
+        ids = [rng.randrange(4, 300) for _ in range(n)]
+        target = {"cls": rng.randrange(n_labels), "multilabel": [float(rng.random() < 0.5) for _ in range(n_labels)],
+                  "ner": [-100, *[rng.randrange(n_labels) if rng.random() < 0.7 else -100 for _ in range(n - 2)],
+                          -100]}[task]
+        items.append((ids, target))
+    assert len(micro_batches(items, 40)) > 4  # several micro batches, each under the budget (or one long item)
+    assert all(sum(len(x) for x, _ in m) <= 40 or len(m) == 1 for m in micro_batches(items, 40))
+    weight = 1.0 / count_targets(items, task, n_labels)
+    head = ModernBertForTokenClassification if task == "ner" else ModernBertForSequenceClassification
+    problem = {"multilabel": "multi_label_classification", "cls": "single_label_classification"}.get(task)
+    torch.manual_seed(0)
+    base = head(ModernBertConfig(**TINY, id2label={str(i): str(i) for i in range(n_labels)}, problem_type=problem,
+                                 attn_out_dropout=0.0, attn_backend="sdpa")).double()
+    cpu, none = torch.device("cpu"), torch.autocast("cpu", enabled=False)
+
+    def step(budget):
+        model = copy.deepcopy(base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        accumulate(model, items, task, cpu, weight, budget, none)
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        return grads, list(model.parameters())
+
+    one_g, one_p = step(10 ** 6)
+    micro_g, micro_p = step(40)
+    for a, b in zip(one_g, micro_g):
+        torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-15)
+    for a, b in zip(one_p, micro_p):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-12)
+    # the slip: the mean loss of each micro batch, averaged over micro batches
+    slip = copy.deepcopy(base)
+    parts = micro_batches(items, 40)
+    for part in parts:
+        (task_loss_sum(slip, part, task, cpu) / count_targets(part, task, n_labels) / len(parts)).backward()
+    gap = max((p.grad - g).abs().max().item() for p, g in zip(slip.parameters(), one_g))
+    assert gap > 1e-6

@@ -165,7 +165,16 @@ ROWS = [
      "seeds integers like 42,43,44"),
     ("eval.py 0 epochs", {},
      EVAL + ["--task", "cls", "--data", "cls", "--epochs", "0"],
-     "--epochs=0: epochs, batch_size and lr must be positive"),
+     "--epochs=0: epochs, batch_size, max_tokens and lr must be positive"),
+    ("eval.py --max_len beyond the model's positions", {},
+     EVAL + ["--task", "cls", "--data", "cls", "--max_len", "9000"],
+     "--max_len: max_len=9000 is beyond the model's 8192 positions; give at most 8192"),
+    ("eval.py --max_tokens 0", {},
+     EVAL + ["--task", "cls", "--data", "cls", "--max_tokens", "0"],
+     "--max_tokens=0: epochs, batch_size, max_tokens and lr must be positive"),
+    ("train.py a negative skip_tokens", {},
+     TRAIN + TINY_RUN + ["--out_dir=other", "--skip_tokens=-1"],
+     "skip_tokens=-1 must be 0 or more"),
 ]
 
 

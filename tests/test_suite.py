@@ -68,7 +68,8 @@ def test_suite_file_defaults_paths_and_errors(tmp_path):
     seeds, tasks = suite.load_suite(str(tmp_path / "s.py"))
     assert seeds == [1, 2]
     assert tasks[0] == dict(name="n", task="ner", data=str(tmp_path / "tasks" / "n"), epochs=20, lr=5e-5,
-                            batch_size=16, max_len=512, warmup_ratio=0.1, weight_decay=0.01, pooling="mean")
+                            batch_size=16, max_len=None, max_tokens=None, warmup_ratio=0.0, weight_decay=0.01,
+                            pooling="mean", select="macro_f1")
     assert tasks[1]["data"] == "/abs/c" and tasks[1]["lr"] == 1e-4 and tasks[1]["epochs"] == 3
     (tmp_path / "bad.py").write_text("seeds = [1]\ntasks = [dict(name='n', task='ner', data='x', learning_rate=1)]\n")
     with pytest.raises(SystemExit, match=r"unknown key\(s\) \['learning_rate'\].*lr"):
@@ -76,6 +77,18 @@ def test_suite_file_defaults_paths_and_errors(tmp_path):
     (tmp_path / "bad.py").write_text("seeds = [1]\ntasks = [dict(name='n', task='tagging', data='x')]\n")
     with pytest.raises(SystemExit, match="task='tagging'"):
         suite.load_suite(str(tmp_path / "bad.py"))
+
+
+def test_runs_of_an_older_protocol_are_refused(tmp_path):
+    """A run stored before max_len followed the model and warmup was 0 (512 tokens, 10% warmup, no max_tokens,
+    no select) is not a finished run of today's protocol."""
+    old = dict(lr=5e-5, batch_size=16, max_len=512, warmup_ratio=0.1, weight_decay=0.01, pooling="mean", seed=1)
+    now = {**old, "max_len": 8192, "warmup_ratio": 0.0, "max_tokens": 4096, "select": "macro_f1"}
+    suite.store_run(str(tmp_path / "seed1.json"), old, {"test": {}})
+    done, stale = suite.finished_runs([(str(tmp_path / "seed1.json"), now)])
+    assert done == {} and len(stale) == 1
+    assert "max_len=512, max_tokens=None, select=None, warmup_ratio=0.1; now max_len=8192, max_tokens=4096" in stale[0]
+    assert suite.finished_runs([(str(tmp_path / "seed1.json"), old)])[0] == {0: {"test": {}}}
 
 
 def test_shipped_suites_are_the_papers():

@@ -191,6 +191,35 @@ def test_main_then_decay_equals_all(data_dir, base_ckpt, tmp_path):
     assert decay_records and all(m["objective"] == "mlm" for m in decay_records)
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_skip_data_stands_where_an_uninterrupted_run_stands(data_dir, world):
+    """After skip_data(N tokens) a fresh loader on each rank gives the windows that a loader which read N tokens
+    (5 steps of 8 windows of 64 tokens, on one rank) gives next: the same data, not a replay from window 0."""
+    from support.checkpoint import skip_data
+
+    whole = Loader(data_dir, "train", 64, 8, 42)
+    for _ in range(5):
+        whole.next()
+    ahead = [whole.next() for _ in range(3)]  # (8, 64) each: steps 6-8 of the uninterrupted run
+    parts = [Loader(data_dir, "train", 64, 8 // world, 42, rank, world) for rank in range(world)]
+    assert [skip_data(p, 5 * 8 * 64 + 63) for p in parts] == [5 * 8 * 64] * world  # whole windows only
+    resumed = [torch.cat([p.next() for p in parts]) for _ in range(3)]  # the ranks' micro batches, in rank order
+    assert all(torch.equal(a, b) for a, b in zip(ahead, resumed))
+    fresh = Loader(data_dir, "train", 64, 8, 42).next()
+    assert not torch.equal(fresh, ahead[0])  # the replay that skip_data avoids would differ
+
+
+def test_decay_from_weights_without_train_state_warns_and_skips(data_dir, base_ckpt, tmp_path):
+    """The decay alone from a Hugging Face directory: a warning naming --skip_tokens with the uninterrupted run's
+    position (16 steps x 8 x 64 tokens); with it, no warning and the loader starts there."""
+    r = run_train(tmp_path / "a", data_dir, f"--init_from={base_ckpt}", "--run_phases=decay")
+    assert "the data position restarts" in r.stderr and "--skip_tokens=8192 " in r.stderr
+    r = run_train(tmp_path / "b", data_dir, f"--init_from={base_ckpt}", "--run_phases=decay", "--skip_tokens=8192")
+    assert "restarts" not in r.stderr and "starting 8,192 tokens into the stream (128 windows" in r.stdout
+    loader = torch.load(tmp_path / "b" / "final" / "train_state.pt", weights_only=False)["loader"]
+    assert loader["consumed"] == 128 + 4 * 8  # skipped, then the 4 decay steps of 8 windows
+
+
 def test_biphasic_config_runs_its_three_phases_with_one_optimizer_state(data_dir, tmp_path):
     """configs/biphasic_scratch.py, each phase scaled from its 10B-token budget to 40 tiny steps: CLM then MLM at
     a constant lr, then a 1-sqrt decay, and Adam's step count carried across both boundaries."""
@@ -416,3 +445,7 @@ def test_every_config_parses_and_ablations_stack():
     mlm = parse_config([os.path.join(ROOT, "configs", f) for f in ("fr_base.py", "mlm_baseline.py")])
     assert (twin.objective, twin.seed, mlm.objective, mlm.seed) == ("mlm", 42, "mlm", 17)
     assert parse_config([os.path.join(ROOT, "configs", "demo.py")]).device == "cpu"
+    ten, fifty = (parse_config([os.path.join(ROOT, "configs", f) for f in files])
+                  for files in (["en_base.py"], ["en_base.py", "tokens_50b.py"]))
+    assert (ten.tokens, fifty.tokens) == (10 ** 10, 5 * 10 ** 10)  # the English 10B and 50B runs share no folder
+    assert ten.out_dir != fifty.out_dir and ten.data_dir != fifty.data_dir
