@@ -20,7 +20,7 @@ def readme_commands():
 def test_readme_commands_are_what_ci_runs():
     main, tests = readme_commands()
     assert main.endswith("python demo.py") and main.startswith("pip install -r requirements.txt")
-    assert tests == "pip install -r requirements-dev.txt && python -m pytest"
+    assert tests == "pip install -r requirements-dev.txt && bash tests/install_kernels.sh && python -m pytest"
     ci = open(os.path.join(ROOT, ".ci", "run")).read().splitlines()
     assert ci[-1] == tests, "the last line of .ci/run must be the README's test command"
 
