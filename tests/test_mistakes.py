@@ -175,6 +175,21 @@ ROWS = [
     ("train.py a negative skip_tokens", {},
      TRAIN + TINY_RUN + ["--out_dir=other", "--skip_tokens=-1"],
      "skip_tokens=-1 must be 0 or more"),
+    ("train.py a config key with a typo", {},
+     TRAIN + TINY_RUN + ["--out_dir=other", "--learning_rate=1e-3"],
+     "--learning_rate=1e-3: unknown config key 'learning_rate'. Valid keys: out_dir"),
+    ("train.py a config file that does not exist", {},
+     TRAIN + ["configs/nope.py", "--out_dir=other"],
+     "config file 'configs/nope.py' not found"),
+    ("train.py a data_dir that data.py never made", {},
+     TRAIN + TINY_RUN + ["--out_dir=other", "--data_dir=nowhere"],
+     "nowhere: no meta.json; make the shards first with `python data.py"),
+    ("train.py an objective with a typo", {},
+     TRAIN + TINY_RUN + ["--out_dir=other", "--objective=mlmm"],
+     "objective='mlmm': choose 'clm' or 'mlm'"),
+    ("train.py a value of the wrong type", {},
+     TRAIN + TINY_RUN + ["--out_dir=other", "--lr=abc"],
+     "--lr=abc: lr must be float, got 'abc'"),
 ]
 
 
