@@ -6,6 +6,7 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -321,6 +322,25 @@ def test_frozen_layers_compute_no_weight_gradient(data_dir):
     assert frozen and all(p.grad is None for n, p in model.named_parameters() if n in frozen)
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if n not in frozen)
     assert freeze.enter(phases[1]) and all(p.requires_grad for p in model.parameters())  # the decay trains them
+
+
+@pytest.mark.parametrize("freeze_mode", ["exact", "zero_grad"])
+def test_resume_inside_a_frozen_phase_is_exact(data_dir, base_ckpt, tmp_path, freeze_mode):
+    """Layers 0-1 frozen in main; the run resumes from ckpt-8, mid-phase: the frozen set is entered again on
+    resume (no weight gradient for them, AdamW's state as saved), so every loss and the final weights are the
+    uninterrupted run's, bit for bit."""
+    args = [f"--init_from={base_ckpt}", "--freeze_layers=0-1", "--freeze_phase=main", f"--freeze_mode={freeze_mode}",
+            "--weight_decay=0.1", "--max_ckpts=10"]
+    run_train(tmp_path, data_dir, *args)
+    whole, final = metrics(tmp_path), load_file(tmp_path / "final" / "model.safetensors")
+    for later in [d for d in os.listdir(tmp_path) if d == "final" or d.startswith("ckpt-") and int(d[5:]) > 8]:
+        shutil.rmtree(tmp_path / later)  # as if the run had died after writing ckpt-8
+    r = run_train(tmp_path, data_dir, *args)
+    assert "resuming at step 8" in r.stdout, r.stdout[-2000:]
+    assert [(m["step"], m["loss"], m.get("val_mlm_loss")) for m in metrics(tmp_path)] == \
+        [(m["step"], m["loss"], m.get("val_mlm_loss")) for m in whole]
+    resumed = load_file(tmp_path / "final" / "model.safetensors")
+    assert all(torch.equal(final[k], resumed[k]) for k in final)
 
 
 # -----------------------------------------------------------------------------
