@@ -151,7 +151,7 @@ def tokenizer_of(paths, override):
     """The one tokenizer every checkpoint shares: refuse if their tokenizer.json files differ."""
     for p in paths:
         if not os.path.isfile(os.path.join(p, "config.json")):
-            raise SystemExit(f"{p}: not a checkpoint directory (no config.json)")
+            raise SystemExit(f"{p}: not a checkpoint directory (no config.json); give a run's final/ or ckpt-STEP/")
         try:
             load_config(p)
         except ValueError as e:  # another architecture's config.json

@@ -43,7 +43,7 @@ def check_inputs(paths):
     for path in paths:
         if not os.path.isfile(path):
             raise SystemExit(f"input file {path!r} " + ("is a directory: give its files (e.g. dir/*.jsonl)"
-                                                         if os.path.isdir(path) else "does not exist"))
+                                                         if os.path.isdir(path) else "does not exist; check the path"))
         ext = os.path.splitext(path)[1].lower()
         if ext not in (".txt", ".jsonl", ".parquet"):
             raise SystemExit(f"{path}: unknown extension {ext!r}; prepare reads .txt, .jsonl and .parquet")

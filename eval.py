@@ -227,7 +227,8 @@ def read_task(data_dir, task):
 def model_tokenizer(model, tokenizer=None):
     """The tokenizer to fine-tune a checkpoint with: --tokenizer, else the checkpoint's own."""
     if not os.path.isfile(os.path.join(model, "config.json")):
-        raise SystemExit(f"--model {model}: not a checkpoint directory (no config.json)")
+        raise SystemExit(f"--model {model}: not a checkpoint directory (no config.json); give a run's final/ or "
+                         "ckpt-STEP/, or a Hugging Face ModernBERT directory")
     if not tokenizer and not os.path.isfile(os.path.join(model, "tokenizer.json")):
         raise SystemExit(f"{model} has no tokenizer.json; pass --tokenizer")
     try:

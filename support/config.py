@@ -33,7 +33,7 @@ def parse(cls, argv):
             set_key(key, value, arg)
         else:
             if not os.path.isfile(arg):
-                raise SystemExit(f"config file {arg!r} not found")
+                raise SystemExit(f"config file {arg!r} not found: give a path like configs/fr_base.py, or --key=value")
             # The file sees the values so far, so an override file can write out_dir = out_dir + "_mlm".
             scope = {**dataclasses.asdict(cls(**values))}
             exec(compile(open(arg).read(), arg, "exec"), scope)
