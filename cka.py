@@ -32,9 +32,10 @@ from tqdm import tqdm
 
 from support import distributed
 from support.checkpoint import PROGRESS, sha256, step_checkpoints, step_of
+from support.checks import checkpoint_config
 from support.config import check_out_dir
 from data import read_documents
-from model import ModernBertForMaskedLM, cu_seqlens_of, load_config, mean_pool
+from model import ModernBertForMaskedLM, cu_seqlens_of, mean_pool
 from support.suite import mean_std
 from support.tokenizer import load_tokenizer
 
@@ -150,12 +151,7 @@ def _token_sample(length, text_index):
 def tokenizer_of(paths, override):
     """The one tokenizer every checkpoint shares: refuse if their tokenizer.json files differ."""
     for p in paths:
-        if not os.path.isfile(os.path.join(p, "config.json")):
-            raise SystemExit(f"{p}: not a checkpoint directory (no config.json); give a run's final/ or ckpt-STEP/")
-        try:
-            load_config(p)
-        except ValueError as e:  # another architecture's config.json
-            raise SystemExit(f"{p}: {e}") from None
+        checkpoint_config(p, p)
     if override:
         try:
             return load_tokenizer(override)

@@ -42,6 +42,7 @@ from support import distributed
 from support import suite
 from model import (Flat, ModernBertForSequenceClassification, ModernBertForTokenClassification, cu_seqlens_of,
                    load_config, pick_backend)
+from support.checks import checkpoint_config
 from support.config import check_out_dir
 from support.tokenizer import load_tokenizer
 
@@ -226,9 +227,7 @@ def read_task(data_dir, task):
 
 def model_tokenizer(model, tokenizer=None):
     """The tokenizer to fine-tune a checkpoint with: --tokenizer, else the checkpoint's own."""
-    if not os.path.isfile(os.path.join(model, "config.json")):
-        raise SystemExit(f"--model {model}: not a checkpoint directory (no config.json); give a run's final/ or "
-                         "ckpt-STEP/, or a Hugging Face ModernBERT directory")
+    checkpoint_config(model, f"--model {model}")
     if not tokenizer and not os.path.isfile(os.path.join(model, "tokenizer.json")):
         raise SystemExit(f"{model} has no tokenizer.json; pass --tokenizer")
     try:

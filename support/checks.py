@@ -3,7 +3,7 @@ The start-up checks of a training run: everything that can be known at step 0 is
 compute, so that no run dies hours in for a condition it had from the start (a validation split too
 small for the first evaluation, an out_dir it cannot write, an init_from it cannot read). Each problem
 is one line naming it and the fix. Every rank runs the same checks on the same files and stops alike,
-before any rank waits in a collective.
+before any rank waits in a collective. `checkpoint_config` is the check eval.py and cka.py share.
 """
 
 import glob
@@ -130,3 +130,15 @@ def check_readable(path, meta, data_dir):
     except (FileNotFoundError, ValueError, TypeError) as e:
         raise SystemExit(f"init_from={path}: {e}") from None
     check_tokenizer(path, config, meta, data_dir)
+
+
+def checkpoint_config(path, where):
+    """-> the ModernBertConfig of the checkpoint directory `path`, once it has a config.json of ModernBERT;
+    `where` (e.g. "--model out/x/final") begins the one line that says otherwise."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise SystemExit(f"{where}: not a checkpoint directory (no config.json); give a run's final/ or ckpt-STEP/, "
+                         "or a Hugging Face ModernBERT directory")
+    try:
+        return load_config(path)
+    except ValueError as e:  # another architecture's config.json
+        raise SystemExit(f"{where}: {e}") from None
