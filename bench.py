@@ -15,8 +15,8 @@ Prints one table per section and writes bench.json:
        b) fully packed sequences, where it cannot,
      for MLM (head on the 30% masked rows; transformers with sparse_prediction) and CLM (head on
      all rows; transformers' ModernBERT has no causal mask, so it runs bidirectional there).
-     MFU = model.training_flops (the batch's real sequence lengths) / step time / peak, the peak
-     being the GPU's datasheet figure (model.peak_flops, or --peak_tflops), else (CPU) the
+     MFU = support/flops.training_flops (the batch's real sequence lengths) / step time / peak, the peak
+     being the GPU's datasheet figure (support/flops.peak_flops, or --peak_tflops), else (CPU) the
      rate of a large matmul measured here;
   2. attention alone, forward + backward, for every backend available on the device;
   3. the LM loss's memory: one CLM forward + backward (vocab 50368, 8 x 1024 tokens, hidden 256)
@@ -38,8 +38,9 @@ import time
 import numpy as np
 import torch
 
-from model import (BACKENDS, KERNEL_DTYPES, ModernBertConfig, ModernBertForMaskedLM, Packing, attention, cu_seqlens_of,
-                   find_varlen_attn, flash_attn_varlen_func, load_config, peak_flops, training_flops, unpad)
+from model import Flat, ModernBertConfig, ModernBertForMaskedLM, Packing, attention, cu_seqlens_of
+from support import kernels
+from support.flops import peak_flops, training_flops
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 SMALL_IDS = dict(pad_token_id=0, cls_token_id=1, sep_token_id=2, bos_token_id=1, eos_token_id=2)  # inside small vocabs
@@ -48,7 +49,7 @@ SIZES = {
                              num_attention_heads=2, **SMALL_IDS),
     "small": ModernBertConfig(vocab_size=8192, hidden_size=256, intermediate_size=384, num_hidden_layers=6,
                               num_attention_heads=4, **SMALL_IDS),
-    "base": ModernBertConfig.base(),  # 22 x 768, vocab 50368
+    "base": ModernBertConfig(),  # 22 x 768, vocab 50368
     "large": ModernBertConfig.large(),  # 28 x 1024
 }
 
@@ -122,7 +123,7 @@ def make_inputs(lengths, vocab, objective, device, rng):
         labels[chosen] = ids[chosen]
     else:  # next token wherever there is one
         labels[:, :-1] = torch.where(mask[:, 1:].bool(), ids[:, 1:], -100)
-    flat = unpad(ids, mask)
+    flat = Flat.of(ids, mask)
     tokens, cu, flat_labels = flat.tokens, flat.cu_seqlens, labels.flatten()[flat.keep]
     rows = (flat_labels != -100).nonzero().squeeze(1)
     to = lambda x: x.to(device)  # noqa: E731
@@ -134,7 +135,7 @@ def measure_step(spec):
     """Runs in its own process: load the shared weights, time the training step, report peak memory,
     model FLOP/s and, under torch.compile, how many graphs were compiled."""
     device = torch.device(spec["device"])
-    config = load_config(spec["ckpt"])  # ours, for the FLOPs of either implementation
+    config = ModernBertConfig.from_pretrained(spec["ckpt"])  # ours, for the FLOPs of either implementation
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec["dtype"]]
     rng = np.random.default_rng(0)
     torch.manual_seed(0)
@@ -209,15 +210,13 @@ def run_worker(spec):
 def attention_backends(config, lengths, device, dtype, steps):
     """Forward + backward ms per backend. The fused kernels take float16/bfloat16 only: asked for
     float32, they run in bfloat16 (the row says which dtype ran)."""
-    varlen_attn = find_varlen_attn()
-
-    available = [b for b in BACKENDS if b == "sdpa" or (device.type == "cuda" and
-                                                        {"flash": flash_attn_varlen_func, "varlen": varlen_attn}[b])]
+    available = [b for b in kernels.BACKENDS if b == "sdpa" or (device.type == "cuda" and {
+        "flash": kernels.flash_attn_varlen_func, "varlen": kernels.varlen_attn}[b])]
     T, nh, hd = sum(lengths), config.num_attention_heads, config.head_dim
     cu = cu_seqlens_of(lengths).to(device)
     rows = []
     for backend in available:
-        run_dtype = dtype if backend == "sdpa" or dtype in KERNEL_DTYPES else torch.bfloat16
+        run_dtype = dtype if backend == "sdpa" or dtype in kernels.KERNEL_DTYPES else torch.bfloat16
         for layer_type in ("global", "local"):
             for causal in (False, True):
                 packing = Packing(T, cu, max(lengths), causal, config.local_attention // 2, backend)
@@ -328,7 +327,7 @@ def table(rows, columns):
     return "\n".join(lines)
 
 
-def main(argv=None):
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=list(SIZES), default="small")
     p.add_argument("--seq_len", type=int, default=512)
@@ -351,7 +350,11 @@ def main(argv=None):
     p.add_argument("--skip", nargs="*", default=[], choices=["step", "attention", "loss", "data"])
     p.add_argument("--out", default="bench.json")
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.worker:
         spec = json.loads(args.worker)
         print(json.dumps({"step": measure_step, "loss_memory": measure_loss_memory}[spec["task"]](spec)))
@@ -418,7 +421,7 @@ def main(argv=None):
                                                                for impl, r in measured.items()), flush=True)
         print(f"\n1. Training step (forward + backward + AdamW), median of {args.steps} steps; transformers with "
               f"attn_implementation={hf_backend} (CLM: bidirectional, it has no causal mask); memory: peak "
-              f"{'allocated during' if device.type == 'cuda' else 'RSS added by'} the timed steps; MFU = model.training_flops "
+              f"{'allocated during' if device.type == 'cuda' else 'RSS added by'} the timed steps; MFU = training_flops "
               f"(real sequence lengths) / step time / {peak / 1e12:,.3g} TFLOP/s ({peak_source}); compiles: graphs "
               f"torch.compile made over warm-up and timed steps")
         print(table(rows, ["case", "objective", "impl", "pad_%", "tok/s", "vs_transformers", "MFU", "mem_MiB",

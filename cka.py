@@ -36,8 +36,8 @@ from support.checks import checkpoint_config
 from support.config import check_out_dir
 from data import read_documents
 from model import ModernBertForMaskedLM, cu_seqlens_of, mean_pool
-from support.suite import mean_std
-from support.tokenizer import load_tokenizer
+from support.suite import mean_std, parse_seeds
+from support.tokenizer import check_vocab, load_tokenizer
 
 # -----------------------------------------------------------------------------
 # Linear CKA in feature space: only (d1 x d2) matrices, so n can be large.
@@ -70,14 +70,14 @@ def _hsic_u(X, Y):
     return tr_kl + k1.sum() * l1.sum() / ((n - 1) * (n - 2)) - 2 / (n - 2) * (k1 * l1).sum()
 
 
-def outlier_diagnostic(X, Y, top=0.01):
+def outlier_diagnostic(X, Y):
     """Share of total variance in the top 1% of dimensions (of X and of Y), and CKA without them."""
     X, Y = torch.as_tensor(X).double(), torch.as_tensor(Y).double()
     out = {}
     keep = []
     for name, Z in (("x", X), ("y", Y)):
         var = Z.var(0)
-        k = max(1, math.ceil(top * Z.shape[1]))
+        k = max(1, math.ceil(0.01 * Z.shape[1]))
         top_dims = var.topk(k).indices
         out[f"top_var_share_{name}"] = (var[top_dims].sum() / var.sum()).item()
         mask = torch.ones(Z.shape[1], dtype=torch.bool)
@@ -190,8 +190,9 @@ class Sample:
 def sample_texts(args, tok, process):
     texts = list(read_documents([args.texts], args.text_field))
     if len(texts) < args.n:
-        raise SystemExit(f"{args.texts} holds {len(texts)} texts, fewer than --n {args.n}")
-    seeds = [int(s) for s in str(args.seeds).split(",")]
+        raise SystemExit(f"{args.texts} holds {len(texts)} texts, fewer than --n {args.n}: pass --n {len(texts)} or "
+                         "fewer (the paper draws 500), or give more held-out texts")
+    seeds = parse_seeds(args.seeds)
     draws = {s: np.random.default_rng(s).choice(len(texts), size=args.n, replace=False) for s in seeds}
     needed = sorted(set(np.concatenate(list(draws.values())).tolist()))
     mine = needed[process.rank::process.world]  # texts sharded across ranks
@@ -207,8 +208,8 @@ def representations(path, sample, tok, args, process, n_layers=None):
     if n_layers is not None and model.config.num_hidden_layers != n_layers:
         raise SystemExit(f"layer count mismatch: {path} has {model.config.num_hidden_layers} layers, "
                          f"the others {n_layers}; CKA compares layer i with layer i")
-    if model.config.vocab_size < tok.vocab_size:
-        raise SystemExit(f"{path} has {model.config.vocab_size} embeddings but the tokenizer {tok.vocab_size} ids")
+    check_vocab(tok.vocab_size, model.config, "the tokenizer", path, "pass the tokenizer the models were trained with "
+                "(--tokenizer)")
     n_layers = model.config.num_hidden_layers
     if process.rank == 0 and not args.runs:  # a trajectory's progress bar says where it is
         with autocast:
@@ -523,7 +524,7 @@ def write(out, stem, results, table, figure_of):
         print(f"wrote {out}/{stem}.json, {stem}.md, {png}")
 
 
-def main(argv=None):
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--pair", nargs=2, metavar=("A", "B"), help="the two checkpoints under study")
@@ -548,10 +549,15 @@ def main(argv=None):
     if args.n < 4:
         p.error(f"--n {args.n}: CKA needs at least 4 texts (the debiased estimate divides by n - 2); "
                 "a few hundred give a stable one")
-    if not all(s.strip().isdigit() for s in args.seeds.split(",")) or args.max_len < 3:
+    if parse_seeds(args.seeds) is None or args.max_len < 3:
         p.error(f"--seeds {args.seeds} --max_len {args.max_len}: seeds are integers like 42,43,44, and max_len "
                 "holds [CLS], [SEP] and at least one token")
     check_out_dir(args.out)  # before the model passes: results are written there at the end
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.runs:
         results = trajectory(args)
         if results is not None:

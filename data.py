@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from support.checkpoint import sha256
 from support.config import check_out_dir
+from support.shards import load_meta, split_tokens
 from support.tokenizer import SPECIAL_NAMES, TOKENIZER_FILES, load_tokenizer, tokenizer_file, train_bpe
 
 # -----------------------------------------------------------------------------
@@ -162,21 +163,14 @@ def _init_worker(spec):
     _worker_tok = load_tokenizer(spec)
 
 
-@dataclass
-class EncodedChunk:
-    split: str  # "train" or "val"
-    docs: int  # the number of documents in it
-    ids: np.ndarray  # their ids, each document followed by eos
-
-
 def _encode_chunk(job):
-    """(split, documents) -> EncodedChunk."""
+    """(split, documents) -> (split, the number of documents, their ids with eos after each document)."""
     split, docs = job
     out = []
     for ids in _worker_tok.encode_batch(docs):
         out.extend(ids)
         out.append(_worker_tok.eos_id)
-    return EncodedChunk(split, len(docs), np.asarray(out, dtype=np.int64))
+    return split, len(docs), np.asarray(out, dtype=np.int64)
 
 
 def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk_docs=512):
@@ -235,11 +229,11 @@ def _write_shards(docs_fn, tokenizer, stage, val_docs, workers, sources, chunk_d
         _init_worker(spec)
     try:
         with tqdm(total=n_docs, desc="prepare", unit="doc", disable=None) as bar:
-            for chunk in (pool.imap(_encode_chunk, jobs()) if pool else map(_encode_chunk, jobs())):
-                files[chunk.split].write(chunk.ids.astype(dtype).tobytes())
-                counts[chunk.split][0] += chunk.docs
-                counts[chunk.split][1] += len(chunk.ids)
-                bar.update(chunk.docs)
+            for split, docs, ids in (pool.imap(_encode_chunk, jobs()) if pool else map(_encode_chunk, jobs())):
+                files[split].write(ids.astype(dtype).tobytes())
+                counts[split][0] += docs
+                counts[split][1] += len(ids)
+                bar.update(docs)
     finally:
         if pool:
             pool.terminate()
@@ -280,22 +274,6 @@ def _publish(stage, out):
         os.replace(os.path.join(stage, name), os.path.join(out, name))
 
 
-def load_meta(data_dir):
-    """meta.json of a folder made by prepare, after checking that its tokenizer.json is the one the
-    shards were made with (a copy that differs would go into every checkpoint)."""
-    path = os.path.join(data_dir, "meta.json")
-    if not os.path.isfile(path):
-        raise SystemExit(f"{data_dir}: no meta.json; make the shards first with "
-                         f"`python data.py --input FILES --tokenizer SPEC --out {data_dir}`")
-    with open(path) as f:
-        meta = json.load(f)
-    tok = os.path.join(data_dir, "tokenizer.json")
-    if meta.get("tokenizer_sha256") and (not os.path.isfile(tok) or sha256(tok) != meta["tokenizer_sha256"]):
-        raise SystemExit(f"{tok} is missing or is not the tokenizer the shards of {data_dir} were made with "
-                         "(meta.json records another hash); re-run data.py into a fresh --out")
-    return meta
-
-
 # -----------------------------------------------------------------------------
 # The loader: fixed windows of a memmapped .bin, in an order fixed by data_seed.
 #
@@ -308,15 +286,7 @@ def load_meta(data_dir):
 class Loader:
     def __init__(self, data_dir, split, seq_len, micro_batch_size, data_seed, rank=0, world_size=1):
         self.meta = load_meta(data_dir)
-        path = os.path.join(data_dir, f"{split}.bin")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path} is missing; re-run data.py")
-        self.tokens = np.memmap(path, dtype=self.meta["dtype"], mode="r")
-        self.n_windows = len(self.tokens) // seq_len
-        if self.n_windows < micro_batch_size * world_size:
-            raise ValueError(f"{path}: {len(self.tokens)} tokens make {self.n_windows} windows of {seq_len}, fewer "
-                             f"than one step needs ({world_size} x {micro_batch_size}); use more data or a "
-                             "smaller seq_len")
+        self.tokens, self.n_windows = split_tokens(data_dir, split, self.meta, seq_len, micro_batch_size, world_size)
         self.seq_len, self.micro_batch_size, self.data_seed = seq_len, micro_batch_size, data_seed
         self.rank, self.world_size = rank, world_size
         self.consumed = 0  # windows of the stream consumed by all ranks together
@@ -409,12 +379,12 @@ def mlm_batch(windows, mask_prob, special, vocab_size, seed, split_docs=False):
     return Batch(inputs, cu, max_seqlen, rows, targets)
 
 
-def prefetch(produce, steps, depth=2):
-    """Yield produce(step) for each of `steps`, built up to `depth` steps ahead by a background thread,
+def prefetch(produce, steps):
+    """Yield produce(step) for each of `steps`, built up to two steps ahead by a background thread,
     so that the CPU work of a step's batches (reading, masking, targets, pinning) overlaps the GPU work
     of the steps before. produce() runs in step order in one thread: the stream is what it would be
     without the thread, and an exception in it is raised here, at the step it belongs to."""
-    ready, done = queue.Queue(maxsize=depth), threading.Event()
+    ready, done = queue.Queue(maxsize=2), threading.Event()
 
     def work():
         for step in steps:
@@ -448,7 +418,7 @@ def prefetch(produce, steps, depth=2):
 # Command line
 
 
-def main(argv=None):
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--input", nargs="+", help=".txt / .jsonl / .parquet files")
@@ -461,7 +431,11 @@ def main(argv=None):
     p.add_argument("--text_field", default="text", help="the text field of .jsonl / .parquet")
     p.add_argument("--blank_line_docs", action="store_true",
                     help=".txt: documents are separated by blank lines (default: one per line)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     check_args(args)
 
     if args.demo:

@@ -38,13 +38,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from support import distributed
-from support import suite
-from model import (Flat, ModernBertForSequenceClassification, ModernBertForTokenClassification, cu_seqlens_of,
-                   load_config, pick_backend)
-from support.checks import checkpoint_config
+from model import Flat, ModernBertForSequenceClassification, ModernBertForTokenClassification, cu_seqlens_of
+from support import distributed, suite
+from support.checks import checkpoint_config, user_error
 from support.config import check_out_dir
-from support.tokenizer import load_tokenizer
+from support.kernels import pick_backend
+from support.tokenizer import check_vocab, load_tokenizer
 
 # -----------------------------------------------------------------------------
 # Metrics (checked against scikit-learn and seqeval in the tests)
@@ -441,17 +440,14 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
 
 
 def check_model(path, tokenizer):
-    """(The tokenizer of a checkpoint, its max_position_embeddings), once it loads as a ModernBERT and the
-    tokenizer fits its embedding."""
+    """(The tokenizer to fine-tune a checkpoint with, its config), once it loads as a ModernBERT and the tokenizer
+    fits its embedding."""
     tok = model_tokenizer(path, tokenizer)
-    try:
+    with user_error(f"--model {path}"):  # not ModernBERT, no weights, weights of another shape
         config = ModernBertForSequenceClassification.from_pretrained(path, id2label={"0": "a", "1": "b"}).config
-    except (OSError, ValueError, RuntimeError) as e:  # not ModernBERT, no weights, weights of another shape
-        raise SystemExit(f"--model {path}: {e}") from None
-    if tok.vocab_size > config.vocab_size:
-        raise SystemExit(f"its tokenizer has {tok.vocab_size} tokens, its embedding {config.vocab_size}; "
-                         "pass the tokenizer the model was trained with (--tokenizer)")
-    return tok, config.max_position_embeddings
+    check_vocab(tok.vocab_size, config, "the tokenizer", f"--model {path}",
+                "pass the tokenizer the model was trained with (--tokenizer)")
+    return tok, config
 
 
 def full_context(max_len, positions, where):
@@ -462,8 +458,9 @@ def full_context(max_len, positions, where):
     return max_len or positions
 
 
-def run_suite(args, rank, world, device, autocast, dtype):
+def run_suite(args, process, autocast, dtype):
     """eval.py --suite FILE --models DIR ...: every task x model x seed, then results.md/.json/.png."""
+    rank, world, device = process.rank, process.world, process.device
     seeds, tasks = suite.load_suite(args.suite)
     names = suite.model_names(args.models)
 
@@ -471,7 +468,8 @@ def run_suite(args, rank, world, device, autocast, dtype):
     problems, toks, positions, data, max_len = [], {}, {}, {}, {}
     for path in args.models:
         try:
-            toks[path], positions[path] = check_model(path, args.tokenizer)
+            toks[path], config = check_model(path, args.tokenizer)
+            positions[path] = config.max_position_embeddings
         except SystemExit as e:
             problems.append(f"model {path}: {e}")
     for t in tasks:
@@ -500,10 +498,7 @@ def run_suite(args, rank, world, device, autocast, dtype):
                           file=suite.run_file(args.out, t["name"], name, seed)) for seed in seeds]
     # Rank 0's disk says which runs are finished and the other ranks take its word: every rank must skip
     # the same runs, or the ranks that train one wait forever for those that skipped it.
-    state = [suite.finished_runs([(r["file"], r["options"]) for r in runs]) if rank == 0 else None]
-    if world > 1:
-        dist.broadcast_object_list(state, src=0)
-    done, stale = state[0]
+    done, stale = distributed.on_rank0(lambda: suite.finished_runs([(r["file"], r["options"]) for r in runs]), process)
     if stale:
         raise SystemExit(f"{args.out}: {len(stale)} stored run(s) cannot be reused for this suite:\n  "
                          + "\n  ".join(stale) + "\nDelete them to run them again with the suite's settings, or "
@@ -547,7 +542,8 @@ def run_suite(args, rank, world, device, autocast, dtype):
 # -----------------------------------------------------------------------------
 
 
-def main(argv=None):
+def parse_args(argv):
+    """The command line, with the protocol's defaults filled in (suite.PROTOCOL) and every value checked."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a Hugging Face ModernBERT checkpoint directory")
     p.add_argument("--task", choices=["cls", "multilabel", "ner"])
@@ -593,35 +589,31 @@ def main(argv=None):
                 setattr(args, k, defaults[k])
         bad = [f"--{k}={getattr(args, k)}" for k in ("epochs", "batch_size", "max_tokens", "max_len", "lr")
                if getattr(args, k) is not None and not getattr(args, k) > (2 if k == "max_len" else 0)]
-        if bad or not all(s.strip().isdigit() for s in args.seeds.split(",")):  # max_len holds [CLS] and [SEP]
+        if bad or suite.parse_seeds(args.seeds) is None:  # max_len holds [CLS] and [SEP]
             p.error(f"{', '.join(bad) or '--seeds=' + args.seeds}: epochs, batch_size, max_tokens and lr must be "
                     "positive, max_len above 2, and seeds integers like 42,43,44")
         if args.select not in suite.SELECT[args.task]:
             p.error(f"--select={args.select}: for --task {args.task} it is one of {', '.join(suite.SELECT[args.task])}")
     check_out_dir(args.out)  # before any training: results are written there at the end
+    return args
 
-    process = distributed.setup(args.device)
+
+def run_task(args, process, autocast, dtype):
+    """eval.py --model --task --data: fine-tune over the seeds, then a mean ± std table of the test metrics."""
     rank, world, device = process.rank, process.world, process.device
-    autocast, dtype = distributed.autocast(device, args.dtype)
-    if args.suite:  # every (task, model, seed) of a suite file, then one table
-        run_suite(args, rank, world, device, autocast, dtype)
-        distributed.teardown()
-        return
-    tok, positions = check_model(args.model, args.tokenizer)
-    args.max_len = full_context(args.max_len, positions, "--max_len")
+    tok, config = check_model(args.model, args.tokenizer)
+    args.max_len = full_context(args.max_len, config.max_position_embeddings, "--max_len")
     args.max_tokens = args.max_tokens or suite.max_tokens(device)
     raw, labels = read_task(args.data, args.task)
     splits = encode_splits(raw, tok, args.task, labels, args.max_len)
     if rank == 0:
-        config = load_config(args.model)
         backend = pick_backend(config.attn_backend, device, dtype, config.attention_dropout)
         print(f"{args.task}: {len(labels)} labels; train {len(raw['train'])}, validation {len(raw['validation'])}, "
               f"test {len(raw['test'])} examples ({len(splits['train']['items'])} training sequences); "
               f"{device}, {str(dtype).removeprefix('torch.')}, attention {backend}; max_len {args.max_len}, "
               f"{args.max_tokens} tokens per micro batch")
-
     runs = []
-    for seed in [int(s) for s in args.seeds.split(",")]:
+    for seed in suite.parse_seeds(args.seeds):
         model, result = finetune(args, seed, splits, labels, device, rank, world, autocast)
         runs.append(result)
         if rank == 0 and args.save_model:
@@ -639,6 +631,13 @@ def main(argv=None):
                        "runs": runs}, f, indent=2)
         with open(os.path.join(args.out, "results.md"), "w") as f:
             f.write(table)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    process = distributed.setup(args.device)
+    autocast, dtype = distributed.autocast(process.device, args.dtype)
+    (run_suite if args.suite else run_task)(args, process, autocast, dtype)
     distributed.teardown()
 
 

@@ -20,18 +20,17 @@ import math
 import os
 import sys
 from contextlib import nullcontext
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data import Loader, clm_batch, mlm_batch, prefetch
-from model import ModernBertConfig, ModernBertForMaskedLM, load_config, training_flops
-from support import config, distributed
-from support.checkpoint import Checkpointer, check_tokenizer
-from support.checks import check_run, check_values
+from model import ModernBertConfig, ModernBertForMaskedLM
+from support import checks, config, distributed
+from support.checkpoint import Checkpointer
+from support.flops import batch_flops
 from support.freeze import Freeze
 from support.logger import Logger, announce
 from support.tokenizer import SPECIAL_NAMES
@@ -106,27 +105,6 @@ class Config:
     wandb_run_name: str = ""  # the run's name there; "": out_dir's name
 
 
-def parse_config(argv):
-    """Config files then --key=value (support/config.py); then the checks that need several keys."""
-    c = config.parse(Config, argv)
-    check_values(c)  # each number in its range (support/checks.py)
-    if c.compile.lower() not in ("auto", "true", "false"):
-        raise SystemExit(f"compile={c.compile!r}: choose auto, True or False")
-    world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's processes
-    if c.global_batch_size % (c.micro_batch_size * world):
-        raise SystemExit(f"global_batch_size={c.global_batch_size} is not a multiple of micro_batch_size="
-                         f"{c.micro_batch_size} x world size {world}")
-    names = [p.name for p in phases_of(c)]
-    run, frozen = c.run_phases.split(","), c.freeze_phase.split(",")
-    if run != ["all"] and not any(names[i:i + len(run)] == run for i in range(len(names))):
-        raise SystemExit(f"run_phases={c.run_phases!r}: write 'all' or consecutive phase names in order, "
-                         f"comma-separated, from {', '.join(names)}")
-    if c.freeze_layers and frozen != ["all"] and not set(frozen) <= set(names):
-        raise SystemExit(f"freeze_phase={c.freeze_phase!r}: write 'all' or phase names, comma-separated, from "
-                         f"{', '.join(names)}")
-    return c
-
-
 # -----------------------------------------------------------------------------
 # Phases and the lr schedule
 
@@ -149,43 +127,23 @@ class Phase:
 
 def phases_of(c):
     """The config's phases: `phases` as written, or the paper's two, built from the one flag `objective`."""
-    if not c.phases:
-        main = Phase("main", c.objective, c.tokens, c.mask_prob if c.objective == "mlm" else 0.0, c.warmup_tokens)
-        decay = Phase("decay", "mlm", c.decay_frac * c.tokens, c.decay_mask_prob, decay=True,
-                      final_lr_frac=c.final_lr_frac)
-        if c.decay_frac < 0:
-            raise SystemExit(f"decay_frac={c.decay_frac}: the decay is a fraction of tokens, 0 for none")
-        return [check_phase(main), *([check_phase(decay)] if c.decay_frac else [])]
-    allowed = [f.name for f in fields(Phase)]
-    phases = []
-    for spec in c.phases:
-        if not isinstance(spec, dict) or not {"name", "objective", "tokens"} <= set(spec) <= set(allowed):
-            raise SystemExit(f"phases: {spec!r} must be a dict with name, objective and tokens, and any of "
-                             f"{', '.join(allowed[3:])}")
-        phases.append(check_phase(Phase(**spec)))
-    names = [p.name for p in phases]
-    if len(set(names)) < len(names) or any(not isinstance(n, str) or "," in n or n == "all" for n in names):
-        raise SystemExit(f"phases: names must be unique, without commas, and not 'all': {names}")
+    if c.phases:
+        phases = checks.check_phases(c.phases, Phase)
+    else:
+        phases = [Phase("main", c.objective, c.tokens, c.mask_prob if c.objective == "mlm" else 0.0, c.warmup_tokens)]
+        if c.decay_frac:
+            phases.append(Phase("decay", "mlm", c.decay_frac * c.tokens, c.decay_mask_prob, decay=True,
+                                final_lr_frac=c.final_lr_frac))
+    for phase in phases:
+        checks.check_phase(phase)
     return phases
 
 
-def check_phase(p):
-    """A phase that means something, or one line saying what does not."""
-    numbers = [p.tokens, p.mask_prob, p.warmup_tokens, p.final_lr_frac]
-    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers) or p.decay not in (0, 1):
-        raise SystemExit(f"phase {p.name!r}: tokens, mask_prob, warmup_tokens and final_lr_frac are numbers, "
-                         f"decay is True or False")
-    problems = [(p.objective not in ("clm", "mlm"), f"objective={p.objective!r}: choose 'clm' or 'mlm'"),
-                (not p.tokens > 0 or p.warmup_tokens < 0, f"tokens={p.tokens}, warmup_tokens={p.warmup_tokens}: "
-                 "a phase needs a positive length, a warmup of 0 or more"),
-                (p.objective == "mlm" and not 0 < p.mask_prob < 1, f"mask_prob={p.mask_prob}: choose it in (0, 1)"),
-                (p.causal and p.mask_prob != 0, "mask_prob is for mlm phases: a CLM phase predicts every next token"),
-                (p.decay and p.warmup_tokens > 0, "a decay phase has no warmup: set warmup_tokens=0"),
-                (not 0 <= p.final_lr_frac <= 1, f"final_lr_frac={p.final_lr_frac}: choose a fraction in [0, 1]")]
-    for bad, message in problems:
-        if bad:
-            raise SystemExit(f"phase {p.name!r}: {message}")
-    return p
+def parse_config(argv):
+    """Config files then --key=value (support/config.py); then every value in its range (support/checks.py)."""
+    c = config.parse(Config, argv)
+    checks.check_config(c, [p.name for p in phases_of(c)], int(os.environ.get("WORLD_SIZE", 1)))
+    return c
 
 
 class Schedule:
@@ -234,18 +192,14 @@ def build_model(c, meta, path):
     dropout = dict(embedding_dropout=c.embedding_dropout, attention_dropout=c.attention_dropout,
                    attn_out_dropout=c.attn_out_dropout, mlp_dropout=c.mlp_dropout, attn_backend=c.attn_backend)
     if path == "scratch":
-        preset = {"base": ModernBertConfig.base, "large": ModernBertConfig.large}[c.model_size]  # checks.py: known
+        size = ModernBertConfig.large if c.model_size == "large" else ModernBertConfig  # "base" (checks.py)
         vocab = 64 * math.ceil(meta["vocab_size"] / 64)  # a multiple of 64 for fast matmuls
         ids = dict(pad_token_id=meta["pad_id"], cls_token_id=meta["cls_id"], sep_token_id=meta["sep_id"],
                    bos_token_id=meta["cls_id"], eos_token_id=meta["sep_id"])
         torch.manual_seed(c.seed)
-        return ModernBertForMaskedLM(preset(**{"vocab_size": vocab, **ids, **c.model_config, **dropout}))
-    check_tokenizer(path, load_config(path), meta, c.data_dir)
-    try:
+        return ModernBertForMaskedLM(size(**{"vocab_size": vocab, **ids, **c.model_config, **dropout}))
+    with checks.user_error(f"init_from={path}"):  # a weights file cut short is named
         return ModernBertForMaskedLM.from_pretrained(path, **dropout)
-    except (SafetensorError, RuntimeError) as e:  # what a truncated weights file raises, without its name
-        weights = [f for f in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(os.path.join(path, f))]
-        raise SystemExit(f"cannot load {os.path.join(path, weights[0])} ({e}): is the file complete? Copy it again.")
 
 
 def make_optimizer(model, c, device):
@@ -270,18 +224,15 @@ def make_batch(windows, phase, meta, seed, split_docs):
                      split_docs)
 
 
-@dataclass
-class StepBatches:
-    """What a step takes from the data, built ahead of it by the prefetch thread."""
-    micro: list  # this rank's micro batches (data.Batch)
-    loader: dict  # the loader position after them: what a checkpoint after this step resumes from
-    flops: float  # their model FLOPs, from the real sequence lengths (model.training_flops), for MFU
-
-
-def batch_flops(config, batches, causal):
-    """The model FLOPs of micro batches, from their real sequence lengths and target rows (for MFU)."""
-    seqlens = [n for b in batches for n in b.cu_seqlens.diff().tolist()]
-    return training_flops(config, seqlens, causal, sum(b.targets.numel() for b in batches))
+def step_batches(step, phase, loader, meta, c, process, config):
+    """This rank's micro batches of `step`, as its phase calls for, from the loader (read by the prefetch thread
+    alone) -> (the batches, the loader position a checkpoint after them resumes from, their FLOPs for MFU)."""
+    accum = c.global_batch_size // (c.micro_batch_size * process.world)
+    micro = [make_batch(loader.next(), phase, meta, [c.seed, step, k * process.world + process.rank], c.split_docs)
+             for k in range(accum)]
+    pin = process.device.type == "cuda"  # pinned memory: the copy to the GPU is then asynchronous
+    return ([b.map(torch.Tensor.pin_memory) if pin else b for b in micro], loader.state_dict(),
+            batch_flops(config, micro, phase.causal))
 
 
 def batch_loss(model, batch, causal):
@@ -359,7 +310,7 @@ def main(argv):
         c = parse_config(argv)
         schedule = Schedule.from_config(c)
         run = schedule.span(c.run_phases)  # the steps this run does
-        meta = check_run(c, len(run), int(os.environ.get("WORLD_SIZE", 1)))  # before any compute: support/checks.py
+        meta = checks.check_run(c, len(run), int(os.environ.get("WORLD_SIZE", 1)))  # data, out_dir, init_from
     process = distributed.setup(c.device, c.dist_timeout_minutes)  # the same without torchrun: one process
     rank, world, device = process.rank, process.world, process.device
     accum = c.global_batch_size // (c.micro_batch_size * world)  # micro batches per step (parse_config checks)
@@ -375,23 +326,15 @@ def main(argv):
     loader = Loader(c.data_dir, "train", c.seq_len, c.micro_batch_size, c.data_seed, rank, world)
     torch.manual_seed(c.seed + rank)  # dropout; a checkpoint's random streams replace it
     state = checkpointer.restore(start, optimizer, loader, first_step=run.start)
-    with autocast:  # on every rank, before compile: the first call also looks up torch's varlen_attn
+    with autocast:
         backend = model.model.attention_backend(device)
     announce(c, model, schedule, process, f"world {world}, accumulation {accum}; {device}, {str(dtype)[6:]}, "
              f"attention {backend}, compile {'on' if compiled else 'off'}", state.step if start else None)
     freeze.enter(schedule.at(state.step))  # before DDP, which all-reduces what requires a gradient when built
     raw_model, model = model, wrap(model, compiled, world > 1, device)
-
-    def step_batches(step):  # in the prefetch thread (the loader's only reader), off the training step's path
-        phase = schedule.at(step)
-        micro = [make_batch(loader.next(), phase, meta, [c.seed, step, k * world + rank], c.split_docs)
-                 for k in range(accum)]
-        pin = device.type == "cuda"  # pinned memory: the copy to the GPU is then asynchronous
-        return StepBatches([b.map(torch.Tensor.pin_memory) if pin else b for b in micro], loader.state_dict(),
-                           batch_flops(raw_model.config, micro, phase.causal))
-
     logger = Logger(c, process, checkpointer, run, state.step)
-    stream = prefetch(step_batches, range(state.step, run.stop))
+    stream = prefetch(lambda step: step_batches(step, schedule.at(step), loader, meta, c, process, raw_model.config),
+                      range(state.step, run.stop))  # built ahead by a thread, off the training step's path
     checkpointer.watch_signals()  # from here on, SIGTERM and SIGINT stop the run at a step boundary
     try:
         while state.step < run.stop:
@@ -402,14 +345,14 @@ def main(argv):
                 group["lr"] = lr
             if freeze.enter(phase):  # frozen layers: no weight gradients to compute or all-reduce
                 model = wrap(raw_model, compiled, world > 1, device)
-            batches = next(stream)
-            state.loss += forward_backward(model, batches.micro, phase.causal, process, autocast, compiled)
+            batches, loader_state, flops = next(stream)
+            state.loss += forward_backward(model, batches, phase.causal, process, autocast, compiled)
             freeze.after_backward()  # freeze_mode "zero_grad": zero gradients, which AdamW still decays and moves
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            state.step, state.loader, state.loss_steps = state.step + 1, batches.loader, state.loss_steps + 1
+            state.step, state.loader, state.loss_steps = state.step + 1, loader_state, state.loss_steps + 1
             state.tokens += c.global_batch_size * c.seq_len
-            logger.count(batches.flops)
+            logger.count(flops)
             end_of_phase = state.step in schedule.starts
             checkpoint_due = state.step % c.ckpt_interval == 0 or end_of_phase
 

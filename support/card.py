@@ -46,25 +46,9 @@ def latest_records(out_dir, step):
     return last, val
 
 
-def write_card(directory, c, step, tokens, model):
-    """README.md in the checkpoint directory being written, for the run of config `c` at `step`."""
-    from train import Schedule  # the phases as train.py lays them out (imported here: train.py imports us)
-
-    schedule = Schedule.from_config(c)
-    with open(os.path.join(c.data_dir, "meta.json")) as f:
-        meta = json.load(f)
-    # where the directory ends up (it is written under a temporary name, then renamed)
-    path = os.path.join(c.out_dir, os.path.basename(directory).removeprefix(".tmp-"))
-    per_step = c.global_batch_size * c.seq_len
-    name = os.path.basename(os.path.abspath(c.out_dir))
-    hub = base_model(c.init_from)
-    objectives = sorted({p.objective for p in schedule.phases})
-    tags = ["modernbert", "fill-mask", "clm-detour", "continued-pretraining" if c.init_from != "scratch"
-            else "pretraining", *objectives]
-    front = ["---", "library_name: transformers", "pipeline_tag: fill-mask", *([f"base_model: {hub}"] if hub else []),
-             "tags:", *(f"- {t}" for t in tags), "---"]
-
-    rows = []
+def recipe_rows(schedule, c, step):
+    """The recipe table: per phase its objective, attention, masking, length, lr shape and status at `step`."""
+    rows, per_step = [], c.global_batch_size * c.seq_len
     for phase, n, start in zip(schedule.phases, schedule.steps, schedule.starts):
         if phase.decay:
             shape = f"1-sqrt decay from {c.lr:g} to {phase.final_lr_frac * c.lr:g}"
@@ -76,6 +60,25 @@ def write_card(directory, c, step, tokens, model):
         rows.append(f"| {phase.name} | {phase.objective} | {'causal' if phase.causal else 'bidirectional'} | "
                     f"{f'{phase.mask_prob:.0%}' if phase.objective == 'mlm' else 'none (next token)'} | "
                     f"{n * per_step:,} | {n:,} | {shape} | {done} |")
+    return rows
+
+
+def write_card(directory, c, step, tokens, model, schedule=None):
+    """README.md in the checkpoint directory being written, for the run of config `c` at `step`; `schedule`
+    (train.py's) gives the recipe's phases."""
+    with open(os.path.join(c.data_dir, "meta.json")) as f:
+        meta = json.load(f)
+    # where the directory ends up (it is written under a temporary name, then renamed)
+    path = os.path.join(c.out_dir, os.path.basename(directory).removeprefix(".tmp-"))
+    per_step = c.global_batch_size * c.seq_len
+    name = os.path.basename(os.path.abspath(c.out_dir))
+    hub = base_model(c.init_from)
+    objectives = sorted({p.objective for p in schedule.phases}) if schedule else []
+    tags = ["modernbert", "fill-mask", "clm-detour", "continued-pretraining" if c.init_from != "scratch"
+            else "pretraining", *objectives]
+    front = ["---", "library_name: transformers", "pipeline_tag: fill-mask", *([f"base_model: {hub}"] if hub else []),
+             "tags:", *(f"- {t}" for t in tags), "---"]
+    rows = recipe_rows(schedule, c, step) if schedule else []
 
     last, val = latest_records(c.out_dir, step)
     losses = ["No evaluation yet."]
@@ -91,8 +94,8 @@ def write_card(directory, c, step, tokens, model):
 
     lines = [*front, "", f"# {name}", "",
              f"A ModernBERT encoder ({model.num_params():,} parameters, {model.config.num_hidden_layers} "
-             f"layers) trained with the clm-detour codebase from `{c.init_from}`: step {step:,} of "
-             f"{schedule.starts[-1]:,}, {tokens:,} tokens.", "",
+             f"layers) trained with the clm-detour codebase from `{c.init_from}`: step {step:,}"
+             f"{f' of {schedule.starts[-1]:,}' if schedule else ''}, {tokens:,} tokens.", "",
              "## Recipe", "",
              "| phase | objective | attention | masking | tokens | steps | lr | status |",
              "|---|---|---|---|---|---|---|---|", *rows, "",

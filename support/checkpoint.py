@@ -41,6 +41,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 
 from support.card import write_card
+from support.distributed import on_rank0
 from support.tokenizer import TOKENIZER_FILES, write_hf_config
 
 MANIFEST = "manifest.json"
@@ -48,10 +49,10 @@ TRAIN_STATE = "train_state.pt"
 PROGRESS = "progress.json"  # where a checkpoint is in its run: step, tokens, phase (what cka.py --runs reads)
 
 
-def save_checkpoint(path, model, optimizer, state, c):
-    """Write the checkpoint directory `path`; with optimizer None, weights-only (no train state: not a
-    resume point). If a write fails (a full disk, a quota) the partial copy is removed, the previous
-    checkpoints stay intact, and the run stops saying how much space it needs."""
+def save_checkpoint(path, model, optimizer, state, c, schedule=None):
+    """Write the checkpoint directory `path`, its model card naming the run's phases (`schedule`); with optimizer
+    None, weights-only (no train state: not a resume point). If a write fails (a full disk, a quota) the partial
+    copy is removed, the previous checkpoints stay intact, and the run stops saying how much space it needs."""
     out_dir = os.path.dirname(path)
     tmp = os.path.join(out_dir, ".tmp-" + os.path.basename(path))
     try:
@@ -62,7 +63,7 @@ def save_checkpoint(path, model, optimizer, state, c):
             if os.path.isfile(src):
                 shutil.copyfile(src, os.path.join(tmp, name))
         write_hf_config(tmp, model.config.max_position_embeddings)  # so that transformers' tools know [MASK] & co
-        write_card(tmp, c, state["step"], state.get("tokens", 0), model)  # README.md: what the hub shows
+        write_card(tmp, c, state["step"], state.get("tokens", 0), model, schedule)  # README.md: what the hub shows
         with open(os.path.join(tmp, PROGRESS), "w") as f:
             json.dump({k: state[k] for k in ("step", "tokens", "phase") if k in state}, f)
         if optimizer is not None:
@@ -273,8 +274,6 @@ class Checkpointer:
             latest = latest_valid_checkpoint(self.c.out_dir)
             if latest is not None:
                 check_same_run(self.c)
-            if latest is None and self.c.init_from != "scratch":
-                check_init_from(self.c.init_from)
             return os.path.basename(latest) if latest else None
 
         name = on_rank0(choose, self.process)
@@ -372,7 +371,7 @@ class Checkpointer:
         saved = dict(**self.progress(state), loader=state.loader, loss_steps=state.loss_steps, ranks=ranks)
 
         def write():
-            save_checkpoint(path, model, optimizer, saved, self.c)
+            save_checkpoint(path, model, optimizer, saved, self.c, self.schedule)
             prune(self.c.out_dir, self.c.max_ckpts, self.c.keep_every)
 
         on_rank0(write, self.process)  # also the barrier: no rank reads the checkpoint before it is complete
@@ -383,7 +382,8 @@ class Checkpointer:
     def keep(self, path, model, state):
         """A weights-only checkpoint at `path`, written by rank 0: no optimizer, no per-rank state to gather."""
         started = time.time()
-        on_rank0(lambda: save_checkpoint(path, model, None, self.progress(state), self.c), self.process)
+        on_rank0(lambda: save_checkpoint(path, model, None, self.progress(state), self.c, self.schedule),
+                 self.process)
         every_rank_sees(path, self.process)
         self.seconds += time.time() - started
 
@@ -430,50 +430,6 @@ def check_same_run(c):
                          f"{'; '.join(f'{k} {old[k]!r} -> {new[k]!r}' for k in changed)}. Resuming would change "
                          f"what the run is: choose a new out_dir, or, if the change is deliberate, "
                          f"--resume_changes={','.join(changed)}")
-
-
-def check_init_from(path):
-    """init_from must exist; one of our checkpoints (it has a manifest) must also be intact."""
-    if not os.path.isdir(path):
-        raise SystemExit(f"init_from={path!r} is neither 'scratch' nor a checkpoint directory "
-                         "(edit the path at the top of the config)")
-    problem = checkpoint_problem(path) if os.path.isfile(os.path.join(path, MANIFEST)) else None
-    if problem:
-        raise SystemExit(f"init_from={path} is damaged: {problem}. Copy it again, or use another checkpoint.")
-
-
-def check_tokenizer(ckpt, model_config, meta, data_dir):
-    """The data must be tokenized with the checkpoint's tokenizer."""
-    fix = "prepare the data with the checkpoint's tokenizer: python data.py --tokenizer " + ckpt
-    if meta["vocab_size"] > model_config.vocab_size:
-        raise SystemExit(f"vocab mismatch: {data_dir} was tokenized with a vocabulary of {meta['vocab_size']} but "
-                         f"{ckpt} has {model_config.vocab_size} embeddings; {fix}")
-    tok_file = os.path.join(ckpt, "tokenizer.json")
-    if os.path.isfile(tok_file) and meta.get("tokenizer_sha256"):
-        if sha256(tok_file) != meta["tokenizer_sha256"]:
-            raise SystemExit(f"tokenizer mismatch: {ckpt}/tokenizer.json differs from the one {data_dir} was "
-                             f"prepared with; {fix}")
-
-
-# Rank 0 alone decides some things (which checkpoint to resume, writing one). Every rank gets the
-# outcome, errors included, so no rank is left waiting in a collective for one that stopped.
-
-def on_rank0(fn, process):
-    """fn() on rank 0; its result on every rank, or the SystemExit it raised: its message on rank 0 alone
-    (a user's mistake is said once), the same exit code everywhere."""
-    result = None
-    if process.rank == 0:
-        try:
-            result = fn()
-        except SystemExit as e:
-            result = e
-    if process.world > 1:
-        box = [result]
-        dist.broadcast_object_list(box)
-        result = box[0]
-    if isinstance(result, SystemExit):
-        raise result if process.rank == 0 else SystemExit(1)
-    return result
 
 
 def every_rank_sees(path, process):

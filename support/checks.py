@@ -1,25 +1,24 @@
 """
-The start-up checks of a training run: everything that can be known at step 0 is checked before any
-compute, so that no run dies hours in for a condition it had from the start (a validation split too
-small for the first evaluation, an out_dir it cannot write, an init_from it cannot read). Each problem
-is one line naming it and the fix. Every rank runs the same checks on the same files and stops alike,
-before any rank waits in a collective. `checkpoint_config` is the check eval.py and cka.py share.
+The checks made before any work: a config's values and names, a phase, a run's inputs (data, out_dir,
+init_from), a checkpoint directory given to eval.py or cka.py. Whatever can be known at step 0 is checked at
+step 0, so that no run dies hours in for a condition it had from the start. Each problem is one line naming it
+and the fix (a SystemExit); under torchrun every rank runs the same checks on the same files and stops alike,
+before any rank waits in a collective. The formats check themselves where they are read: support/shards.py
+(the data), support/hf.py (config.json and weights), support/checkpoint.py (manifests).
 """
 
 import glob
 import importlib.util
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import fields
 
-import numpy as np
-
-from data import load_meta
-from model import ModernBertConfig, load_config
-from support.checkpoint import check_tokenizer
+from model import ModernBertConfig
+from support import hf, shards
+from support.checkpoint import MANIFEST, checkpoint_problem, sha256
 from support.config import check_out_dir
-from support.tokenizer import SPECIAL_NAMES
-
+from support.tokenizer import check_vocab
 
 POSITIVE = ("seq_len", "global_batch_size", "micro_batch_size", "lr", "eps", "log_interval", "eval_interval",
             "eval_windows", "ckpt_interval", "max_ckpts", "dist_timeout_minutes")
@@ -27,8 +26,22 @@ NOT_NEGATIVE = ("weight_decay", "ckpt_every_minutes", "keep_every", "peak_tflops
 PROBABILITIES = ("embedding_dropout", "attention_dropout", "attn_out_dropout", "mlp_dropout")  # in [0, 1)
 
 
-def check_values(c):
-    """Each number of the config in its range, before any other check divides by one of them."""
+@contextmanager
+def user_error(where=""):
+    """What a library call raises for a bad input (a file that is missing, unreadable or of another format)
+    becomes the one line a user reads: `where: the problem`."""
+    try:
+        yield
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{where}: {e}" if where else str(e)) from None
+
+
+# -----------------------------------------------------------------------------
+# train.py's config
+
+
+def check_config(c, phase_names, world):
+    """Every value of the config in its range, and the names it gives (phases, layers to freeze) exist."""
     bad = ([f"{k}={getattr(c, k)} must be positive" for k in POSITIVE if not getattr(c, k) > 0]
            + [f"{k}={getattr(c, k)} must be 0 or more" for k in NOT_NEGATIVE if getattr(c, k) < 0]
            + [f"{k}={getattr(c, k)} must be in [0, 1)" for k in PROBABILITIES if not 0 <= getattr(c, k) < 1])
@@ -36,54 +49,55 @@ def check_values(c):
         bad.append(f"betas={c.betas} must be two numbers in [0, 1), e.g. (0.9, 0.98)")
     if bad:
         raise SystemExit(f"{'; '.join(bad)}: fix the config or the --key=value")
-
-
-def check_run(c, steps, world):
-    """-> the data's meta.json, once the run `c` (`steps` optimizer steps on `world` processes) can start."""
+    if c.compile.lower() not in ("auto", "true", "false"):
+        raise SystemExit(f"compile={c.compile!r}: choose auto, True or False")
+    if c.global_batch_size % (c.micro_batch_size * world):
+        fits = [m for m in range(c.micro_batch_size, 0, -1) if c.global_batch_size % (m * world) == 0]
+        fix = f"e.g. --micro_batch_size={fits[0]}" if fits else f"a global_batch_size that {world} ranks share"
+        raise SystemExit(f"global_batch_size={c.global_batch_size} is not a multiple of micro_batch_size="
+                         f"{c.micro_batch_size} x world size {world}: each step must give every rank whole micro "
+                         f"batches; {fix}")
+    run, frozen = c.run_phases.split(","), c.freeze_phase.split(",")
+    if run != ["all"] and not any(phase_names[i:i + len(run)] == run for i in range(len(phase_names))):
+        raise SystemExit(f"run_phases={c.run_phases!r}: write 'all' or consecutive phase names in order, "
+                         f"comma-separated, from {', '.join(phase_names)}")
+    if c.freeze_layers and frozen != ["all"] and not set(frozen) <= set(phase_names):
+        raise SystemExit(f"freeze_phase={c.freeze_phase!r}: write 'all' or phase names, comma-separated, from "
+                         f"{', '.join(phase_names)}")
     check_model_config(c)
     check_wandb(c)
-    if not c.data_dir:
-        raise SystemExit("data_dir is not set: point it at a directory made by `python data.py`")
-    try:
-        meta = load_meta(c.data_dir)
-    except FileNotFoundError as e:
-        raise SystemExit(str(e)) from None
-    missing = [k for k in ("vocab_size", "dtype", *SPECIAL_NAMES) if k not in meta]
-    if missing:
-        raise SystemExit(f"{c.data_dir}/meta.json lacks {', '.join(missing)}: prepare the data again with "
-                         "`python data.py`")
-    step_windows = c.micro_batch_size * world  # what one forward on every rank takes
-    train, val = (windows(c.data_dir, split, meta["dtype"], c.seq_len) for split in ("train", "val"))
-    for split, n, fix in [("train", train, "use more data"),
-                          ("val", val, "prepare the data with a larger --val_docs")]:
-        if n < step_windows:
-            raise SystemExit(f"{c.data_dir}/{split}.bin makes {n} windows of seq_len={c.seq_len}, fewer than one "
-                             f"micro batch on every rank needs (micro_batch_size={c.micro_batch_size} x world size "
-                             f"{world} = {step_windows}); {fix}, or lower micro_batch_size or seq_len")
-    needed = steps * c.global_batch_size
-    if needed > train and int(os.environ.get("RANK", 0)) == 0:
-        print(f"note: the schedule reads {needed:,} windows of {c.seq_len} tokens and train.bin holds {train:,}: "
-              f"the data repeats ({needed / train:.1f} epochs), each epoch in a new order", file=sys.stderr)
-    check_out_dir(c.out_dir, "out_dir")
-    resuming = glob.glob(os.path.join(c.out_dir, "ckpt-*"))  # then init_from is not read (checkpointer.resume)
-    if c.init_from != "scratch" and not resuming:
-        check_readable(c.init_from, meta, c.data_dir)
-    return meta
 
 
-def check_wandb(c):
-    """wandb (an optional dependency) is installed when the run asks for it, so it is known before any compute."""
-    if c.wandb_project and importlib.util.find_spec("wandb") is None:
-        raise SystemExit(f"wandb_project={c.wandb_project!r} but wandb is not installed: pip install wandb "
-                         "(or leave wandb_project empty)")
+def check_phases(specs, phase):
+    """The `phases` key: dicts of the fields of `phase` (the Phase class), unique names. -> the phases."""
+    allowed = [f.name for f in fields(phase)]
+    for spec in specs:
+        if not isinstance(spec, dict) or not {"name", "objective", "tokens"} <= set(spec) <= set(allowed):
+            raise SystemExit(f"phases: {spec!r} must be a dict with name, objective and tokens, and any of "
+                             f"{', '.join(allowed[3:])}")
+    names = [spec["name"] for spec in specs]
+    if len(set(names)) < len(names) or any(not isinstance(n, str) or "," in n or n == "all" for n in names):
+        raise SystemExit(f"phases: names must be unique, without commas, and not 'all': {names}")
+    return [phase(**spec) for spec in specs]
 
 
-def windows(data_dir, split, dtype, seq_len):
-    """How many windows of seq_len tokens {split}.bin holds."""
-    path = os.path.join(data_dir, f"{split}.bin")
-    if not os.path.isfile(path):
-        raise SystemExit(f"{path} is missing: prepare the data again with `python data.py`")
-    return os.path.getsize(path) // np.dtype(dtype).itemsize // seq_len
+def check_phase(p):
+    """A phase that means something, or one line saying what does not."""
+    numbers = [p.tokens, p.mask_prob, p.warmup_tokens, p.final_lr_frac]
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers) or p.decay not in (0, 1):
+        raise SystemExit(f"phase {p.name!r}: tokens, mask_prob, warmup_tokens and final_lr_frac are numbers, "
+                         f"decay is True or False")
+    problems = [(p.objective not in ("clm", "mlm"), f"objective={p.objective!r}: choose 'clm' or 'mlm'"),
+                (not p.tokens > 0 or p.warmup_tokens < 0, f"tokens={p.tokens}, warmup_tokens={p.warmup_tokens}: "
+                 "a phase needs a positive length, a warmup of 0 or more"),
+                (p.objective == "mlm" and not 0 < p.mask_prob < 1, f"mask_prob={p.mask_prob}: choose it in (0, 1)"),
+                (p.objective == "clm" and p.mask_prob != 0,
+                 "mask_prob is for mlm phases: a CLM phase predicts every next token"),
+                (p.decay and p.warmup_tokens > 0, "a decay phase has no warmup: set warmup_tokens=0"),
+                (not 0 <= p.final_lr_frac <= 1, f"final_lr_frac={p.final_lr_frac}: choose a fraction in [0, 1]")]
+    for bad, message in problems:
+        if bad:
+            raise SystemExit(f"phase {p.name!r}: {message}")
 
 
 def check_model_config(c):
@@ -100,45 +114,72 @@ def check_model_config(c):
         raise SystemExit(f"model_config: {', '.join(f'{k}={c.model_config[k]!r}' for k in numbers)} must be numbers")
     if c.init_from != "scratch":
         return  # the checkpoint brings its own
-    preset = {"base": ModernBertConfig.base, "large": ModernBertConfig.large}.get(c.model_size)
-    if preset is None:
+    if c.model_size not in ("base", "large"):
         raise SystemExit(f"model_size={c.model_size!r}: choose 'base' or 'large' (or set model_config)")
-    m = preset(**c.model_config)
+    m = (ModernBertConfig.large if c.model_size == "large" else ModernBertConfig)(**c.model_config)
     if m.num_attention_heads <= 0 or m.hidden_size % m.num_attention_heads or m.head_dim % 2:
         raise SystemExit(f"model_config: hidden_size={m.hidden_size} must split into num_attention_heads="
                          f"{m.num_attention_heads} heads of an even size (RoPE rotates pairs), e.g. hidden_size 768 "
                          "with 12 heads of 64")
 
 
-def check_readable(path, meta, data_dir):
-    """init_from is a model directory whose config and weights this process can read, with the data's tokenizer."""
+def check_wandb(c):
+    """wandb (an optional dependency) is installed when the run asks for it, so it is known before any compute."""
+    if c.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise SystemExit(f"wandb_project={c.wandb_project!r} but wandb is not installed: pip install wandb "
+                         "(or leave wandb_project empty)")
+
+
+# -----------------------------------------------------------------------------
+# A run's inputs
+
+
+def check_run(c, steps, world):
+    """-> the data's meta.json, once the run `c` (`steps` optimizer steps on `world` processes) can start: its
+    data, out_dir, and init_from (unless it resumes from out_dir)."""
+    if not c.data_dir:
+        raise SystemExit("data_dir is not set: point it at a directory made by `python data.py`")
+    meta = shards.load_meta(c.data_dir)
+    with user_error():
+        train, n = shards.split_tokens(c.data_dir, "train", meta, c.seq_len, c.micro_batch_size, world)
+        shards.split_tokens(c.data_dir, "val", meta, c.seq_len, c.micro_batch_size, world)
+    if steps * c.global_batch_size > n and int(os.environ.get("RANK", 0)) == 0:
+        print(f"note: the schedule reads {steps * c.global_batch_size:,} windows of {c.seq_len} tokens and "
+              f"train.bin holds {n:,}: the data repeats ({steps * c.global_batch_size / n:.1f} epochs), each epoch "
+              "in a new order", file=sys.stderr)
+    check_out_dir(c.out_dir, "out_dir")
+    resuming = glob.glob(os.path.join(c.out_dir, "ckpt-*"))  # then init_from is not read
+    if c.init_from != "scratch" and not resuming:
+        check_init_from(c.init_from, meta, c.data_dir)
+    return meta
+
+
+def check_init_from(path, meta=None, data_dir=None):
+    """init_from is a checkpoint directory this process can read, intact (one of ours has a manifest), with the
+    data's tokenizer (given the data's meta.json)."""
     if not os.path.isdir(path):
         raise SystemExit(f"init_from={path!r} is neither 'scratch' nor a checkpoint directory "
                          "(edit the path at the top of the config)")
-    weights = [f for f in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(os.path.join(path, f))]
-    if not weights:
-        raise SystemExit(f"init_from={path}: no model.safetensors (or pytorch_model.bin): is it a ModernBERT "
-                         "checkpoint directory?")
-    for name in ("config.json", weights[0]):
-        try:
-            with open(os.path.join(path, name), "rb") as f:
-                f.read(1)
-        except OSError as e:
-            raise SystemExit(f"init_from={path}: cannot read {name} ({e.strerror})") from None
-    try:
-        config = load_config(path)
-    except (FileNotFoundError, ValueError, TypeError) as e:
-        raise SystemExit(f"init_from={path}: {e}") from None
-    check_tokenizer(path, config, meta, data_dir)
+    problem = checkpoint_problem(path) if os.path.isfile(os.path.join(path, MANIFEST)) else None
+    if problem:
+        raise SystemExit(f"init_from={path} is damaged: {problem}. Copy it again, or use another checkpoint.")
+    config = checkpoint_config(path, f"init_from={path}")
+    with user_error(f"init_from={path}"):
+        open(hf.weights_file(path), "rb").close()
+    if meta is None:
+        return
+    fix = f"prepare the data with the checkpoint's tokenizer: python data.py --tokenizer {path}"
+    check_vocab(meta["vocab_size"], config, f"the tokenizer of {data_dir}", path, fix)
+    tok = os.path.join(path, "tokenizer.json")
+    if os.path.isfile(tok) and meta.get("tokenizer_sha256") and sha256(tok) != meta["tokenizer_sha256"]:
+        raise SystemExit(f"tokenizer mismatch: {tok} differs from the one {data_dir} was prepared with; {fix}")
 
 
 def checkpoint_config(path, where):
-    """-> the ModernBertConfig of the checkpoint directory `path`, once it has a config.json of ModernBERT;
-    `where` (e.g. "--model out/x/final") begins the one line that says otherwise."""
+    """-> the ModernBertConfig of the checkpoint directory `path`; `where` (e.g. "--model out/x/final") begins
+    the one line that says why it is not one."""
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise SystemExit(f"{where}: not a checkpoint directory (no config.json); give a run's final/ or ckpt-STEP/, "
                          "or a Hugging Face ModernBERT directory")
-    try:
-        return load_config(path)
-    except ValueError as e:  # another architecture's config.json
-        raise SystemExit(f"{where}: {e}") from None
+    with user_error(where):
+        return ModernBertConfig.from_pretrained(path)

@@ -35,12 +35,19 @@ def parse(cls, argv):
             if not os.path.isfile(arg):
                 raise SystemExit(f"config file {arg!r} not found: give a path like configs/fr_base.py, or --key=value")
             # The file sees the values so far, so an override file can write out_dir = out_dir + "_mlm".
-            scope = {**dataclasses.asdict(cls(**values))}
-            exec(compile(open(arg).read(), arg, "exec"), scope)
-            for key, value in scope.items():
-                if not key.startswith("_") and not callable(value) and type(value).__name__ != "module":
-                    set_key(key, value, arg)
+            for key, value in run_file(arg, dataclasses.asdict(cls(**values))).items():
+                set_key(key, value, arg)
     return cls(**values)
+
+
+def run_file(path, scope=None):
+    """The names a Python file (a config, a suite) sets, run with `scope` as what it sees first; its imports,
+    functions and _private names left out."""
+    scope = dict(scope or {})
+    with open(path) as f:
+        exec(compile(f.read(), path, "exec"), scope)
+    return {k: v for k, v in scope.items() if not k.startswith("_") and not callable(v)
+            and type(v).__name__ != "module"}
 
 
 def check_type(key, value, typ, where):

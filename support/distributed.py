@@ -55,6 +55,25 @@ def said_once():
         raise
 
 
+def on_rank0(fn, process):
+    """fn() on rank 0 alone (which checkpoint to resume, writing one, which suite runs are done); its result on
+    every rank, or the SystemExit it raised: its message on rank 0 alone (a user's mistake is said once), the
+    same exit code everywhere. No rank is left waiting in a collective for one that stopped."""
+    result = None
+    if process.rank == 0:
+        try:
+            result = fn()
+        except SystemExit as e:
+            result = e
+    if process.world > 1:
+        box = [result]
+        dist.broadcast_object_list(box)
+        result = box[0]
+    if isinstance(result, SystemExit):
+        raise result if process.rank == 0 else SystemExit(1)
+    return result
+
+
 def autocast(device, dtype="auto"):
     """-> (autocast context, compute dtype). "auto" is bfloat16 autocast on GPU (what the attention
     kernels need: they take 16-bit q, k, v only) and float32 on CPU. Weights stay float32 either way.

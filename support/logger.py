@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from model import peak_flops
 from support.checkpoint import loss_error
+from support.flops import peak_flops
 
 
 class Logger:

@@ -28,6 +28,8 @@ import os
 
 import numpy as np
 
+from support.config import check_type, run_file
+
 # The fine-tuning protocol: what a task dict (or eval.py's command line) does not say, each with its source.
 # "The paper" is its fine-tuning section (English protocol after BioClinical-ModernBERT); what the paper does not
 # give comes from the protocol it follows, which runs the Hugging Face Trainer with its defaults, or is our choice.
@@ -56,6 +58,11 @@ UPSTREAM = {"cls": "weighted_f1", "multilabel": "micro_f1", "ner": "micro_f1"}  
 UPSTREAM_NAME = {"cls": "weighted F1", "multilabel": "micro F1", "ner": "entity micro F1"}
 
 
+def parse_seeds(text):
+    """"42,43,44" -> [42, 43, 44]; None if it is not a comma-separated list of integers."""
+    parts = [s.strip() for s in str(text).split(",")]
+    return [int(s) for s in parts] if all(s.isdigit() for s in parts) else None
+
 
 def max_tokens(device):
     """The default token budget of a micro batch on this torch.device."""
@@ -70,8 +77,7 @@ def load_suite(path):
     """-> (seeds, tasks): the suite file's seeds, and its tasks with every key filled in."""
     if not os.path.isfile(path):
         raise SystemExit(f"--suite {path}: no such file")
-    scope = {}
-    exec(compile(open(path).read(), path, "exec"), scope)
+    scope = run_file(path)
     seeds, tasks = scope.get("seeds"), scope.get("tasks")
     if not (isinstance(seeds, (list, tuple)) and seeds and all(type(s) is int for s in seeds)
             and len(set(seeds)) == len(seeds)):
@@ -92,13 +98,11 @@ def load_suite(path):
             raise SystemExit(f"{where}: task={t['task']!r}; it must be one of {', '.join(EPOCHS)}")
         task = {**PROTOCOL, "epochs": EPOCHS[t["task"]], **t}
         for key, typ in TASK_KEYS.items():
-            if typ is float and type(task[key]) is int:
-                task[key] = float(task[key])
             if key in OPTIONAL and task[key] is None:
                 continue
-            if type(task[key]) is not typ or (typ is int and task[key] <= 0):
-                raise SystemExit(f"{where}: {key} must be {'a positive int' if typ is int else typ.__name__}, "
-                                 f"got {task[key]!r}")
+            task[key] = check_type(key, task[key], typ, where)
+            if typ is int and task[key] <= 0:
+                raise SystemExit(f"{where}: {key} must be a positive int, got {task[key]!r}")
         if task["max_len"] is not None and task["max_len"] <= 2:
             raise SystemExit(f"{where}: max_len must be above 2 (it holds [CLS] and [SEP] too), got {task['max_len']}")
         if task["select"] not in SELECT[task["task"]]:

@@ -304,3 +304,10 @@ def write_hf_config(directory, model_max_length):
     for name, obj in files.items():
         with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2, ensure_ascii=False)
+
+
+def check_vocab(vocab_size, config, tokenizer, model, fix):
+    """The tokenizer's ids index the model's embedding, or one line that names both sizes and the fix."""
+    if vocab_size > config.vocab_size:
+        raise SystemExit(f"vocab mismatch: {tokenizer} has {vocab_size:,} ids but {model} has {config.vocab_size:,} "
+                         f"embeddings; {fix}")

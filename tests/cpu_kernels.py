@@ -22,7 +22,7 @@ probabilities from it, as the kernel does. It computes in float32 and returns th
 (the tests run without attention-probability dropout). It also raises where the GPU would be silently
 wrong: a max_seqlen shorter than a sequence.
 
-`install(monkeypatch, backends)` makes "cpu" the kernel device and gives model.py the real wrappers, so the
+`install(monkeypatch, backends)` makes "cpu" the kernel device and gives support/kernels.py the real wrappers, so the
 model selects its backend on CPU as it does on CUDA; `calls` records what the kernel received. As a launcher,
 `python tests/cpu_kernels.py SCRIPT ARGS...` runs a script of the project (also under torchrun) with the
 kernels named by CPU_KERNELS (default both) and prints what they received on exit.
@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # the repo root, run as a script
 import torch  # noqa: E402
 from torch.nn.attention.varlen import varlen_attn  # noqa: E402
 
-import model  # noqa: E402  (first: the flash-attn model.py imports is the environment's, if it has one)
+from support import kernels  # noqa: E402  (first: the flash-attn it imports is the environment's, if it has one)
 
 calls = {"flash": [], "varlen": []}
 
@@ -160,7 +160,7 @@ def install_flash():
     """The package from tests/.kernels with the emulated extension under it; CPU kernels for its custom ops.
     None where the environment has a working flash-attn: a GPU user's is left as it is (tests/test_gpu.py
     runs it on the GPU), and the tests that need this one skip."""
-    if model.flash_attn_varlen_func is not None:
+    if kernels.flash_attn_varlen_func is not None:
         return None
     sys.path.insert(0, os.path.join(HERE, ".kernels"))
     extension = types.ModuleType("flash_attn_2_cuda")
@@ -211,10 +211,9 @@ def _varlen_attn_backward_cpu(grad_out, query, key, value, out, lse, cu_seq_q, c
 def install(monkeypatch, backends=("flash", "varlen")):
     """Make the model see the kernels on the CPU. backends: which of the two exist (as when flash-attn is,
     or is not, installed)."""
-    monkeypatch.setattr(model, "KERNEL_DEVICE", "cpu")
-    monkeypatch.setattr(model, "flash_attn_varlen_func", flash_attn_varlen_func if "flash" in backends else None)
-    monkeypatch.setattr(model, "varlen_attn", varlen_attn if "varlen" in backends else None)
-    monkeypatch.setattr(model, "varlen_looked_up", True)
+    monkeypatch.setattr(kernels, "KERNEL_DEVICE", "cpu")
+    monkeypatch.setattr(kernels, "flash_attn_varlen_func", flash_attn_varlen_func if "flash" in backends else None)
+    monkeypatch.setattr(kernels, "varlen_attn", varlen_attn if "varlen" in backends else None)
     monkeypatch.delenv("MODERNBERT_ATTN", raising=False)
     for v in calls.values():
         v.clear()
@@ -231,10 +230,9 @@ def _report():
 
 if __name__ == "__main__":
     backends = os.environ.get("CPU_KERNELS", "flash,varlen").split(",")
-    model.KERNEL_DEVICE = "cpu"
-    model.flash_attn_varlen_func = flash_attn_varlen_func if "flash" in backends else None
-    model.varlen_attn = varlen_attn if "varlen" in backends else None
-    model.varlen_looked_up = True
+    kernels.KERNEL_DEVICE = "cpu"
+    kernels.flash_attn_varlen_func = flash_attn_varlen_func if "flash" in backends else None
+    kernels.varlen_attn = varlen_attn if "varlen" in backends else None
     atexit.register(_report)
     script, sys.argv = sys.argv[1], sys.argv[1:]
     sys.path[0] = os.path.dirname(os.path.abspath(script))

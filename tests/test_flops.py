@@ -18,7 +18,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from model import ModernBertConfig, ModernBertForMaskedLM, training_flops
+from model import ModernBertConfig, ModernBertForMaskedLM
+from support.flops import training_flops
 
 SPECIAL = dict(pad_token_id=0, cls_token_id=1, sep_token_id=2, bos_token_id=1, eos_token_id=2)
 

@@ -13,18 +13,19 @@ import sys
 import pytest
 import torch
 
-import model as M
+from model import ModernBertConfig
+from support import kernels
 from test_gpu_path import SPECIAL, randomized, run_model, tiny, train_losses  # noqa: F401 (tiny is a fixture)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (no CUDA device here)")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KERNELS = [b for b, fn in (("flash", M.flash_attn_varlen_func), ("varlen", M.find_varlen_attn())) if fn is not None]
+KERNELS = [b for b, fn in (("flash", kernels.flash_attn_varlen_func), ("varlen", kernels.varlen_attn)) if fn is not None]
 CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=192, num_hidden_layers=3, num_attention_heads=2,
               local_attention=16, **SPECIAL)  # head_dim 64, as ModernBERT's
 
 
 def on_cuda(backend, causal, padded, dtype, lengths, window=16):
-    model = randomized(M.ModernBertConfig(**{**CONFIG, "local_attention": window})).cuda().train()
+    model = randomized(ModernBertConfig(**{**CONFIG, "local_attention": window})).cuda().train()
     model.config.attn_backend = backend
     g = torch.Generator().manual_seed(1)
     V, T = model.config.vocab_size, sum(lengths)

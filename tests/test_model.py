@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from model import ModernBertConfig, ModernBertForMaskedLM
+from support.hf import config_to_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -156,7 +157,7 @@ def test_old_style_config_and_local_theta_minus_one(tmp_path):
     ours = randomize_(ModernBertForMaskedLM(small_config("long_seqs", local_rope_theta=160000.0))).eval()
     ours.save_pretrained(tmp_path / "new")
     hf = hf_model(tmp_path / "new")
-    old = {k: v for k, v in ours.config.to_hf_dict().items() if k not in ("layer_types", "rope_parameters")}
+    old = {k: v for k, v in config_to_hf(ours.config, "ModernBertForMaskedLM").items() if k not in ("layer_types", "rope_parameters")}
     old["local_rope_theta"] = -1
     os.makedirs(tmp_path / "old")
     (tmp_path / "old" / "config.json").write_text(json.dumps(old))
@@ -273,7 +274,7 @@ def test_decoder_is_tied_to_embeddings():
 
 def test_real_sizes_parameter_counts():
     hf_counts = {}
-    for name, preset in [("base", ModernBertConfig.base), ("large", ModernBertConfig.large)]:
+    for name, preset in [("base", ModernBertConfig), ("large", ModernBertConfig.large)]:
         with torch.device("meta"):
             ours = ModernBertForMaskedLM(preset()).num_params()
             c = preset()

@@ -19,8 +19,9 @@ import torch
 from data import load_meta, prepare, read_documents
 from model import ModernBertConfig, ModernBertForMaskedLM
 from test_train import ROOT, TINY, base_ckpt, data_dir, metrics, train_cmd  # noqa: F401 (fixtures)
-from support.checkpoint import (check_init_from, checkpoint_problem, latest_valid_checkpoint, rng_state, save_checkpoint,
-                                set_rng_state, trim_metrics)
+from support.checkpoint import (checkpoint_problem, latest_valid_checkpoint, rng_state, save_checkpoint, set_rng_state,
+                                trim_metrics)
+from support.checks import check_init_from
 from train import Config, build_model, make_optimizer
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import model as model_py
-from model import ModernBertForMaskedLM, apply_rope, attention_pairs, peak_flops, rope_cos_sin, training_flops
+from model import ModernBertForMaskedLM, apply_rope, rope_cos_sin
+from support.flops import attention_pairs, peak_flops, training_flops
 from test_model import padded_batch, randomize_, small_config
 
 
