@@ -1,7 +1,7 @@
 """
 The whole study of the paper, small, on CPU, with no download: one command.
 
-    python demo.py                       # 14 minutes on 2 CPU cores -> out/demo/report.md
+    python demo.py                       # 9-15 minutes on 2 free CPU cores -> out/demo/report.md
     python demo.py --domain ../shared/data/biomed_sentences.txt --task ../shared/data/ncbi_disease \\
                    --out out/biomed      # a small biomedical replication
     python demo.py --base path/to/ModernBERT-base --domain corpus.jsonl --task my_task/
@@ -36,11 +36,11 @@ from itertools import islice
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 # Sizes. "full" is the demo; "quick" is the test's: every step, tiny, on the first 2,000 docstrings of each
-# corpus (reading them all was its longest step). train: train.py overrides.
+# corpus, with as many held-out texts as the README's cka.py commands draw. train: train.py overrides.
 SCALES = {
     "full": dict(docs=None, base_tokens=1_200_000, arm_tokens=600_000, heldout=300, cka_n=200, task_per_class=150,
                  eval_epochs=4, eval_lr=5e-4, eval_seeds="42,43,44", eval_max_len=128, train=[]),
-    "quick": dict(docs=2000, base_tokens=20_000, arm_tokens=10_000, heldout=40, cka_n=16, task_per_class=12,
+    "quick": dict(docs=2000, base_tokens=20_000, arm_tokens=10_000, heldout=200, cka_n=16, task_per_class=12,
                   eval_epochs=1, eval_lr=5e-4, eval_seeds="42,43", eval_max_len=32,
                   train=["--eval_windows=8", "--keep_every=4"]),
 }

@@ -1,5 +1,7 @@
-"""The README's commands are the ones CI and this test run; the demo pipeline end to end, small."""
+"""The README's commands are the ones CI and this test run: the set-up commands, the demo pipeline end to end
+(small), and every command the README gives after it, run on what the demo left."""
 
+import importlib
 import math
 import os
 import re
@@ -7,14 +9,32 @@ import shlex
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = open(os.path.join(ROOT, "README.md")).read()
 
 
-def readme_commands():
-    """The two set-up commands: the code lines of README.md's "Set up" section."""
-    text = open(os.path.join(ROOT, "README.md")).read()
-    setup = text.split("## Set up", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```\n(.+?)\n```", setup)
+def readme_commands(section="Set up"):
+    """The command lines of the code blocks of one of README.md's sections."""
+    text = README.split(f"## {section}", 1)[1].split("\n## ", 1)[0]
+    return [line for block in re.findall(r"```\n(.+?)\n```", text, re.S) for line in block.split("\n")]
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory):
+    """A checkout as a user has it (links to this one's files), where `python demo.py --quick` ran: its outputs are
+    in out/demo, where the README's commands look for them. -> (the folder, the demo's CompletedProcess)."""
+    work = tmp_path_factory.mktemp("checkout")
+    for name in os.listdir(ROOT):
+        if name not in ("out", ".git"):
+            os.symlink(os.path.join(ROOT, name), work / name)
+    main, _ = readme_commands()
+    demo = shlex.split(main.split("&&")[-1])  # python demo.py
+    assert demo == ["python", "demo.py"]
+    r = subprocess.run([sys.executable, *demo[1:], "--quick"], cwd=work, capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "2"})
+    return work, r
 
 
 def test_readme_commands_are_what_ci_runs():
@@ -25,13 +45,9 @@ def test_readme_commands_are_what_ci_runs():
     assert ci[-1] == tests, "the last line of .ci/run must be the README's test command"
 
 
-def test_demo_pipeline_quick(tmp_path):
-    main, _ = readme_commands()
-    demo = shlex.split(main.split("&&")[-1])  # python demo.py
-    assert demo == ["python", "demo.py"]
-    out = tmp_path / "demo"
-    r = subprocess.run([sys.executable, *demo[1:], "--quick", "--out", str(out)], cwd=ROOT, capture_output=True,
-                       text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+def test_demo_pipeline_quick(checkout):
+    work, r = checkout
+    out = work / "out" / "demo"
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count("\n$ ") == r.stdout.count("  done in "), "every step says when it ends"
     report = (out / "report.md").read_text()
@@ -50,3 +66,44 @@ def test_demo_pipeline_quick(tmp_path):
     for png in ("loss.png", "divergence.png", "trajectory.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"({png})" in report
+
+
+def test_readme_commands_after_the_demo_run_on_its_outputs(checkout):
+    """The commands of the README's demo section, as written, in the checkout where the demo ran."""
+    work, demo = checkout
+    assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
+    commands = readme_commands("The demo")
+    assert len(commands) >= 4 and any(c.startswith("torchrun") for c in commands)
+    for command in commands:
+        path = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]  # python and torchrun: this one's
+        r = subprocess.run(command, shell=True, cwd=work, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "OMP_NUM_THREADS": "1", "PATH": path})
+        assert r.returncode == 0, f"{command}\n{r.stdout[-2000:]}{r.stderr[-3000:]}"
+
+
+def test_every_other_readme_command_names_files_that_exist_and_arguments_its_script_takes(monkeypatch, tmp_path):
+    """The GPU, cluster and real-data commands cannot run here: each one's script and config files exist, and its
+    arguments pass the script's own parser (train.py's configs parse, under the world size torchrun would give)."""
+    import train
+    monkeypatch.chdir(tmp_path)  # the --out folders the parsers check are written here, not in the checkout
+    sections = re.findall(r"^## (.+)$", README, re.M)
+    lines = [c for s in sections if s not in ("Set up", "The demo") for c in readme_commands(s)]
+    commands = [shlex.split(c.split("#")[0]) for c in lines if c.split()[0] in ("python", "torchrun", "sbatch")]
+    assert len(commands) >= 15
+    for words in commands:
+        if words[0] == "sbatch":
+            words = ["torchrun", "--nproc_per_node=4"] + words[words.index("slurm/train.sbatch") + 1:]
+            assert subprocess.run(["bash", "-n", os.path.join(ROOT, "slurm", "train.sbatch")]).returncode == 0
+        if words[:3] == ["python", "-m", "pytest"]:
+            assert all(os.path.isfile(os.path.join(ROOT, w)) for w in words[3:] if w.endswith(".py")), words
+            continue
+        script = next(w for w in words if w.endswith(".py"))
+        args = words[words.index(script) + 1:]
+        assert os.path.isfile(os.path.join(ROOT, script)), script
+        options = dict(re.findall(r"--(nproc_per_node|nnodes)=(\d+)", " ".join(words[:words.index(script)])))
+        world = int(options.get("nproc_per_node", 1)) * int(options.get("nnodes", 1))
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        if script == "train.py":
+            train.parse_config([a if not a.startswith("configs/") else os.path.join(ROOT, a) for a in args])
+        else:
+            importlib.import_module(script[:-3]).parse_args([a for a in args if a != "--"])
