@@ -14,6 +14,7 @@ takes). Knows nothing of the model.
 
 import argparse
 import ast
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -164,13 +165,27 @@ def _init_worker(spec):
 
 
 def _encode_chunk(job):
-    """(split, documents) -> (split, the number of documents, their ids with eos after each document)."""
-    split, docs = job
-    out = []
+    """(key, documents) -> (key, the number of documents, their ids with eos after each document, each
+    document's length with its eos). The key says where the chunk goes (a split, a source)."""
+    key, docs = job
+    out, lengths = [], []
     for ids in _worker_tok.encode_batch(docs):
         out.extend(ids)
         out.append(_worker_tok.eos_id)
-    return split, len(docs), np.asarray(out, dtype=np.int64)
+        lengths.append(len(ids) + 1)
+    return key, len(docs), np.asarray(out, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+
+
+def _encoded(jobs, spec, workers):
+    """_encode_chunk of each job, in job order, on a pool of `workers` processes (or here for one)."""
+    pool = mp.get_context("spawn").Pool(workers, _init_worker, (spec,)) if workers > 1 else None
+    if pool is None:
+        _init_worker(spec)
+    try:
+        yield from (pool.imap(_encode_chunk, jobs) if pool else map(_encode_chunk, jobs))
+    finally:
+        if pool:
+            pool.terminate()
 
 
 def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk_docs=512):
@@ -181,11 +196,17 @@ def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk
     beside out and moved into out only at the end: a failed or interrupted run leaves what
     out held as it was.
     """
+    return _staged(out, lambda stage: _write_shards(docs_fn, tokenizer, stage, val_docs, workers, sources,
+                                                    chunk_docs))
+
+
+def _staged(out, write):
+    """write(stage) into a fresh staging folder beside out, then its files moved into out (see prepare)."""
     stage = os.path.normpath(out) + ".prepare.tmp"
     shutil.rmtree(stage, ignore_errors=True)  # left by a run that was killed
     os.makedirs(stage)
     try:
-        meta = _write_shards(docs_fn, tokenizer, stage, val_docs, workers, sources, chunk_docs)
+        meta = write(stage)
         _publish(stage, out)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
@@ -224,19 +245,15 @@ def _write_shards(docs_fn, tokenizer, stage, val_docs, workers, sources, chunk_d
     dtype = np.uint16 if tok.vocab_size <= 2 ** 16 else np.uint32
     counts = {"train": [0, 0], "val": [0, 0]}  # documents, tokens
     files = {split: open(os.path.join(stage, f"{split}.bin"), "wb") for split in counts}
-    pool = mp.get_context("spawn").Pool(workers, _init_worker, (spec,)) if workers > 1 else None
-    if pool is None:
-        _init_worker(spec)
     try:
-        with tqdm(total=n_docs, desc="prepare", unit="doc", disable=None) as bar:
-            for split, docs, ids in (pool.imap(_encode_chunk, jobs()) if pool else map(_encode_chunk, jobs())):
+        with (tqdm(total=n_docs, desc="prepare", unit="doc", disable=None) as bar,
+              contextlib.closing(_encoded(jobs(), spec, workers)) as chunks):
+            for split, docs, ids, _ in chunks:
                 files[split].write(ids.astype(dtype).tobytes())
                 counts[split][0] += docs
                 counts[split][1] += len(ids)
                 bar.update(docs)
     finally:
-        if pool:
-            pool.terminate()
         for f in files.values():
             f.close()
     meta = dict(tokenizer=os.path.basename(file) if file else spec, tokenizer_sha256=sha256(file) if file else None,
