@@ -454,18 +454,18 @@ def _write_interleaved(path, token_file, offsets, streams, rng, desc):
     -> (documents, tokens) written."""
     sizes = [copies * len(docs) + len(sample) for docs, copies, sample in streams]
     labels = rng.permutation(np.repeat(np.arange(len(streams), dtype=np.uint16), sizes))
-    pools = [(np.concatenate([docs, sample]), len(docs), copies) for docs, copies, sample in streams]
+    ids_of = [(np.concatenate([docs, sample]), len(docs), copies) for docs, copies, sample in streams]
     taken = [0] * len(streams)  # documents of each stream written so far
     tokens = 0
     with open(path, "wb") as f, tqdm(total=len(labels), desc=desc, unit="doc", disable=None) as bar:
         for b in range(0, len(labels), 1 << 16):
             block = labels[b:b + (1 << 16)]
             ids = np.empty(len(block), dtype=np.int64)
-            for i, (pool, n, copies) in enumerate(pools):
+            for i, (stream_ids, n, copies) in enumerate(ids_of):
                 where = np.flatnonzero(block == i)
                 p = np.arange(taken[i], taken[i] + len(where))  # positions in the stream
                 taken[i] += len(where)
-                ids[where] = pool[np.where(p < copies * n, p % n, p - copies * n + n)]
+                ids[where] = stream_ids[np.where(p < copies * n, p % n, p - copies * n + n)]
             for start, end in zip(offsets[ids].tolist(), offsets[ids + 1].tolist()):
                 f.write(token_file[start:end])
                 tokens += end - start
