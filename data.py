@@ -10,11 +10,15 @@ takes). Knows nothing of the model.
 
     python data.py --input corpus.txt --tokenizer path/to/ModernBERT-base --out data/bio
     python data.py --demo general --tokenizer bpe:4096 --out data/general
+    python data.py --input lit.jsonl notes.jsonl --weights 0.8 0.2 --tokens 10B --tokenizer ... --out data/mix
 """
 
 import argparse
 import ast
+import contextlib
+import functools
 import json
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -164,13 +168,27 @@ def _init_worker(spec):
 
 
 def _encode_chunk(job):
-    """(split, documents) -> (split, the number of documents, their ids with eos after each document)."""
-    split, docs = job
-    out = []
+    """(key, documents) -> (key, the number of documents, their ids with eos after each document, each
+    document's length with its eos). The key says where the chunk goes (a split, a source)."""
+    key, docs = job
+    out, lengths = [], []
     for ids in _worker_tok.encode_batch(docs):
         out.extend(ids)
         out.append(_worker_tok.eos_id)
-    return split, len(docs), np.asarray(out, dtype=np.int64)
+        lengths.append(len(ids) + 1)
+    return key, len(docs), np.asarray(out, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+
+
+def _encoded(jobs, spec, workers):
+    """_encode_chunk of each job, in job order, on a pool of `workers` processes (or here for one)."""
+    pool = mp.get_context("spawn").Pool(workers, _init_worker, (spec,)) if workers > 1 else None
+    if pool is None:
+        _init_worker(spec)
+    try:
+        yield from (pool.imap(_encode_chunk, jobs) if pool else map(_encode_chunk, jobs))
+    finally:
+        if pool:
+            pool.terminate()
 
 
 def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk_docs=512):
@@ -181,11 +199,17 @@ def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk
     beside out and moved into out only at the end: a failed or interrupted run leaves what
     out held as it was.
     """
+    return _staged(out, lambda stage: _write_shards(docs_fn, tokenizer, stage, val_docs, workers, sources,
+                                                    chunk_docs))
+
+
+def _staged(out, write):
+    """write(stage) into a fresh staging folder beside out, then its files moved into out (see prepare)."""
     stage = os.path.normpath(out) + ".prepare.tmp"
     shutil.rmtree(stage, ignore_errors=True)  # left by a run that was killed
     os.makedirs(stage)
     try:
-        meta = _write_shards(docs_fn, tokenizer, stage, val_docs, workers, sources, chunk_docs)
+        meta = write(stage)
         _publish(stage, out)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
@@ -224,19 +248,15 @@ def _write_shards(docs_fn, tokenizer, stage, val_docs, workers, sources, chunk_d
     dtype = np.uint16 if tok.vocab_size <= 2 ** 16 else np.uint32
     counts = {"train": [0, 0], "val": [0, 0]}  # documents, tokens
     files = {split: open(os.path.join(stage, f"{split}.bin"), "wb") for split in counts}
-    pool = mp.get_context("spawn").Pool(workers, _init_worker, (spec,)) if workers > 1 else None
-    if pool is None:
-        _init_worker(spec)
     try:
-        with tqdm(total=n_docs, desc="prepare", unit="doc", disable=None) as bar:
-            for split, docs, ids in (pool.imap(_encode_chunk, jobs()) if pool else map(_encode_chunk, jobs())):
+        with (tqdm(total=n_docs, desc="prepare", unit="doc", disable=None) as bar,
+              contextlib.closing(_encoded(jobs(), spec, workers)) as chunks):
+            for split, docs, ids, _ in chunks:
                 files[split].write(ids.astype(dtype).tobytes())
                 counts[split][0] += docs
                 counts[split][1] += len(ids)
                 bar.update(docs)
     finally:
-        if pool:
-            pool.terminate()
         for f in files.values():
             f.close()
     meta = dict(tokenizer=os.path.basename(file) if file else spec, tokenizer_sha256=sha256(file) if file else None,
@@ -272,6 +292,196 @@ def _publish(stage, out):
             os.remove(os.path.join(out, name))
     for name in sorted(os.listdir(stage), key=lambda n: n == "meta.json"):
         os.replace(os.path.join(stage, name), os.path.join(out, name))
+
+
+# -----------------------------------------------------------------------------
+# Mixtures: `python data.py --input A B C --weights 0.6 0.2 0.2 [--tokens N]`.
+#
+# The papers' corpora are weighted mixtures of sources of very different sizes (French: literature 7B,
+# synthetic QA 2B, clinical cases 400M, drug leaflets 600M). Each source (one input file) is tokenized once
+# into a scratch file, the sources one after another, keeping each document's length. Then each source's
+# share of the N training tokens is planned in whole documents: all of the source's documents `copies` times
+# (a small source is repeated, as the paper upsamples) and a random sample of them for the rest of its share
+# (a large source gives part of itself). Last, the planned documents of all sources are copied from the
+# scratch file into train.bin, interleaved in an order fixed by the seed. Memory holds document offsets and
+# labels, never a source's tokens.
+
+
+def prepare_mixture(docs_fns, weights, tokenizer, out, tokens=None, val_docs=1000, workers=1, seed=0,
+                    sources=(), chunk_docs=512):
+    """prepare for a weighted mixture: docs_fns[i]() yields the documents of source i (named sources[i]),
+    which makes weights[i] (normalized to sum to 1) of the `tokens` training tokens; tokens=None: the largest
+    mixture that repeats no document. The val_docs validation documents are drawn from every source (split by
+    weight, at least one each), never repeated and never in train. meta.json has prepare's keys and
+    "mixture": the seed, the tokens asked for, and per source its documents, tokens, share and repeat factor.
+    Staged and published like prepare; the scratch file lives in the staging folder."""
+    sources = list(sources) or [f"source {i}" for i in range(len(docs_fns))]
+    weights = np.asarray(weights, dtype=np.float64)
+    if len(weights) != len(docs_fns) or not (np.isfinite(weights).all() and (weights > 0).all()):
+        raise ValueError(f"weights {weights.tolist()}: one positive weight per source ({len(docs_fns)})")
+    return _staged(out, lambda stage: _write_mixture(docs_fns, weights / weights.sum(), tokenizer, stage, tokens,
+                                                     val_docs, workers, seed, sources, chunk_docs))
+
+
+def _write_mixture(docs_fns, weights, tokenizer, stage, tokens, val_docs, workers, seed, sources, chunk_docs):
+    """The work of prepare_mixture, into stage: count (every source is checked before any tokenizing),
+    tokenize once, split off validation, plan the shares, write both splits interleaved."""
+    file = _copy_tokenizer(tokenizer, stage)
+    spec = file or tokenizer
+    tok = load_tokenizer(spec)
+    n_docs = []
+    for name, docs_fn in zip(sources, docs_fns):
+        n_texts = n = 0
+        for doc in docs_fn():
+            n_texts, n = n_texts + 1, n + bool(doc)
+        if n_texts > n:
+            print(f"prepare: {name}: skipped {n_texts - n:,} empty or null texts of {n_texts:,}")
+        n_docs.append(n)
+    n_val = split_val_docs(val_docs, weights)
+    for name, n, v in zip(sources, n_docs, n_val):
+        if n <= v:
+            raise SystemExit(f"prepare: {name} has {n} document(s), too few to give one to training beside its "
+                             f"{v} validation document(s) (--val_docs {val_docs}, split by weight)")
+    dtype = np.uint16 if tok.vocab_size <= 2 ** 16 else np.uint32
+    scratch = os.path.join(stage, "sources.tmp")
+    lengths = _tokenize_sources(docs_fns, spec, scratch, dtype, workers, chunk_docs, sum(n_docs))
+    offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))])  # document d: tokens offsets[d]:offsets[d+1]
+    first = np.cumsum([0, *n_docs])  # each source's first document
+    val, train = [], []  # each source's documents of each split (ids into offsets, in file order)
+    for i, (n, v) in enumerate(zip(n_docs, n_val)):
+        is_val = np.zeros(n, dtype=bool)
+        is_val[np.random.default_rng([seed, 0, i]).choice(n, size=v, replace=False)] = True
+        val.append(first[i] + np.flatnonzero(is_val))
+        train.append(first[i] + np.flatnonzero(~is_val))
+    doc_tokens = np.diff(offsets)
+    plan = plan_mixture([doc_tokens[d] for d in train], weights, tokens, seed, sources)
+    token_file = np.memmap(scratch, dtype=dtype, mode="r")
+    n_train = _write_interleaved(os.path.join(stage, "train.bin"), token_file, offsets,
+                                 [(d, copies, d[sample]) for d, (copies, sample) in zip(train, plan)],
+                                 np.random.default_rng([seed, 2, 0]), "train")
+    n_val_written = _write_interleaved(os.path.join(stage, "val.bin"), token_file, offsets,
+                                       [(d, 1, d[:0]) for d in val], np.random.default_rng([seed, 2, 1]), "val")
+    del token_file
+    os.remove(scratch)
+    rows = []
+    for name, w, d, v, (copies, sample) in zip(sources, weights, train, val, plan):
+        available, sampled = int(doc_tokens[d].sum()), int(doc_tokens[d[sample]].sum())
+        used = copies * available + sampled
+        rows.append(dict(path=name, weight=round(float(w), 6), documents=len(d), tokens=available,
+                         documents_used=copies * len(d) + len(sample), tokens_used=used,
+                         share=round(used / n_train[1], 6), repeat=round(used / available, 6),
+                         val_docs=len(v), val_tokens=int(doc_tokens[v].sum())))
+    meta = dict(tokenizer=os.path.basename(file) if file else spec, tokenizer_sha256=sha256(file) if file else None,
+                vocab_size=tok.vocab_size, dtype=np.dtype(dtype).name, **tok.special_ids,
+                train_docs=n_train[0], train_tokens=n_train[1], val_docs=n_val_written[0],
+                val_tokens=n_val_written[1], sources=list(sources),
+                mixture=dict(seed=seed, tokens=tokens, sources=rows))
+    with open(os.path.join(stage, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=2)
+    return meta
+
+
+def split_val_docs(val_docs, weights):
+    """val_docs split over the sources by weight, at least one each (largest remainders)."""
+    if val_docs < len(weights):
+        raise SystemExit(f"--val_docs {val_docs}: a mixture draws at least one validation document from each of "
+                         f"its {len(weights)} sources")
+    quota = np.asarray(weights) * (val_docs - len(weights))
+    n = 1 + np.floor(quota).astype(np.int64)
+    n[np.argsort(np.floor(quota) - quota, kind="stable")[:val_docs - int(n.sum())]] += 1
+    return n.tolist()
+
+
+def _tokenize_sources(docs_fns, spec, path, dtype, workers, chunk_docs, n_docs):
+    """Every source's documents, tokenized once into the scratch file at path (the sources one after another,
+    each document followed by eos); -> per source, its documents' lengths in tokens (eos included)."""
+    def jobs():  # (source, chunk of its documents), in input order
+        for i, docs_fn in enumerate(docs_fns):
+            buf = []
+            for doc in docs_fn():
+                if doc:
+                    buf.append(doc)
+                if len(buf) == chunk_docs:
+                    yield i, buf
+                    buf = []
+            if buf:
+                yield i, buf
+
+    lengths = [[] for _ in docs_fns]
+    with (open(path, "wb") as f, tqdm(total=n_docs, desc="tokenize", unit="doc", disable=None) as bar,
+          contextlib.closing(_encoded(jobs(), spec, workers)) as chunks):
+        for i, docs, ids, lens in chunks:
+            f.write(ids.astype(dtype).tobytes())
+            lengths[i].append(lens)
+            bar.update(docs)
+    return [np.concatenate(x) for x in lengths]
+
+
+def plan_mixture(lengths, weights, tokens=None, seed=0, names=None):
+    """Each source's share of the training tokens, in whole documents. lengths[i]: the lengths of source i's
+    training documents (eos included); weights: shares that sum to 1; tokens: the mixture's size (None: the
+    largest mixture in which no source repeats a document). -> per source (copies, sample): all of its
+    documents `copies` times, then the documents `sample` (indices into lengths[i], ascending), a random set
+    (fixed by seed) whose tokens come closest to the rest of the share: off by at most half a document."""
+    available = np.array([int(x.sum()) for x in lengths], dtype=np.int64)
+    exact = tokens is None
+    if exact:
+        tokens = float(np.min(available / weights))  # the source that runs out first sets the size
+    targets = np.rint(np.asarray(weights) * tokens).astype(np.int64)
+    if exact:
+        targets = np.minimum(targets, available)  # rounding never makes a source repeat
+    plan = []
+    for i, (x, target) in enumerate(zip(lengths, targets)):
+        copies, rest = divmod(int(target), int(available[i]))
+        order = np.random.default_rng([seed, 1, i]).permutation(len(x))
+        reached = np.cumsum(x[order])  # reached[k]: the tokens of order's first k + 1 documents
+        k = int(np.searchsorted(reached, rest))  # k documents fall short of rest, k + 1 reach it
+        if k < len(x) and reached[k] - rest < rest - (reached[k - 1] if k else 0):
+            k += 1
+        if copies == 0 and k == 0:
+            name = names[i] if names else f"source {i}"
+            raise SystemExit(f"prepare: {name}: its share ({target:,} tokens) is too small for one of its "
+                             "documents; raise --tokens or its weight")
+        plan.append((copies, np.sort(order[:k])))
+    return plan
+
+
+def _write_interleaved(path, token_file, offsets, streams, rng, desc):
+    """Copy the documents of the streams from token_file into path, interleaved: the file's j-th document comes
+    from stream labels[j], where labels is a shuffle (by rng) of each stream's number repeated as many times
+    as it has documents, so every source is spread over the whole file; a stream's documents keep their order.
+    A stream (docs, copies, sample): all of docs (ids into offsets) `copies` times, then the ids in sample.
+    -> (documents, tokens) written."""
+    sizes = [copies * len(docs) + len(sample) for docs, copies, sample in streams]
+    labels = rng.permutation(np.repeat(np.arange(len(streams), dtype=np.uint16), sizes))
+    ids_of = [(np.concatenate([docs, sample]), len(docs), copies) for docs, copies, sample in streams]
+    taken = [0] * len(streams)  # documents of each stream written so far
+    tokens = 0
+    with open(path, "wb") as f, tqdm(total=len(labels), desc=desc, unit="doc", disable=None) as bar:
+        for b in range(0, len(labels), 1 << 16):
+            block = labels[b:b + (1 << 16)]
+            ids = np.empty(len(block), dtype=np.int64)
+            for i, (stream_ids, n, copies) in enumerate(ids_of):
+                where = np.flatnonzero(block == i)
+                p = np.arange(taken[i], taken[i] + len(where))  # positions in the stream
+                taken[i] += len(where)
+                ids[where] = stream_ids[np.where(p < copies * n, p % n, p - copies * n + n)]
+            for start, end in zip(offsets[ids].tolist(), offsets[ids + 1].tolist()):
+                f.write(token_file[start:end])
+                tokens += end - start
+            bar.update(len(block))
+    return len(labels), tokens
+
+
+def mixture_table(meta):
+    """The mixture of a meta.json as a small table: what data.py prints."""
+    lines = [f"{'source':<32} {'weight':>7} {'documents':>11} {'tokens':>15} {'tokens used':>15} {'share':>7} "
+             f"{'repeat':>7} {'val docs':>8}"]
+    for s in meta["mixture"]["sources"]:
+        name = os.path.basename(s["path"])
+        lines.append(f"{name[-32:]:<32} {s['weight']:>7.4f} {s['documents']:>11,} {s['tokens']:>15,} "
+                     f"{s['tokens_used']:>15,} {s['share']:>7.2%} {s['repeat']:>6.2f}x {s['val_docs']:>8,}")
+    return "\n".join(lines)
 
 
 # -----------------------------------------------------------------------------
@@ -431,7 +641,27 @@ def parse_args(argv=None):
     p.add_argument("--text_field", default="text", help="the text field of .jsonl / .parquet")
     p.add_argument("--blank_line_docs", action="store_true",
                     help=".txt: documents are separated by blank lines (default: one per line)")
+    p.add_argument("--weights", nargs="+", type=float,
+                    help="a mixture: each --input file's share of the training tokens (normalized to sum to 1); "
+                         "its documents are interleaved with the other files'")
+    p.add_argument("--tokens", type=token_count,
+                    help="the mixture's training tokens (10B, 400M, 2500000): a source is repeated (whole "
+                         "documents) or sampled to its share; default: the largest mixture that repeats nothing")
+    p.add_argument("--seed", type=int, help="the mixture's seed (default 0): its validation documents, samples "
+                                            "and order")
     return p.parse_args(argv)
+
+
+def token_count(text):
+    """--tokens: '10B', '400M', '2.5e9' or '2500000' -> an int."""
+    scale = {"k": 10 ** 3, "m": 10 ** 6, "b": 10 ** 9, "t": 10 ** 12}.get(text[-1:].lower(), 1)
+    try:
+        n = float(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        n = float("nan")
+    if not (math.isfinite(n) and n >= 1):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive token count (10B, 400M, 2500000)")
+    return int(n)
 
 
 def main(argv=None):
@@ -445,14 +675,25 @@ def main(argv=None):
     else:
         docs_fn = lambda: read_documents(args.input, args.text_field, args.blank_line_docs)  # noqa: E731
         sources = [os.path.abspath(x) for x in args.input]
+    if args.weights and abs(sum(args.weights) - 1) > 1e-6:
+        print(f"--weights sum to {sum(args.weights):g}: normalized to "
+              f"{' '.join(f'{w / sum(args.weights):.4g}' for w in args.weights)}")
     with tempfile.TemporaryDirectory() as scratch:  # a tokenizer trained here is copied in with the shards
         tokenizer = args.tokenizer
         if tokenizer.startswith("bpe:"):
             tokenizer = os.path.join(scratch, "tokenizer.json")
             train_bpe(docs_fn(), int(args.tokenizer[4:]), tokenizer)
-        meta = prepare(docs_fn, tokenizer, args.out, args.val_docs, args.workers, sources)
+        if args.weights:  # one source per input file
+            docs_fns = [functools.partial(read_documents, [path], args.text_field, args.blank_line_docs)
+                        for path in args.input]
+            meta = prepare_mixture(docs_fns, args.weights, tokenizer, args.out, args.tokens, args.val_docs,
+                                   args.workers, args.seed or 0, sources)
+        else:
+            meta = prepare(docs_fn, tokenizer, args.out, args.val_docs, args.workers, sources)
     print(f"wrote {args.out}: {meta['train_tokens']:,} train tokens in {meta['train_docs']:,} documents, "
           f"{meta['val_tokens']:,} val tokens in {meta['val_docs']:,} documents ({meta['dtype']})")
+    if "mixture" in meta:
+        print(mixture_table(meta))
 
 
 def check_args(args):
@@ -461,6 +702,20 @@ def check_args(args):
         raise SystemExit(f"--val_docs {args.val_docs} --workers {args.workers}: both must be at least 1")
     if args.input:
         check_inputs(args.input)
+    if args.weights is None and (args.tokens is not None or args.seed is not None):
+        raise SystemExit("--tokens and --seed size and order a mixture: give --weights too, one per --input file")
+    if args.weights is not None:
+        if not args.input:
+            raise SystemExit("--weights mixes --input files; --demo is one corpus")
+        if len(args.weights) != len(args.input):
+            raise SystemExit(f"--weights has {len(args.weights)} value(s) for {len(args.input)} --input "
+                             "file(s): give one weight per file")
+        if not all(math.isfinite(w) and w > 0 for w in args.weights):
+            raise SystemExit(f"--weights {' '.join(f'{w:g}' for w in args.weights)}: every weight must be a "
+                             "positive number")
+        if args.val_docs < len(args.input):
+            raise SystemExit(f"--val_docs {args.val_docs}: a mixture draws at least one validation document "
+                             f"from each of its {len(args.input)} sources")
     check_out_dir(args.out)
     spec = args.tokenizer
     if spec.startswith("bpe:"):
