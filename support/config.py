@@ -35,12 +35,12 @@ def parse(cls, argv):
             if not os.path.isfile(arg):
                 raise SystemExit(f"config file {arg!r} not found: give a path like configs/fr_base.py, or --key=value")
             # The file sees the values so far, so an override file can write out_dir = out_dir + "_mlm".
-            for key, value in run_file(arg, dataclasses.asdict(cls(**values))).items():
+            for key, value in load_file(arg, dataclasses.asdict(cls(**values))).items():
                 set_key(key, value, arg)
     return cls(**values)
 
 
-def run_file(path, scope=None):
+def load_file(path, scope=None):
     """The names a Python file (a config, a suite) sets, run with `scope` as what it sees first; its imports,
     functions and _private names left out."""
     scope = dict(scope or {})

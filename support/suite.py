@@ -28,7 +28,7 @@ import os
 
 import numpy as np
 
-from support.config import check_type, run_file
+from support.config import check_type, load_file
 
 # The fine-tuning protocol: what a task dict (or eval.py's command line) does not say, each with its source.
 # "The paper" is its fine-tuning section (English protocol after BioClinical-ModernBERT); what the paper does not
@@ -77,7 +77,7 @@ def load_suite(path):
     """-> (seeds, tasks): the suite file's seeds, and its tasks with every key filled in."""
     if not os.path.isfile(path):
         raise SystemExit(f"--suite {path}: no such file")
-    scope = run_file(path)
+    scope = load_file(path)
     seeds, tasks = scope.get("seeds"), scope.get("tasks")
     if not (isinstance(seeds, (list, tuple)) and seeds and all(type(s) is int for s in seeds)
             and len(set(seeds)) == len(seeds)):
