@@ -255,8 +255,8 @@ LOSS_CONFIG = dict(hidden_size=256, intermediate_size=384, num_hidden_layers=6, 
 
 def measure_loss_memory(spec):
     """One CLM forward + backward on 8 packed sequences of spec["seq_len"] tokens in its own process:
-    the peak memory it adds, with the loss from full float32 logits (train.py before the chunked loss)
-    or chunked (model.cross_entropy_sum through forward, as train.py now)."""
+    the peak memory it adds, with the loss from full float32 logits (plain autograd)
+    or chunked (model.cross_entropy_sum through forward, as train.py does)."""
     import torch.nn.functional as F
 
     device = torch.device(spec["device"])
