@@ -7,10 +7,10 @@ Continued pretraining of ModernBERT with the CLM detour (or its MLM twin).
 
 Training is a list of phases. A Phase is what a stretch of training does: its objective ("clm": causal
 mask + next-token loss on every position; "mlm": bidirectional mask + masked-token loss at its masking
-rate), its length in tokens and its lr shape (warmup then constant, or a 1-sqrt decay). The model, its
-head and the optimizer state carry on across every boundary. The paper's recipe is two phases built
-from one flag, `objective`: "main" (the detour, or the MLM arm), then "decay" (MLM 15%, lr 1-sqrt to
-0.1 lr); any other list is a config's `phases` (configs/biphasic_scratch.py).
+rate), its length (in tokens or in optimizer steps) and its lr shape (warmup then constant, or a 1-sqrt
+decay). The model, its head and the optimizer state carry on across every boundary. The paper's recipe
+is two phases built from one flag, `objective`: "main" (the detour, or the MLM arm), then "decay" (MLM
+15%, lr 1-sqrt to 0.1 lr); any other list is a config's `phases` (configs/biphasic_scratch.py).
 
 Re-running a command resumes from out_dir's latest valid checkpoint, exactly. SIGTERM or SIGINT finish
 the step, write a checkpoint and exit with 128 + the signal number, for a scheduler to requeue.
@@ -114,9 +114,11 @@ class Phase:
     """What a stretch of training does."""
     name: str  # what metrics.jsonl, freeze_phase and run_phases call it
     objective: str  # "clm": causal mask + next-token loss; "mlm": bidirectional mask + masked-token loss
-    tokens: float  # its length
+    tokens: float = 0  # its length in tokens (rounded up to whole steps), or
+    steps: int = 0  # in optimizer steps (budgets written in steps do not move with the batch or seq_len)
     mask_prob: float = 0.0  # mlm: the share of tokens masked
-    warmup_tokens: float = 0  # linear warmup from 0 at its start, then constant
+    warmup_tokens: float = 0  # linear warmup from 0 at its start, then constant; in tokens, or
+    warmup_steps: int = 0  # in steps
     decay: bool = False  # instead: no warmup, 1-sqrt from lr to final_lr_frac * lr over the phase
     final_lr_frac: float = 0.1
 
@@ -130,9 +132,10 @@ def phases_of(c):
     if c.phases:
         phases = checks.check_phases(c.phases, Phase)
     else:
-        phases = [Phase("main", c.objective, c.tokens, c.mask_prob if c.objective == "mlm" else 0.0, c.warmup_tokens)]
+        phases = [Phase("main", c.objective, c.tokens, mask_prob=c.mask_prob if c.objective == "mlm" else 0.0,
+                        warmup_tokens=c.warmup_tokens)]
         if c.decay_frac:
-            phases.append(Phase("decay", "mlm", c.decay_frac * c.tokens, c.decay_mask_prob, decay=True,
+            phases.append(Phase("decay", "mlm", c.decay_frac * c.tokens, mask_prob=c.decay_mask_prob, decay=True,
                                 final_lr_frac=c.final_lr_frac))
     for phase in phases:
         checks.check_phase(phase)
@@ -151,8 +154,8 @@ class Schedule:
 
     def __init__(self, phases, tokens_per_step, lr):
         self.phases, self.lr = phases, lr
-        self.steps = [math.ceil(p.tokens / tokens_per_step) for p in phases]
-        self.warmup_steps = [math.ceil(p.warmup_tokens / tokens_per_step) for p in phases]
+        self.steps = [p.steps or math.ceil(p.tokens / tokens_per_step) for p in phases]  # each phase in steps
+        self.warmup_steps = [p.warmup_steps or math.ceil(p.warmup_tokens / tokens_per_step) for p in phases]
         self.starts = [sum(self.steps[:i]) for i in range(len(phases) + 1)]  # each phase's first step, then the end
 
     @classmethod

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from support.card import lr_shape
 from support.checkpoint import loss_error
 from support.flops import peak_flops
 
@@ -100,13 +101,24 @@ def announce(c, model, schedule, process, system, resumed_at):
     with open(os.path.join(c.out_dir, "config.json"), "w") as f:
         json.dump(asdict(c), f, indent=2)
     print(json.dumps(asdict(c), indent=2))
-    phases = ", ".join(f"{p.name} ({p.objective}{f' {p.mask_prob:.0%}' if p.objective == 'mlm' else ''}) {n} steps"
-                       for p, n in zip(schedule.phases, schedule.steps))
-    source = " (from the phases key: objective, tokens, warmup_tokens, decay_* are not used)" if c.phases else ""
+    per_step = c.global_batch_size * c.seq_len
     resuming = "" if resumed_at is None else f"; resuming at step {resumed_at}"
-    print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.config.num_hidden_layers} layers; {phases} of "
-          f"{c.global_batch_size * c.seq_len:,} tokens{source}{resuming}")
+    print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.config.num_hidden_layers} layers; "
+          f"{schedule.starts[-1]:,} steps of {c.global_batch_size} x {c.seq_len} = {per_step:,} tokens{resuming}")
     print(system)
+    print(f"phases ({'from the phases key' if c.phases else 'the two built from objective, tokens, decay_frac'}):")
+    print("\n".join(f"  {line}" for line in phase_lines(schedule, per_step, c.lr)))
+
+
+def phase_lines(schedule, per_step, lr):
+    """One line per phase, aligned: its steps, its length as given (tokens or steps), its objective, its lr."""
+    rows = []
+    for p, n, start in zip(schedule.phases, schedule.steps, schedule.starts):
+        length = f"{n:,} steps = {n * per_step:,} tokens" if p.steps else f"{p.tokens:,.0f} tokens -> {n:,} steps"
+        objective = f"mlm {p.mask_prob:.0%} (bidirectional)" if p.objective == "mlm" else "clm (causal, next token)"
+        rows.append([p.name, f"steps {start:,}-{start + n - 1:,}", length, objective, lr_shape(p, lr)])
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4] for row in rows]
 
 
 def wandb_run(c):

@@ -2,12 +2,16 @@
 optimizer steps, Gisserot-Boukhlef's biphasic schedule and their MLM continued pretraining, training past a
 checkpoint's positions, the sources of the defaults, and what a run with phases shows and keeps."""
 
+import math
 import os
+import shutil
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
-from train import parse_config
-from test_train import ROOT
+from train import Config, Schedule, parse_config
+from test_train import ROOT, base_ckpt, data_dir, metrics, run_train  # noqa: F401 (fixtures)
 
 
 def config(*names, argv=()):
@@ -26,3 +30,63 @@ def test_freeze_configs_parse_to_the_papers_zero_grad(name, layers, phase):
         c = config(base, name)
         assert (c.freeze_layers, c.freeze_phase, c.freeze_mode) == (layers, phase, "zero_grad")
     assert config("fr_base.py", name, argv=["--freeze_mode=exact"]).freeze_mode == "exact"  # the clean variant
+
+
+# -----------------------------------------------------------------------------
+# 2. A phase given in steps
+
+
+STEPS = [{"name": "main", "objective": "clm", "steps": 16, "warmup_steps": 4},
+         {"name": "decay", "objective": "mlm", "mask_prob": 0.15, "steps": 4, "decay": True}]
+
+
+def test_a_phase_in_steps_has_the_schedule_of_the_same_phase_in_tokens():
+    """512 tokens a step: 8,192 tokens are 16 steps, a 2,048-token warmup 4 steps, a 25% decay 4 steps; 8,000
+    tokens round up to the same 16 steps. Written in steps, the schedule is the same step for step."""
+    per_step = dict(global_batch_size=8, seq_len=64, lr=3e-3)
+    tokens = Schedule.from_config(Config(tokens=8192, warmup_tokens=2048, decay_frac=0.25, **per_step))
+    rounded = Schedule.from_config(Config(tokens=8000, warmup_tokens=2000, decay_frac=0.256, **per_step))
+    steps = Schedule.from_config(Config(phases=STEPS, **per_step))
+    for s in (tokens, rounded, steps):
+        assert (s.steps, s.warmup_steps, s.starts) == ([16, 4], [4, 0], [0, 16, 20])
+        assert [s.at(k).name for k in range(20)] == ["main"] * 16 + ["decay"] * 4
+        expect = [3e-3 * (k + 1) / 4 for k in range(4)] + [3e-3] * 12 + \
+                 [3e-3 * (0.1 + 0.9 * (1 - math.sqrt(t / 4))) for t in range(4)]
+        assert [s.lr_at(k) for k in range(20)] == pytest.approx(expect, rel=1e-12)
+    # steps do not move with the batch: twice the tokens per step halves a token phase, not a steps phase
+    wide = dict(per_step, global_batch_size=16)
+    assert Schedule.from_config(Config(tokens=8192, warmup_tokens=2048, decay_frac=0.25, **wide)).steps == [8, 2]
+    assert Schedule.from_config(Config(phases=STEPS, **wide)).steps == [16, 4]
+
+
+def run_record(out_dir):
+    return [{k: v for k, v in m.items() if k not in ("tokens_per_s", "mfu")} for m in metrics(out_dir)]
+
+
+def test_a_run_in_steps_is_the_run_in_tokens_and_resumes_and_splits_alike(data_dir, base_ckpt, tmp_path):  # noqa: F811
+    """test_train's tiny run (16 main + 4 decay steps of 512 tokens) with its phases written in steps: the same
+    losses, lrs, tokens and weights as in tokens; a resume in the middle of the main phase and a split into
+    run_phases=main then decay give it again; the log and the card say how each length was given."""
+    common = [f"--init_from={base_ckpt}", "--max_ckpts=10"]
+    r = run_train(tmp_path / "tokens", data_dir, *common)
+    assert "8,192 tokens -> 16 steps" in r.stdout
+    r = run_train(tmp_path / "steps", data_dir, *common, f"--phases={STEPS!r}")
+    assert "16 steps = 8,192 tokens" in r.stdout and "warmup over 4 steps" in r.stdout
+    whole = run_record(tmp_path / "steps")
+    assert whole == run_record(tmp_path / "tokens") and whole[-1]["step"] == 20
+    final = load_file(tmp_path / "steps" / "final" / "model.safetensors")
+    assert all(torch.equal(final[k], v) for k, v in load_file(tmp_path / "tokens" / "final" /
+                                                              "model.safetensors").items())
+    card = (tmp_path / "steps" / "final" / "README.md").read_text()
+    assert "| main | clm | causal | none (next token) | 8,192 | 16 | warmup over 4 steps, then 0.003 | done |" in card
+
+    run = tmp_path / "steps"
+    for later in [d for d in os.listdir(run) if d == "final" or d.startswith("ckpt-") and int(d[5:]) > 8]:
+        shutil.rmtree(run / later)  # as if the run had died after writing ckpt-8
+    r = run_train(run, data_dir, *common, f"--phases={STEPS!r}")
+    assert "resuming at step 8" in r.stdout and run_record(run) == whole
+
+    run_train(tmp_path / "main", data_dir, *common, f"--phases={STEPS!r}", "--run_phases=main")
+    run_train(tmp_path / "decay", data_dir, f"--init_from={tmp_path / 'main' / 'final'}", f"--phases={STEPS!r}",
+              "--run_phases=decay")
+    assert run_record(tmp_path / "main") + run_record(tmp_path / "decay") == whole
