@@ -90,3 +90,36 @@ def test_a_run_in_steps_is_the_run_in_tokens_and_resumes_and_splits_alike(data_d
     run_train(tmp_path / "decay", data_dir, f"--init_from={tmp_path / 'main' / 'final'}", f"--phases={STEPS!r}",
               "--run_phases=decay")
     assert run_record(tmp_path / "main") + run_record(tmp_path / "decay") == whole
+
+
+# -----------------------------------------------------------------------------
+# 2b. Gisserot-Boukhlef et al.'s schedules, as configs
+
+
+@pytest.mark.parametrize("argv", [[], ["--global_batch_size=96", "--seq_len=1024"]])
+def test_biphasic_config_is_their_schedule(argv):
+    """Their largest budget, 42,000 steps, whatever the batch: CLM for the first 25% (10,500 steps), then MLM at 40%
+    to the end, no lr decay before the switch, the decay only in the final 2,000 steps (from step 40,000), here
+    1-sqrt to 0.1 lr; the warmup (our choice) is 2,000 steps."""
+    c = config("en_base.py", "biphasic_scratch.py", argv=argv)
+    s, peak = Schedule.from_config(c), 2e-4
+    assert c.init_from == "scratch" and s.starts == [0, 10_500, 40_000, 42_000] and 10_500 / 42_000 == 0.25
+    at = [0, 10_499, 10_500, 39_999, 40_000, 41_999]
+    assert [(s.at(k).objective, s.at(k).mask_prob, s.at(k).causal) for k in at] == \
+        [("clm", 0, True)] * 2 + [("mlm", 0.4, False)] * 4
+    assert s.lr_at(0) == pytest.approx(peak / 2000) and s.lr_at(999) == pytest.approx(peak / 2)
+    assert all(s.lr_at(k) == peak for k in (1999, 5000, 10_499, 10_500, 25_000, 39_999, 40_000))  # no decay before
+    for k, frac in [(40_500, 0.1 + 0.9 * (1 - 0.5)), (41_000, 0.1 + 0.9 * (1 - 0.5 ** 0.5)),
+                    (41_999, 0.1 + 0.9 * (1 - (1999 / 2000) ** 0.5))]:
+        assert s.lr_at(k) == pytest.approx(peak * frac, rel=1e-12)
+    assert s.lr_at(41_999) == pytest.approx(2.0045e-5, rel=1e-4)  # 0.1 lr + 0.9 lr x (1 - 0.99975)
+
+
+def test_mlm_from_clm_config_is_their_continued_pretraining():
+    """12,000 MLM steps at 40% from a CLM checkpoint: by default the end of the biphasic run's CLM phase."""
+    c = config("en_base.py", "mlm_from_clm.py")
+    s = Schedule.from_config(c)
+    assert s.starts == [0, 10_000, 12_000] and {(p.objective, p.mask_prob) for p in s.phases} == {("mlm", 0.4)}
+    assert s.lr_at(9_999) == 2e-4 and s.lr_at(11_000) == pytest.approx(2e-4 * (0.1 + 0.9 * (1 - 0.5 ** 0.5)))
+    clm_end = Schedule.from_config(config("en_base.py", "biphasic_scratch.py")).starts[1]
+    assert c.init_from == f"out/en_base_biphasic_scratch/ckpt-{clm_end}" and c.out_dir == "out/en_base_mlm_from_clm"
