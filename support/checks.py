@@ -130,6 +130,16 @@ def check_model_config(c):
         raise SystemExit(f"model_config: hidden_size={m.hidden_size} must split into num_attention_heads="
                          f"{m.num_attention_heads} heads of an even size (RoPE rotates pairs), e.g. hidden_size 768 "
                          "with 12 heads of 64")
+    check_positions(c.seq_len, m, "model_config", f"set model_config's max_position_embeddings to {c.seq_len}")
+
+
+def check_positions(seq_len, config, where, more):
+    """seq_len within the model's max_position_embeddings: past them RoPE runs on positions the model never trained
+    on, and every checkpoint's config.json (which eval.py fine-tunes to) would still say the old number."""
+    if seq_len > config.max_position_embeddings:
+        raise SystemExit(f"seq_len={seq_len} is beyond {where}'s max_position_embeddings="
+                         f"{config.max_position_embeddings}: use --seq_len={config.max_position_embeddings} or less, "
+                         f"or {more}")
 
 
 def check_wandb(c):
@@ -159,13 +169,20 @@ def check_run(c, steps, world):
     check_out_dir(c.out_dir, "out_dir")
     resuming = glob.glob(os.path.join(c.out_dir, "ckpt-*"))  # then init_from is not read
     if c.init_from != "scratch" and not resuming:
-        check_init_from(c.init_from, meta, c.data_dir)
+        check_init_from(c.init_from, meta, c.data_dir, c.seq_len)
+    for path in resuming:  # the run's model (any checkpoint of it): a seq_len changed on resume must fit it too
+        try:
+            config = ModernBertConfig.from_pretrained(path)
+        except (OSError, ValueError):
+            continue  # a damaged checkpoint: resume warns and skips it
+        check_positions(c.seq_len, config, f"the run in {c.out_dir}", "a new out_dir")
+        break
     return meta
 
 
-def check_init_from(path, meta=None, data_dir=None):
+def check_init_from(path, meta=None, data_dir=None, seq_len=None):
     """init_from is a checkpoint directory this process can read, intact (one of ours has a manifest), with the
-    data's tokenizer (given the data's meta.json)."""
+    data's tokenizer (given the data's meta.json) and positions for seq_len (given it)."""
     if not os.path.isdir(path):
         raise SystemExit(f"init_from={path!r} is neither 'scratch' nor a checkpoint directory "
                          "(edit the path at the top of the config)")
@@ -175,6 +192,8 @@ def check_init_from(path, meta=None, data_dir=None):
     config = checkpoint_config(path, f"init_from={path}")
     with user_error(f"init_from={path}"):
         open(hf.weights_file(path), "rb").close()
+    if seq_len:
+        check_positions(seq_len, config, f"init_from={path}", f"a checkpoint with {seq_len} positions or more")
     if meta is None:
         return
     fix = f"prepare the data with the checkpoint's tokenizer: python data.py --tokenizer {path}"

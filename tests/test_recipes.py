@@ -10,8 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from model import ModernBertConfig, ModernBertForMaskedLM
+from support import checks
 from train import Config, Schedule, parse_config
-from test_train import ROOT, base_ckpt, data_dir, metrics, run_train  # noqa: F401 (fixtures)
+from test_train import ROOT, TINY, base_ckpt, data_dir, metrics, run_train  # noqa: F401 (fixtures)
 
 
 def config(*names, argv=()):
@@ -123,3 +125,39 @@ def test_mlm_from_clm_config_is_their_continued_pretraining():
     assert s.lr_at(9_999) == 2e-4 and s.lr_at(11_000) == pytest.approx(2e-4 * (0.1 + 0.9 * (1 - 0.5 ** 0.5)))
     clm_end = Schedule.from_config(config("en_base.py", "biphasic_scratch.py")).starts[1]
     assert c.init_from == f"out/en_base_biphasic_scratch/ckpt-{clm_end}" and c.out_dir == "out/en_base_mlm_from_clm"
+
+
+# -----------------------------------------------------------------------------
+# 4. seq_len beyond the model's positions is refused at start-up, with the fix
+
+
+def test_seq_len_beyond_the_checkpoints_positions_is_refused(data_dir, tmp_path):  # noqa: F811
+    """A checkpoint of 32 positions at seq_len 64 (it trained without a word, and its config.json said 32): refused
+    before any work, naming --seq_len=32; at seq_len 32 it starts. From scratch, model_config's positions alike."""
+    short = tmp_path / "short"
+    ModernBertForMaskedLM(ModernBertConfig(vocab_size=320, max_position_embeddings=32, **TINY)).save_pretrained(short)
+    c = Config(data_dir=data_dir, out_dir=str(tmp_path / "run"), init_from=str(short), seq_len=64,
+               global_batch_size=8, micro_batch_size=4)
+    with pytest.raises(SystemExit, match=rf"seq_len=64 is beyond init_from={short}'s max_position_embeddings=32: "
+                                         r"use --seq_len=32 or less, or a checkpoint with 64 positions or more"):
+        checks.check_run(c, 10, 1)
+    c.seq_len = 32
+    checks.check_run(c, 10, 1)
+    assert not (tmp_path / "run").exists()  # nothing was written
+    with pytest.raises(SystemExit, match="seq_len=64 is beyond model_config's max_position_embeddings=32: use "
+                                         "--seq_len=32 or less, or set model_config's max_position_embeddings to 64"):
+        parse_config(["--model_config={'max_position_embeddings': 32}", "--seq_len=64", "--init_from=scratch"])
+    assert parse_config(["--model_config={'max_position_embeddings': 64}", "--seq_len=64", "--init_from=scratch"])
+
+
+def test_a_resumed_run_with_a_longer_seq_len_is_refused(data_dir, tmp_path):  # noqa: F811
+    """A run from a checkpoint of 64 positions resumed at seq_len 128: resume_changes allows the change of key, not
+    the training past the model's positions (init_from is not read on resume: the run's own checkpoints are)."""
+    ModernBertForMaskedLM(ModernBertConfig(vocab_size=320, max_position_embeddings=64, **TINY)).save_pretrained(
+        tmp_path / "base")
+    args = [f"--init_from={tmp_path / 'base'}", "--run_phases=main", f"--tokens={8 * 8 * 64}"]
+    run_train(tmp_path / "run", data_dir, *args)
+    r = run_train(tmp_path / "run", data_dir, *args, "--seq_len=128", "--resume_changes=seq_len", check=False)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
+        f"seq_len=128 is beyond the run in {tmp_path / 'run'}'s max_position_embeddings=64: use --seq_len=64 or "
+        "less, or a new out_dir")
