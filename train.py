@@ -103,7 +103,7 @@ class Config:
     eval_windows: int = 64  # val windows per evaluation (all of val.bin if fewer)
     ckpt_interval: int = 1000
     ckpt_every_minutes: float = 60.0  # also checkpoint when this long has passed since the last one; 0: off
-    max_ckpts: int = 3  # full checkpoints (with the optimizer state) kept; older ones are removed, except:
+    max_ckpts: int = 3  # newest full checkpoints kept (each phase's last stays too); older ones are removed, except:
     keep_every: int = 0  # steps: checkpoints at its multiples stay, weights-only, for cka.py --runs; 0: none
     dist_timeout_minutes: float = 60.0  # torchrun: how long a rank waits in a collective (rank 0 writing a checkpoint)
     wandb_project: str = ""  # also log every record to this Weights & Biases project (pip install wandb); "": off

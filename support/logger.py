@@ -15,14 +15,13 @@ import resource
 import secrets
 import time
 from contextlib import contextmanager
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 from support.card import lr_shape
-from support.checkpoint import loss_error
+from support.checkpoint import loss_error, run_config
 from support.flops import peak_flops
 
 
@@ -99,8 +98,8 @@ def announce(c, model, schedule, process, system, resumed_at):
         return
     os.makedirs(c.out_dir, exist_ok=True)
     with open(os.path.join(c.out_dir, "config.json"), "w") as f:
-        json.dump(asdict(c), f, indent=2)
-    print(json.dumps(asdict(c), indent=2))
+        json.dump(run_config(c), f, indent=2)
+    print(json.dumps(run_config(c), indent=2))
     per_step = c.global_batch_size * c.seq_len
     resuming = "" if resumed_at is None else f"; resuming at step {resumed_at}"
     print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.config.num_hidden_layers} layers; "
@@ -134,4 +133,5 @@ def wandb_run(c):
     with open(id_file) as f:
         run_id = f.read().strip()
     name = c.wandb_run_name or os.path.basename(os.path.abspath(c.out_dir))
-    return wandb.init(project=c.wandb_project, name=name, id=run_id, resume="allow", config=asdict(c), dir=c.out_dir)
+    return wandb.init(project=c.wandb_project, name=name, id=run_id, resume="allow", config=run_config(c),
+                      dir=c.out_dir)

@@ -2,6 +2,7 @@
 optimizer steps, Gisserot-Boukhlef's biphasic schedule and their MLM continued pretraining, training past a
 checkpoint's positions, the sources of the defaults, and what a run with phases shows and keeps."""
 
+import json
 import math
 import os
 import shutil
@@ -161,3 +162,47 @@ def test_a_resumed_run_with_a_longer_seq_len_is_refused(data_dir, tmp_path):  # 
     assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
         f"seq_len=128 is beyond the run in {tmp_path / 'run'}'s max_position_embeddings=64: use --seq_len=64 or "
         "less, or a new out_dir")
+
+
+# -----------------------------------------------------------------------------
+# 6. A run with phases shows the phases in force, keeps every phase's end, and names what a resume changes
+
+THREE = [{"name": "clm", "objective": "clm", "steps": 6, "warmup_steps": 2},
+         {"name": "mlm", "objective": "mlm", "mask_prob": 0.4, "steps": 6},
+         {"name": "decay", "objective": "mlm", "mask_prob": 0.4, "steps": 4, "decay": True}]
+REPLACED = {"objective", "mask_prob", "tokens", "warmup_tokens", "decay_frac", "decay_mask_prob", "final_lr_frac"}
+
+
+def test_a_run_with_phases_shows_them_keeps_their_ends_and_names_a_change(data_dir, base_ckpt, tmp_path):  # noqa: F811
+    """Three phases ending at steps 6, 12 and 16, a checkpoint every 4 steps, max_ckpts 1: ckpt-4 and ckpt-8 go, the
+    three phase ends stay whole, and the run of the last two phases from ckpt-6 (another out_dir) is the whole
+    run's from step 7 on. config.json and the start-up dump leave out the keys the phases replace. A resume with
+    one phase changed names that value and nothing else."""
+    args = [f"--init_from={base_ckpt}", f"--phases={THREE!r}", "--ckpt_interval=4", "--max_ckpts=1"]
+    r = run_train(tmp_path / "run", data_dir, *args)
+    dumped = json.loads(r.stdout[:r.stdout.index("\n}\n") + 2])
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert dumped == saved and saved["phases"] == THREE and not REPLACED & set(saved)
+    assert "decay  steps 12-15  4 steps = 2,048 tokens" in r.stdout
+    kept = sorted(int(d[5:]) for d in os.listdir(tmp_path / "run") if d.startswith("ckpt-"))
+    assert kept == [6, 12, 16] and all((tmp_path / "run" / f"ckpt-{k}" / "train_state.pt").is_file() for k in kept)
+
+    run_train(tmp_path / "branch", data_dir, *args, f"--init_from={tmp_path / 'run' / 'ckpt-6'}",
+              "--run_phases=mlm,decay")
+    assert run_record(tmp_path / "branch") == [m for m in run_record(tmp_path / "run") if m["step"] > 6]
+
+    changed = [THREE[0], {**THREE[1], "steps": 8}, THREE[2]]
+    r = run_train(tmp_path / "run", data_dir, *args[:1], f"--phases={changed!r}", *args[2:], check=False)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
+        f"{tmp_path / 'run'} holds a run with other settings: phases[1].steps 6 -> 8. Resuming would change what the "
+        "run is: choose a new out_dir, or, if the change is deliberate, --resume_changes=phases")
+
+
+def test_a_refused_resume_names_each_value_that_changed():
+    from support.checkpoint import differences
+    assert differences("phases", THREE, THREE) == []
+    assert differences("phases", THREE, [THREE[0], {**THREE[1], "mask_prob": 0.3, "tokens": 9}]) == [
+        "phases[1].mask_prob 0.4 -> 0.3", "phases[1].tokens (unset) -> 9", "phases: 3 entries -> 2"]
+    assert differences("model_config", {"hidden_size": 32}, {"hidden_size": 64, "num_hidden_layers": 2}) == [
+        "model_config.hidden_size 32 -> 64", "model_config.num_hidden_layers (unset) -> 2"]
+    assert differences("objective", "clm", "mlm") == ["objective 'clm' -> 'mlm'"]
