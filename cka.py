@@ -11,7 +11,10 @@ and run once through every model (bidirectional). Each of the L layer outputs is
 mean-pooled per text (masked mean over its tokens), and linear CKA is computed
 per layer in float64 between the two models of the pair (e.g. detour vs MLM) and
 of the control (two runs that differ only in seed). Divergence = 1 - CKA; what
-the pair shows above the control is attributed to the objective.
+the pair shows above the control is attributed to the objective. The paper gives
+the 500 texts, the 3 seeds, the layer outputs and float64; the truncation to 512
+tokens, the mean pooling and the half-precision forward on GPU are our choice
+(its text as we have it does not say).
 
 Also per layer: debiased CKA (the U-statistic HSIC), and an outlier diagnostic
 (the share of variance in the top 1% of dimensions, and CKA without them),
@@ -536,9 +539,9 @@ def parse_args(argv=None):
     p.add_argument("--text_field", default="text")
     p.add_argument("--n", type=int, default=500)
     p.add_argument("--seeds", default="42,43,44")
-    p.add_argument("--max_len", type=int, default=512)
+    p.add_argument("--max_len", type=int, default=512, help="tokens per text (our choice)")
     p.add_argument("--pool", choices=["mean", "tokens"], default="mean",
-                   help=f"mean: masked mean per text (the paper); tokens: {TOKENS_PER_TEXT} sampled tokens per text")
+                   help=f"mean: masked mean per text (our choice); tokens: {TOKENS_PER_TEXT} sampled tokens per text")
     p.add_argument("--tokenizer", help="when the checkpoints carry no tokenizer.json")
     p.add_argument("--batch_tokens", type=int, default=16384)
     p.add_argument("--device", default="auto")

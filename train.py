@@ -7,10 +7,10 @@ Continued pretraining of ModernBERT with the CLM detour (or its MLM twin).
 
 Training is a list of phases. A Phase is what a stretch of training does: its objective ("clm": causal
 mask + next-token loss on every position; "mlm": bidirectional mask + masked-token loss at its masking
-rate), its length in tokens and its lr shape (warmup then constant, or a 1-sqrt decay). The model, its
-head and the optimizer state carry on across every boundary. The paper's recipe is two phases built
-from one flag, `objective`: "main" (the detour, or the MLM arm), then "decay" (MLM 15%, lr 1-sqrt to
-0.1 lr); any other list is a config's `phases` (configs/biphasic_scratch.py).
+rate), its length (in tokens or in optimizer steps) and its lr shape (warmup then constant, or a 1-sqrt
+decay). The model, its head and the optimizer state carry on across every boundary. The paper's recipe
+is two phases built from one flag, `objective`: "main" (the detour, or the MLM arm), then "decay" (MLM
+15%, lr 1-sqrt to 0.1 lr); any other list is a config's `phases` (configs/biphasic_scratch.py).
 
 Re-running a command resumes from out_dir's latest valid checkpoint, exactly. SIGTERM or SIGINT finish
 the step, write a checkpoint and exit with 128 + the signal number, for a scheduler to requeue.
@@ -37,7 +37,10 @@ from support.tokenizer import SPECIAL_NAMES
 
 # -----------------------------------------------------------------------------
 # Defaults. A config file (plain Python, `key = value` lines) or --key=value
-# overrides any of them; anything else is an error.
+# overrides any of them; anything else is an error. Each default of the method names its source: "the paper"
+# (its text gives the budgets, batch, sequence length, warmup, decay share and shape, masking rates and seeds),
+# "ModernBERT's recipe" (its pretraining, which the paper follows where its text is silent), or "our choice".
+# The system, logging and checkpoint settings at the end are our choice and change no number the method computes.
 
 
 @dataclass
@@ -45,18 +48,18 @@ class Config:
     out_dir: str = "out"  # checkpoints, metrics.jsonl, config.json; re-running resumes from here
     data_dir: str = ""  # a directory made by `python data.py`
     init_from: str = "scratch"  # "scratch", a Hugging Face ModernBERT directory, or one of our checkpoints
-    model_size: str = "base"  # for scratch: "base" or "large"
+    model_size: str = "base"  # for scratch: "base" or "large" (our choice)
     model_config: dict = field(default_factory=dict)  # for scratch: ModernBertConfig overrides
     # The method: the paper's two phases, built from THE flag `objective`. Phase "main": `objective` for
     # `tokens`, linear warmup then constant lr; phase "decay": MLM at decay_mask_prob for decay_frac * tokens,
-    # lr 1-sqrt from lr to final_lr_frac * lr.
-    objective: str = "clm"  # "clm" (causal, next token) or "mlm" (bidirectional, masked tokens)
-    mask_prob: float = 0.3  # phase-1 masking when objective == "mlm"
-    tokens: int = 10_000_000_000  # phase-1 token budget
-    warmup_tokens: int = 100_000_000  # linear warmup at the start of phase 1
-    decay_frac: float = 0.1  # decay length as a fraction of `tokens`; 0: no decay phase
-    decay_mask_prob: float = 0.15
-    final_lr_frac: float = 0.1  # the decay ends at final_lr_frac * lr
+    # lr 1-sqrt from lr to final_lr_frac * lr. The optimizer state carries over (the paper).
+    objective: str = "clm"  # "clm" (causal, next token: the paper's detour) or "mlm" (bidirectional: its baseline)
+    mask_prob: float = 0.3  # phase-1 masking when objective == "mlm" (the paper)
+    tokens: int = 10_000_000_000  # phase-1 token budget (the paper: French and English Base)
+    warmup_tokens: int = 100_000_000  # linear warmup at the start of phase 1 (the paper)
+    decay_frac: float = 0.1  # decay length as a fraction of `tokens` (the paper); 0: no decay phase
+    decay_mask_prob: float = 0.15  # (the paper)
+    final_lr_frac: float = 0.1  # the decay ends at final_lr_frac * lr (the paper)
     # ... or any list of phases, written by hand: dicts of Phase's fields (they replace the keys above)
     phases: list = field(default_factory=list)
     run_phases: str = "all"  # "all", or the consecutive phases this run does ("decay": from a "main" checkpoint)
@@ -64,26 +67,28 @@ class Config:
     skip_tokens: int = 0  # a run that starts without a train state (the decay from a Hugging Face directory) starts
     # the data this many tokens in, where the phases before it left it; a run with a train state ignores it
     split_docs: bool = False  # restart attention and positions at each document (the paper does not)
-    lr: float = 2e-4  # peak, shared by every phase
-    # decoupled AdamW
+    lr: float = 2e-4  # peak, shared by every phase (ModernBERT's recipe, as the optimizer below)
+    # decoupled AdamW, no decay on biases and norm weights: ModernBERT's recipe, numbers included (the paper's text
+    # elides them; its model card gives the same lr and betas)
     betas: tuple = (0.9, 0.98)
     eps: float = 1e-6
     weight_decay: float = 1e-5  # decoupled: p <- p * (1 - weight_decay * lr_t / lr)
     # freezing: these layers compute no weight gradient during the phases named in freeze_phase
     freeze_layers: str = ""  # e.g. "0-7" or "8-14,20"; empty for none
     freeze_phase: str = "main"  # phase names, e.g. "main" or "clm,mlm"; "all" for every phase
-    freeze_mode: str = "exact"  # "exact": no update at all (bit-identical); "zero_grad": gradients zeroed, so
-    # decoupled AdamW still decays them and its moments from earlier steps still move them (the paper's freeze)
+    freeze_mode: str = "exact"  # "exact" (our choice): no update at all (bit-identical); "zero_grad" (the paper's
+    # freeze, configs/freeze_*.py): gradients zeroed, so decoupled AdamW still decays them and its moments move them
     # batch
-    seq_len: int = 8192
-    global_batch_size: int = 384  # sequences per optimizer step, over all ranks
-    micro_batch_size: int = 4  # sequences per forward on one rank
-    # dropout (ModernBERT's pretraining: 0.1 after the attention output projection only)
+    seq_len: int = 8192  # (the paper)
+    global_batch_size: int = 384  # sequences per optimizer step, over all ranks (the paper)
+    micro_batch_size: int = 4  # sequences per forward on one rank (our choice: memory only, the step is the same)
+    # dropout: 0.1 after the attention output projection only (ModernBERT's recipe: the paper says only that two
+    # seeds differ "in dropout and masking patterns")
     embedding_dropout: float = 0.0
     attention_dropout: float = 0.0
     attn_out_dropout: float = 0.1
     mlp_dropout: float = 0.0
-    # seeds
+    # seeds: 17 and 42 (the paper); which one drives what (ModernBERT's recipe)
     seed: int = 17  # init, masking, dropout
     data_seed: int = 42  # data order only
     # system
@@ -98,7 +103,7 @@ class Config:
     eval_windows: int = 64  # val windows per evaluation (all of val.bin if fewer)
     ckpt_interval: int = 1000
     ckpt_every_minutes: float = 60.0  # also checkpoint when this long has passed since the last one; 0: off
-    max_ckpts: int = 3  # full checkpoints (with the optimizer state) kept; older ones are removed, except:
+    max_ckpts: int = 3  # newest full checkpoints kept (each phase's last stays too); older ones are removed, except:
     keep_every: int = 0  # steps: checkpoints at its multiples stay, weights-only, for cka.py --runs; 0: none
     dist_timeout_minutes: float = 60.0  # torchrun: how long a rank waits in a collective (rank 0 writing a checkpoint)
     wandb_project: str = ""  # also log every record to this Weights & Biases project (pip install wandb); "": off
@@ -114,9 +119,11 @@ class Phase:
     """What a stretch of training does."""
     name: str  # what metrics.jsonl, freeze_phase and run_phases call it
     objective: str  # "clm": causal mask + next-token loss; "mlm": bidirectional mask + masked-token loss
-    tokens: float  # its length
+    tokens: float = 0  # its length in tokens (rounded up to whole steps), or
+    steps: int = 0  # in optimizer steps (budgets written in steps do not move with the batch or seq_len)
     mask_prob: float = 0.0  # mlm: the share of tokens masked
-    warmup_tokens: float = 0  # linear warmup from 0 at its start, then constant
+    warmup_tokens: float = 0  # linear warmup from 0 at its start, then constant; in tokens, or
+    warmup_steps: int = 0  # in steps
     decay: bool = False  # instead: no warmup, 1-sqrt from lr to final_lr_frac * lr over the phase
     final_lr_frac: float = 0.1
 
@@ -130,9 +137,10 @@ def phases_of(c):
     if c.phases:
         phases = checks.check_phases(c.phases, Phase)
     else:
-        phases = [Phase("main", c.objective, c.tokens, c.mask_prob if c.objective == "mlm" else 0.0, c.warmup_tokens)]
+        phases = [Phase("main", c.objective, c.tokens, mask_prob=c.mask_prob if c.objective == "mlm" else 0.0,
+                        warmup_tokens=c.warmup_tokens)]
         if c.decay_frac:
-            phases.append(Phase("decay", "mlm", c.decay_frac * c.tokens, c.decay_mask_prob, decay=True,
+            phases.append(Phase("decay", "mlm", c.decay_frac * c.tokens, mask_prob=c.decay_mask_prob, decay=True,
                                 final_lr_frac=c.final_lr_frac))
     for phase in phases:
         checks.check_phase(phase)
@@ -151,8 +159,8 @@ class Schedule:
 
     def __init__(self, phases, tokens_per_step, lr):
         self.phases, self.lr = phases, lr
-        self.steps = [math.ceil(p.tokens / tokens_per_step) for p in phases]
-        self.warmup_steps = [math.ceil(p.warmup_tokens / tokens_per_step) for p in phases]
+        self.steps = [p.steps or math.ceil(p.tokens / tokens_per_step) for p in phases]  # each phase in steps
+        self.warmup_steps = [p.warmup_steps or math.ceil(p.warmup_tokens / tokens_per_step) for p in phases]
         self.starts = [sum(self.steps[:i]) for i in range(len(phases) + 1)]  # each phase's first step, then the end
 
     @classmethod
@@ -275,7 +283,7 @@ def wrap(model, compiled, ddp, device):
 
 
 # -----------------------------------------------------------------------------
-# Evaluation: MLM loss at 15% and CLM loss on val.bin, with a fixed mask seed,
+# Evaluation (our choice): MLM loss at 15% and CLM loss on val.bin, with a fixed mask seed,
 # for both arms alike so runs with different objectives compare.
 
 VALIDATION = [Phase("val_mlm", "mlm", 0, mask_prob=0.15), Phase("val_clm", "clm", 0)]

@@ -1,8 +1,7 @@
 # French Large: ModernCamemBERT-large -> French biomedical text, 25B + 2.5B tokens.
 #   torchrun --nproc_per_node=4 train.py configs/fr_large.py
-# Everything not set here is train.py's default, which is the paper's recipe:
-# lr 2e-4 (warmup 100M tokens, then constant), decoupled AdamW, seq 8192,
-# global batch 384, MLM decay of 10% at 15% masking, seeds 17 (training) / 42 (data).
+# Everything not set here is train.py's default: its Config names each one's source (the paper, ModernBERT's
+# pretraining recipe that the paper follows, or our choice).
 # Stack an ablation after it: train.py configs/fr_large.py configs/mlm_baseline.py
 
 init_from = "checkpoints/moderncamembert-large"  # <- your local copy of ModernCamemBERT-large (almanach) (config.json, model.safetensors, tokenizer.json)

@@ -46,16 +46,22 @@ def latest_records(out_dir, step):
     return last, val
 
 
+def lr_shape(phase, lr):
+    """A phase's lr, in words (the card's recipe, the start-up lines): its warmup as the phase gives it."""
+    if phase.decay:
+        return f"1-sqrt decay from {lr:g} to {phase.final_lr_frac * lr:g}"
+    if phase.warmup_steps:
+        return f"warmup over {phase.warmup_steps:,} steps, then {lr:g}"
+    if phase.warmup_tokens:
+        return f"warmup over {phase.warmup_tokens:,.0f} tokens, then {lr:g}"
+    return f"constant {lr:g}"
+
+
 def recipe_rows(schedule, c, step):
     """The recipe table: per phase its objective, attention, masking, length, lr shape and status at `step`."""
     rows, per_step = [], c.global_batch_size * c.seq_len
     for phase, n, start in zip(schedule.phases, schedule.steps, schedule.starts):
-        if phase.decay:
-            shape = f"1-sqrt decay from {c.lr:g} to {phase.final_lr_frac * c.lr:g}"
-        elif phase.warmup_tokens:
-            shape = f"warmup over {phase.warmup_tokens:,.0f} tokens, then {c.lr:g}"
-        else:
-            shape = f"constant {c.lr:g}"
+        shape = lr_shape(phase, c.lr)
         done = "done" if step >= start + n else (f"{step - start} of {n} steps" if step > start else "not started")
         rows.append(f"| {phase.name} | {phase.objective} | {'causal' if phase.causal else 'bidirectional'} | "
                     f"{f'{phase.mask_prob:.0%}' if phase.objective == 'mlm' else 'none (next token)'} | "

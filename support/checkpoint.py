@@ -6,11 +6,12 @@ A checkpoint is out_dir/ckpt-STEP/ (and out_dir/final/): the Hugging Face files 
 model.safetensors, tokenizer) + progress.json (step, tokens, phase) + train_state.pt (optimizer,
 step, tokens, data position, every rank's random streams and loss sums) + manifest.json.
 
-Retention: the newest max_ckpts full checkpoints stay; an older one is removed, unless its step is
-a multiple of keep_every. Those stay, weights-only (no train_state.pt with AdamW's two moments:
-a third of a full checkpoint), for cka.py --runs to follow the run through time. A
-keep_every step that no other reason checkpoints is written weights-only at once. Resuming reads
-only full checkpoints.
+Retention: the newest max_ckpts full checkpoints stay, and so does the one at the end of each
+phase, whole: the next phase (or a branch of the run, a decay-length sweep) starts there exactly,
+and cka.py compares it. Any other older one is removed, unless its step is a multiple of
+keep_every. Those stay, weights-only (no train_state.pt with AdamW's two moments: a third of a
+full checkpoint), for cka.py --runs to follow the run through time. A keep_every step that no
+other reason checkpoints is written weights-only at once. Resuming reads only full checkpoints.
 
 Everything is written to a temporary directory, the manifest (size and sha256 of every other
 file) last, synced to disk, then renamed: a kill at any moment leaves the previous checkpoints
@@ -176,10 +177,13 @@ def latest_valid_checkpoint(out_dir):
     return None
 
 
-def prune(out_dir, max_ckpts, keep_every):
-    """Retention: the newest max_ckpts full checkpoints stay as they are. An older one is removed, unless its
-    step is a multiple of keep_every: that one stays, weights-only (weights_only says so from then on)."""
+def prune(out_dir, max_ckpts, keep_every, phase_ends=()):
+    """Retention: the newest max_ckpts full checkpoints stay as they are, and those at the `phase_ends` steps. An
+    older one is removed, unless its step is a multiple of keep_every: that one stays, weights-only (weights_only
+    says so from then on)."""
     for old in full_checkpoints(out_dir)[:-max_ckpts]:
+        if step_of(old) in phase_ends:
+            continue
         if keep_every and step_of(old) % keep_every == 0:
             drop_train_state(old)
         else:
@@ -372,7 +376,7 @@ class Checkpointer:
 
         def write():
             save_checkpoint(path, model, optimizer, saved, self.c, self.schedule)
-            prune(self.c.out_dir, self.c.max_ckpts, self.c.keep_every)
+            prune(self.c.out_dir, self.c.max_ckpts, self.c.keep_every, self.schedule.starts[1:])
 
         on_rank0(write, self.process)  # also the barrier: no rank reads the checkpoint before it is complete
         every_rank_sees(path, self.process)
@@ -406,6 +410,18 @@ def skip_data(loader, tokens):
     return windows * loader.seq_len
 
 
+# The keys train.py builds the paper's two phases from: a `phases` list replaces them, so the config a run with
+# phases shows (config.json, the start-up dump, W&B) leaves them out.
+PAPER_PHASE_KEYS = ("objective", "mask_prob", "tokens", "warmup_tokens", "decay_frac", "decay_mask_prob",
+                    "final_lr_frac")
+
+
+def run_config(c):
+    """The config `c` as the run uses it, as JSON has it (tuples as lists): without the keys its phases replace."""
+    return {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(c))).items()
+            if not (c.phases and k in PAPER_PHASE_KEYS)}
+
+
 # Settings that do not change what a run computes: a resumed run may change them. Every other key (the
 # objective and phases, seq_len, data_dir, tokens, the model, the seeds, ...) must stay what the run was
 # started with, unless it is named in resume_changes.
@@ -422,14 +438,30 @@ def check_same_run(c):
         return
     with open(path) as f:
         old = json.load(f)
-    new = json.loads(json.dumps(dataclasses.asdict(c)))  # tuples as lists, as config.json has them
+    new = run_config(c)
     keep = RUN_SETTINGS | {k.strip() for k in c.resume_changes.split(",")}
     changed = [k for k in new if k in old and k not in keep and old[k] != new[k]]
     if changed:
         raise SystemExit(f"{c.out_dir} holds a run with other settings: "
-                         f"{'; '.join(f'{k} {old[k]!r} -> {new[k]!r}' for k in changed)}. Resuming would change "
-                         f"what the run is: choose a new out_dir, or, if the change is deliberate, "
+                         f"{'; '.join(d for k in changed for d in differences(k, old[k], new[k]))}. Resuming would "
+                         f"change what the run is: choose a new out_dir, or, if the change is deliberate, "
                          f"--resume_changes={','.join(changed)}")
+
+
+class Unset:
+    def __repr__(self):
+        return "(unset)"
+
+
+def differences(key, old, new):
+    """Where two values of a config key differ, down to the entry of a list or a dict (a phase's steps, a
+    model_config key): ["phases[1].steps 29500 -> 30000"], not the whole list twice."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [d for k in {**old, **new} for d in differences(f"{key}.{k}", old.get(k, Unset()), new.get(k, Unset()))]
+    if isinstance(old, list) and isinstance(new, list):
+        inner = [d for i, (a, b) in enumerate(zip(old, new)) for d in differences(f"{key}[{i}]", a, b)]
+        return inner + ([f"{key}: {len(old)} entries -> {len(new)}"] if len(old) != len(new) else [])
+    return [] if old == new else [f"{key} {old!r} -> {new!r}"]
 
 
 def every_rank_sees(path, process):

@@ -69,12 +69,15 @@ def check_config(c, phase_names, world):
 
 
 def check_phases(specs, phase):
-    """The `phases` key: dicts of the fields of `phase` (the Phase class), unique names. -> the phases."""
+    """The `phases` key: dicts of the fields of `phase` (the Phase class), a length each, unique names. -> the
+    phases."""
     allowed = [f.name for f in fields(phase)]
     for spec in specs:
-        if not isinstance(spec, dict) or not {"name", "objective", "tokens"} <= set(spec) <= set(allowed):
-            raise SystemExit(f"phases: {spec!r} must be a dict with name, objective and tokens, and any of "
-                             f"{', '.join(allowed[3:])}")
+        if (not isinstance(spec, dict) or not {"name", "objective"} <= set(spec) <= set(allowed)
+                or len({"tokens", "steps"} & set(spec)) != 1):
+            optional = [a for a in allowed[2:] if a not in ("tokens", "steps")]
+            raise SystemExit(f"phases: {spec!r} must be a dict with name, objective and tokens (or steps: one of "
+                             f"the two), and any of {', '.join(optional)}")
     names = [spec["name"] for spec in specs]
     if len(set(names)) < len(names) or any(not isinstance(n, str) or "," in n or n == "all" for n in names):
         raise SystemExit(f"phases: names must be unique, without commas, and not 'all': {names}")
@@ -84,16 +87,22 @@ def check_phases(specs, phase):
 def check_phase(p):
     """A phase that means something, or one line saying what does not."""
     numbers = [p.tokens, p.mask_prob, p.warmup_tokens, p.final_lr_frac]
-    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers) or p.decay not in (0, 1):
+    if (not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers) or p.decay not in (0, 1)
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in (p.steps, p.warmup_steps))):
         raise SystemExit(f"phase {p.name!r}: tokens, mask_prob, warmup_tokens and final_lr_frac are numbers, "
-                         f"decay is True or False")
+                         f"steps and warmup_steps whole numbers, decay is True or False")
+    given = ", ".join(f"{k}={getattr(p, k)}" for k in ("tokens", "steps", "warmup_tokens", "warmup_steps")
+                      if getattr(p, k) or k == "tokens" and not p.steps)  # the phase's length and warmup as given
     problems = [(p.objective not in ("clm", "mlm"), f"objective={p.objective!r}: choose 'clm' or 'mlm'"),
-                (not p.tokens > 0 or p.warmup_tokens < 0, f"tokens={p.tokens}, warmup_tokens={p.warmup_tokens}: "
-                 "a phase needs a positive length, a warmup of 0 or more"),
+                (not (p.tokens > 0 or p.steps > 0) or min(p.tokens, p.steps, p.warmup_tokens, p.warmup_steps) < 0,
+                 f"{given}: a phase needs a positive length, a warmup of 0 or more"),
+                (p.warmup_tokens > 0 and p.warmup_steps > 0, f"{given}: give the warmup in tokens or in steps, "
+                 "not both"),
                 (p.objective == "mlm" and not 0 < p.mask_prob < 1, f"mask_prob={p.mask_prob}: choose it in (0, 1)"),
                 (p.objective == "clm" and p.mask_prob != 0,
                  "mask_prob is for mlm phases: a CLM phase predicts every next token"),
-                (p.decay and p.warmup_tokens > 0, "a decay phase has no warmup: set warmup_tokens=0"),
+                (p.decay and (p.warmup_tokens or p.warmup_steps), "a decay phase has no warmup: set warmup_tokens "
+                 "(or warmup_steps) to 0"),
                 (not 0 <= p.final_lr_frac <= 1, f"final_lr_frac={p.final_lr_frac}: choose a fraction in [0, 1]")]
     for bad, message in problems:
         if bad:
@@ -121,6 +130,16 @@ def check_model_config(c):
         raise SystemExit(f"model_config: hidden_size={m.hidden_size} must split into num_attention_heads="
                          f"{m.num_attention_heads} heads of an even size (RoPE rotates pairs), e.g. hidden_size 768 "
                          "with 12 heads of 64")
+    check_positions(c.seq_len, m, "model_config", f"set model_config's max_position_embeddings to {c.seq_len}")
+
+
+def check_positions(seq_len, config, where, more):
+    """seq_len within the model's max_position_embeddings: past them RoPE runs on positions the model never trained
+    on, and every checkpoint's config.json (which eval.py fine-tunes to) would still say the old number."""
+    if seq_len > config.max_position_embeddings:
+        raise SystemExit(f"seq_len={seq_len} is beyond {where}'s max_position_embeddings="
+                         f"{config.max_position_embeddings}: use --seq_len={config.max_position_embeddings} or less, "
+                         f"or {more}")
 
 
 def check_wandb(c):
@@ -150,13 +169,20 @@ def check_run(c, steps, world):
     check_out_dir(c.out_dir, "out_dir")
     resuming = glob.glob(os.path.join(c.out_dir, "ckpt-*"))  # then init_from is not read
     if c.init_from != "scratch" and not resuming:
-        check_init_from(c.init_from, meta, c.data_dir)
+        check_init_from(c.init_from, meta, c.data_dir, c.seq_len)
+    for path in resuming:  # the run's model (any checkpoint of it): a seq_len changed on resume must fit it too
+        try:
+            config = ModernBertConfig.from_pretrained(path)
+        except (OSError, ValueError):
+            continue  # a damaged checkpoint: resume warns and skips it
+        check_positions(c.seq_len, config, f"the run in {c.out_dir}", "a new out_dir")
+        break
     return meta
 
 
-def check_init_from(path, meta=None, data_dir=None):
+def check_init_from(path, meta=None, data_dir=None, seq_len=None):
     """init_from is a checkpoint directory this process can read, intact (one of ours has a manifest), with the
-    data's tokenizer (given the data's meta.json)."""
+    data's tokenizer (given the data's meta.json) and positions for seq_len (given it)."""
     if not os.path.isdir(path):
         raise SystemExit(f"init_from={path!r} is neither 'scratch' nor a checkpoint directory "
                          "(edit the path at the top of the config)")
@@ -166,6 +192,8 @@ def check_init_from(path, meta=None, data_dir=None):
     config = checkpoint_config(path, f"init_from={path}")
     with user_error(f"init_from={path}"):
         open(hf.weights_file(path), "rb").close()
+    if seq_len:
+        check_positions(seq_len, config, f"init_from={path}", f"a checkpoint with {seq_len} positions or more")
     if meta is None:
         return
     fix = f"prepare the data with the checkpoint's tokenizer: python data.py --tokenizer {path}"

@@ -15,13 +15,13 @@ import resource
 import secrets
 import time
 from contextlib import contextmanager
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from support.checkpoint import loss_error
+from support.card import lr_shape
+from support.checkpoint import loss_error, run_config
 from support.flops import peak_flops
 
 
@@ -98,15 +98,26 @@ def announce(c, model, schedule, process, system, resumed_at):
         return
     os.makedirs(c.out_dir, exist_ok=True)
     with open(os.path.join(c.out_dir, "config.json"), "w") as f:
-        json.dump(asdict(c), f, indent=2)
-    print(json.dumps(asdict(c), indent=2))
-    phases = ", ".join(f"{p.name} ({p.objective}{f' {p.mask_prob:.0%}' if p.objective == 'mlm' else ''}) {n} steps"
-                       for p, n in zip(schedule.phases, schedule.steps))
-    source = " (from the phases key: objective, tokens, warmup_tokens, decay_* are not used)" if c.phases else ""
+        json.dump(run_config(c), f, indent=2)
+    print(json.dumps(run_config(c), indent=2))
+    per_step = c.global_batch_size * c.seq_len
     resuming = "" if resumed_at is None else f"; resuming at step {resumed_at}"
-    print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.config.num_hidden_layers} layers; {phases} of "
-          f"{c.global_batch_size * c.seq_len:,} tokens{source}{resuming}")
+    print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.config.num_hidden_layers} layers; "
+          f"{schedule.starts[-1]:,} steps of {c.global_batch_size} x {c.seq_len} = {per_step:,} tokens{resuming}")
     print(system)
+    print(f"phases ({'from the phases key' if c.phases else 'the two built from objective, tokens, decay_frac'}):")
+    print("\n".join(f"  {line}" for line in phase_lines(schedule, per_step, c.lr)))
+
+
+def phase_lines(schedule, per_step, lr):
+    """One line per phase, aligned: its steps, its length as given (tokens or steps), its objective, its lr."""
+    rows = []
+    for p, n, start in zip(schedule.phases, schedule.steps, schedule.starts):
+        length = f"{n:,} steps = {n * per_step:,} tokens" if p.steps else f"{p.tokens:,.0f} tokens -> {n:,} steps"
+        objective = f"mlm {p.mask_prob:.0%} (bidirectional)" if p.objective == "mlm" else "clm (causal, next token)"
+        rows.append([p.name, f"steps {start:,}-{start + n - 1:,}", length, objective, lr_shape(p, lr)])
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4] for row in rows]
 
 
 def wandb_run(c):
@@ -122,4 +133,5 @@ def wandb_run(c):
     with open(id_file) as f:
         run_id = f.read().strip()
     name = c.wandb_run_name or os.path.basename(os.path.abspath(c.out_dir))
-    return wandb.init(project=c.wandb_project, name=name, id=run_id, resume="allow", config=asdict(c), dir=c.out_dir)
+    return wandb.init(project=c.wandb_project, name=name, id=run_id, resume="allow", config=run_config(c),
+                      dir=c.out_dir)

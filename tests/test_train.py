@@ -222,22 +222,24 @@ def test_decay_from_weights_without_train_state_warns_and_skips(data_dir, base_c
 
 
 def test_biphasic_config_runs_its_three_phases_with_one_optimizer_state(data_dir, tmp_path):
-    """configs/biphasic_scratch.py, each phase scaled from its 10B-token budget to 40 tiny steps: CLM then MLM at
-    a constant lr, then a 1-sqrt decay, and Adam's step count carried across both boundaries."""
+    """configs/biphasic_scratch.py, each phase's steps (and warmup) scaled from its 42,000-step budget to 84 tiny
+    steps (1/500: 21 CLM with a 4-step warmup, 59 MLM, 4 decay): CLM then MLM at a constant lr, then a 1-sqrt
+    decay, and Adam's step count carried across both boundaries."""
     config = os.path.join(ROOT, "configs", "biphasic_scratch.py")
-    scale = 40 * 8 * 64 / 10e9  # tokens of the tiny run per token of the config's budget
-    phases = [{**p, "tokens": p["tokens"] * scale, "warmup_tokens": p.get("warmup_tokens", 0) * scale}
-              for p in parse_config([config]).phases]
+    phases = [{**p, "steps": p["steps"] // 500, **({"warmup_steps": p["warmup_steps"] // 500} if "warmup_steps" in p
+                                                  else {})} for p in parse_config([config]).phases]
     run_train(tmp_path, data_dir, config, f"--out_dir={tmp_path}", f"--phases={phases!r}", "--max_ckpts=10")
     records = metrics(tmp_path)
     seen = [(m["phase"], m["objective"]) for m in records]
     assert sorted(set(seen), key=seen.index) == [("clm", "clm"), ("mlm", "mlm"), ("decay", "mlm")]
-    assert [m["step"] for m in records] == list(range(1, 41))
-    assert all(m["lr"] == 3e-3 for m in records if m["phase"] != "decay")  # warmup: 1 step
-    for m in records[36:]:  # the record of step s logs the lr of the step from s - 1 to s
-        t = m["step"] - 1 - 36
+    assert [m["step"] for m in records] == list(range(1, 85))
+    for m in records[:4]:  # the warmup: the record of step s logs the lr of the step from s - 1 to s
+        assert m["lr"] == pytest.approx(3e-3 * m["step"] / 4, rel=1e-12)
+    assert all(m["lr"] == 3e-3 for m in records[4:] if m["phase"] != "decay")
+    for m in records[80:]:
+        t = m["step"] - 1 - 80
         assert m["lr"] == pytest.approx(3e-3 * (0.1 + 0.9 * (1 - math.sqrt(t / 4))), rel=1e-12)
-    for ckpt, step in [("ckpt-10", 10), ("ckpt-36", 36), ("final", 40)]:  # the ends of the three phases
+    for ckpt, step in [("ckpt-21", 21), ("ckpt-80", 80), ("final", 84)]:  # the ends of the three phases
         state = torch.load(tmp_path / ckpt / "train_state.pt", weights_only=False)["optimizer"]["state"]
         assert {int(v["step"]) for v in state.values()} == {step}
 
