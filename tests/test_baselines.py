@@ -157,7 +157,7 @@ def test_each_model_has_its_own_maximum_length_and_special_tokens(models, family
 
 def test_refused_before_training_with_what_is_missing(models, tmp_path, monkeypatch):
     """One line each: no weights, an encoder with its weights missing, pre-split words tokenized unlike running
-    text, and transformers not installed."""
+    text, a --tokenizer it would not use, and transformers not installed."""
     (tmp_path / "no_weights").mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (tmp_path / "no_weights" / name).write_bytes((models / "bert" / name).read_bytes())
@@ -181,6 +181,10 @@ def test_refused_before_training_with_what_is_missing(models, tmp_path, monkeypa
     generic.save_pretrained(tmp_path / "generic")
     with pytest.raises(SystemExit, match="gives words pre-split other sub-tokens than in running text"):
         eval.check_model(str(tmp_path / "generic"), None, CPU, FLOAT32)
+
+    with pytest.raises(SystemExit, match="a bert model is fine-tuned with its own tokenizer"):  # not ignored
+        eval.main(["--model", str(models / "bert"), "--tokenizer", str(models / "modernbert"), "--task", "cls",
+                   "--data", str(tmp_path), "--device", "cpu", "--out", str(tmp_path / "out")])
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
     with pytest.raises(SystemExit, match=r"^--model \S+: config.json has model_type='bert'; .*is not installed: "
