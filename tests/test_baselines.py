@@ -314,9 +314,10 @@ def jsonl_slice(src, dst, n):
 @pytest.fixture(scope="module")
 def tasks(tmp_path_factory):
     """Slices of GAD (cls) and NCBI-disease (ner), a multi-label task from the shared sentences (which of three
-    words a sentence holds), and a separable one (which of two word families a text uses)."""
+    words a sentence holds), and two separable ones (which of two word families a text uses; which words belong
+    to one)."""
     tmp = tmp_path_factory.mktemp("tasks")
-    for name in ("gad", "ncbi_disease", "multilabel", "separable"):
+    for name in ("gad", "ncbi_disease", "multilabel", "separable", "separable_ner"):
         (tmp / name).mkdir()
     for split, n in (("train", 48), ("devel", 16), ("test", 16)):
         jsonl_slice(os.path.join(SHARED, "gad", f"{split}.jsonl"), tmp / "gad" / f"{split}.jsonl", n)
@@ -332,6 +333,10 @@ def tasks(tmp_path_factory):
                 label = rng.choice(["warm", "cold"])
                 words = [rng.choice(warm if label == "warm" else cold) for _ in range(rng.randint(3, 10))]
                 f.write(json.dumps({"text": " ".join(words), "label": label}) + "\n")
+        with open(tmp / "separable_ner" / f"{split}.jsonl", "w") as f:  # one family's words are entities
+            for _ in range(n):
+                words = [rng.choice(warm + cold) for _ in range(rng.randint(3, 10))]
+                f.write(json.dumps({"tokens": words, "tags": ["B-X" if w in warm else "O" for w in words]}) + "\n")
     return tmp
 
 
@@ -354,9 +359,11 @@ def test_classification_multilabel_and_ner_run_end_to_end(models, tasks, tmp_pat
         assert 0 <= run["test"]["macro_f1"] <= 1 and {"micro_f1", "macro_f1"} <= set(run["test"])
 
 
-def test_a_bert_learns_a_separable_task(models, tasks, tmp_path):
-    """The transformers path trains: 4 epochs take a tiny random BERT from chance to a separable task."""
-    run_eval("--model", str(models / "bert"), "--task", "cls", "--data", str(tasks / "separable"), "--seeds", "3",
+@pytest.mark.parametrize("family,task,data", [("bert", "cls", "separable"), ("roberta", "ner", "separable_ner")])
+def test_the_transformers_path_learns_a_separable_task(models, tasks, tmp_path, family, task, data):
+    """The transformers path trains: 4 epochs take a tiny random model from chance to a task separable by its
+    words (a class from two word families; entities: the words of one family)."""
+    run_eval("--model", str(models / family), "--task", task, "--data", str(tasks / data), "--seeds", "3",
              "--epochs", "4", "--lr", "3e-3", "--out", str(tmp_path))
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["summary"]["macro_f1"]["mean"] > 0.9
