@@ -207,11 +207,12 @@ class Padded(nn.Module):
 
 def classifier(path, task, id2label, problem_type):
     """The transformers classifier of the directory for `task`, its new head initialised from torch's RNG
-    (eval.py seeds it), in float32 whatever dtype the weights are stored in (as model.py's)."""
+    (eval.py seeds it), in float32 whatever dtype the weights are stored in, and in training mode (dropout on):
+    as model.py's classifiers come, where transformers' from_pretrained gives evaluation mode."""
     import transformers
     auto = (transformers.AutoModelForTokenClassification if task == "ner"
             else transformers.AutoModelForSequenceClassification)
     with quiet(transformers):
         hf = auto.from_pretrained(path, id2label=id2label, label2id={v: int(k) for k, v in id2label.items()},
                                   problem_type=problem_type)
-    return Padded(hf.float(), per_token=task == "ner")
+    return Padded(hf.float(), per_token=task == "ner").train()

@@ -261,6 +261,7 @@ def test_padded_path_equals_transformers_own_forward_and_loss(models, family, ta
     torch.manual_seed(0)
     model = eval.classifier(eval.argparse.Namespace(model=str(models / family), task=task, pooling="mean"), labels)
     assert isinstance(model, baselines.Padded)
+    assert all(m.training for m in model.modules())  # dropout on for training (transformers loads in eval mode)
     model.eval()  # dropout off: both forwards see the same network
     ids, mask, targets = reference_batch(items, task, tok.text.pad_token_id)
     with torch.no_grad():
