@@ -8,6 +8,11 @@ epoch is the one with the highest validation macro F1, the reported metric (--se
 Any of these can be set on the command line; support/suite.py's PROTOCOL holds them, each
 with its source.
 
+The model is a ModernBERT checkpoint, run by model.py (unpadded, our attention kernels), or any other Hugging
+Face encoder with a fast tokenizer (BERT, RoBERTa / CamemBERT, ELECTRA, DeBERTa: the paper's baseline rows),
+run by transformers under the same protocol, with its own maximum length, special tokens and classification
+head (support/baselines.py; transformers is then needed: pip install transformers).
+
 At full context a batch of 16 examples can hold 16 x 8192 tokens: it is cut into micro
 batches of at most --max_tokens tokens (default 16384 on GPU, 4096 on CPU), whose summed
 gradients make exactly the update of the whole batch.
@@ -39,7 +44,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from model import Flat, ModernBertForSequenceClassification, ModernBertForTokenClassification, cu_seqlens_of
-from support import distributed, suite
+from support import baselines, distributed, suite
 from support.checks import checkpoint_config, user_error
 from support.config import check_out_dir
 from support.kernels import pick_backend
@@ -240,10 +245,15 @@ def encode_examples(examples, tok, task, labels, max_len):
     A target is a label id (cls), a 0/1 vector (multilabel) or a per-token list with the tag id on each word's
     first sub-token and -100 elsewhere (ner). NER sentences longer than max_len are split at word boundaries
     into several sequences, never truncated: "where" holds, per sequence, the (example, word) of each first
-    sub-token (None for cls and multilabel), so that scoring can put the words back together."""
+    sub-token (None for cls and multilabel), so that scoring can put the words back together. `tok` is ours
+    ([CLS] ... [SEP]) or, for another model family, its own (support/baselines.py: its special tokens, its
+    truncation, its word ids)."""
     index = {label: i for i, label in enumerate(labels)}
+    ours = not isinstance(tok, baselines.Tokenizers)
     if task != "ner":
-        ids = tok.encode_batch([ex["text"] for ex in examples])
+        texts = [ex["text"] for ex in examples]
+        ids = [[tok.cls_id, *x[:max_len - 2], tok.sep_id] for x in tok.encode_batch(texts)] if ours else \
+            tok.texts(texts, max_len)
         out = []
         for ex, x in zip(examples, ids):
             if task == "cls":
@@ -252,24 +262,30 @@ def encode_examples(examples, tok, task, labels, max_len):
                 target = [0.0] * len(labels)
                 for label in ex["labels"]:
                     target[index[str(label)]] = 1.0
-            out.append(([tok.cls_id, *x[:max_len - 2], tok.sep_id], target))
+            out.append((x, target))
         return {"items": out, "where": None, "examples": examples}
-    words = [w if i == 0 else " " + w for ex in examples for i, w in enumerate(ex["tokens"])]
-    pieces = iter(tok.encode_batch(words))
+    if ours:  # each word as it reads in running text (a space before all but the first)
+        pieces = iter(tok.encode_batch([w if i == 0 else " " + w for ex in examples
+                                        for i, w in enumerate(ex["tokens"])]))
+        # a word with no sub-token (e.g. a lone control char) stands as [MASK]
+        sentences = [([tok.cls_id], [next(pieces) or [tok.mask_id] for _ in ex["tokens"]], [tok.sep_id])
+                     for ex in examples]
+    else:
+        sentences = tok.sentences([ex["tokens"] for ex in examples])
     out, where = [], []
-    for e, ex in enumerate(examples):
+    for e, (ex, (before, words, after)) in enumerate(zip(examples, sentences)):
+        room = max_len - len(before) - len(after)  # sub-tokens a sequence holds between its special tokens
         chunk, tags, owners = [], [], []
-        for w, tag in enumerate(ex["tags"]):
-            sub = next(pieces) or [tok.mask_id]  # a word with no sub-token (e.g. a lone control char)
-            if len(chunk) + len(sub) > max_len - 2 and chunk:  # split the sentence here
-                out.append(([tok.cls_id, *chunk, tok.sep_id], [-100, *tags, -100]))
+        for w, (sub, tag) in enumerate(zip(words, ex["tags"])):
+            if len(chunk) + len(sub) > room and chunk:  # split the sentence here
+                out.append(([*before, *chunk, *after], [-100] * len(before) + tags + [-100] * len(after)))
                 where.append(owners)
                 chunk, tags, owners = [], [], []
-            sub = sub[:max_len - 2]
+            sub = sub[:room]
             chunk += sub
             tags += [index[tag]] + [-100] * (len(sub) - 1)
             owners.append((e, w))
-        out.append(([tok.cls_id, *chunk, tok.sep_id], [-100, *tags, -100]))
+        out.append(([*before, *chunk, *after], [-100] * len(before) + tags + [-100] * len(after)))
         where.append(owners)
     return {"items": out, "where": where, "examples": examples}
 
@@ -278,16 +294,19 @@ def encode_splits(raw, tok, task, labels, max_len):
     return {split: encode_examples(examples, tok, task, labels, max_len) for split, examples in raw.items()}
 
 
-def micro_batches(items, max_tokens, max_items=None):
+def micro_batches(items, max_tokens, max_items=None, padded=False):
     """Consecutive groups of the items with at most max_tokens tokens (and max_items items) each; an item
-    longer than max_tokens is a group of its own."""
-    groups, size = [[]], 0
+    longer than max_tokens is a group of its own. padded (a transformers model, support/baselines.py): a group
+    counts the tokens of its padded batch, its size x its longest item."""
+    groups, size, longest = [[]], 0, 0
     for item in items:
-        if groups[-1] and (size + len(item[0]) > max_tokens or len(groups[-1]) == max_items):
+        n = len(item[0])
+        tokens = (len(groups[-1]) + 1) * max(longest, n) if padded else size + n  # with this item in the group
+        if groups[-1] and (tokens > max_tokens or len(groups[-1]) == max_items):
             groups.append([])
-            size = 0
+            size, longest = 0, 0
         groups[-1].append(item)
-        size += len(item[0])
+        size, longest = size + n, max(longest, n)
     return groups
 
 
@@ -321,11 +340,11 @@ def count_targets(items, task, n_labels):
     return len(items) * (n_labels if task == "multilabel" else 1)
 
 
-def accumulate(model, items, task, device, weight, max_tokens, autocast):
+def accumulate(model, items, task, device, weight, max_tokens, autocast, padded=False):
     """Backward of weight x the summed loss of the items, one micro batch of at most max_tokens tokens at a
     time: the gradients add up to those of the items in one forward. Under DDP only the last micro batch
     all-reduces (ranks may have different numbers of them). -> the weighted loss, a float."""
-    parts, total = micro_batches(items, max_tokens), 0.0
+    parts, total = micro_batches(items, max_tokens, padded=padded), 0.0
     for k, part in enumerate(parts):
         last = k == len(parts) - 1
         with model.no_sync() if hasattr(model, "no_sync") and not last else contextlib.nullcontext():
@@ -337,12 +356,12 @@ def accumulate(model, items, task, device, weight, max_tokens, autocast):
 
 
 @torch.no_grad()
-def predict(model, items, task, device, batch_size, max_tokens, rank, world, autocast):
+def predict(model, items, task, device, batch_size, max_tokens, rank, world, autocast, padded=False):
     """Predictions for all items: label ids (cls), 0/1 rows (multilabel), per-token tag ids (ner)."""
     model.eval()
     mine = [(items[i][0], i) for i in range(rank, len(items), world)]  # (ids, index): grouped like training items
     preds = {}
-    for group in micro_batches(mine, max_tokens, batch_size):
+    for group in micro_batches(mine, max_tokens, batch_size, padded):
         idx = [i for _, i in group]
         flat, _ = flat_batch([items[i] for i in idx], task, device)
         with autocast:
@@ -377,15 +396,25 @@ def score(task, split, preds, labels):
     return ner_metrics([ex["tags"] for ex in split["examples"]], pred_tags)
 
 
+def classifier(args, labels):
+    """The model to fine-tune, with a new classifier over `labels` (its init from torch's RNG): a ModernBERT
+    checkpoint by model.py, unpadded; a model of another family by transformers (support/baselines.py), with
+    the head that family has there (its pooling: --pooling is ModernBERT's)."""
+    id2label = {str(i): label for i, label in enumerate(labels)}
+    problem = {"cls": "single_label_classification", "multilabel": "multi_label_classification"}.get(args.task)
+    if not baselines.is_modernbert(args.model):
+        return baselines.classifier(args.model, args.task, id2label, problem)
+    model_cls = ModernBertForTokenClassification if args.task == "ner" else ModernBertForSequenceClassification
+    return model_cls.from_pretrained(args.model, id2label=id2label, problem_type=problem,
+                                     classifier_pooling=args.pooling, attn_out_dropout=None)
+
+
 def finetune(args, seed, splits, labels, device, rank, world, autocast):
     task = args.task
-    model_cls = ModernBertForTokenClassification if task == "ner" else ModernBertForSequenceClassification
-    problem = {"cls": "single_label_classification", "multilabel": "multi_label_classification"}.get(task)
     torch.manual_seed(seed)  # the new classifier's init, then dropout and shuffling
-    model = model_cls.from_pretrained(
-        args.model, id2label={str(i): label for i, label in enumerate(labels)}, problem_type=problem,
-        classifier_pooling=args.pooling, attn_out_dropout=None).to(device)
+    model = classifier(args, labels).to(device)
     core = model
+    padded = isinstance(core, baselines.Padded)  # its micro batches count padded tokens
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     train = splits["train"]["items"]
@@ -413,14 +442,14 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
                 # runs the DDP model (on an example, weighted 0): DDP's gradient all-reduce is armed by the
                 # forward, and a rank that skips it leaves the others waiting forever.
                 mine, weight = batch[:1], 0.0
-            loss = accumulate(model, mine, task, device, weight, args.max_tokens, autocast)
+            loss = accumulate(model, mine, task, device, weight, args.max_tokens, autocast, padded)
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
             bar.set_postfix(loss=f"{loss / world:.4f}")
         val = score(task, splits["validation"], predict(core, splits["validation"]["items"], task, device,
-                                                        args.batch_size, args.max_tokens, rank, world, autocast),
-                    labels)
+                                                        args.batch_size, args.max_tokens, rank, world, autocast,
+                                                        padded), labels)
         history.append({"epoch": epoch + 1, "validation": val, "seconds": time.time() - t0})
         if best is None or val[args.select] > best["validation"][args.select]:
             best = history[-1]
@@ -430,7 +459,7 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
                        f"micro F1 {val['micro_f1']:.4f} ({time.time() - t0:.1f}s)")
     core.load_state_dict(best_state)
     test = score(task, splits["test"], predict(core, splits["test"]["items"], task, device, args.batch_size,
-                                               args.max_tokens, rank, world, autocast), labels)
+                                               args.max_tokens, rank, world, autocast, padded), labels)
     return core, {"seed": seed, "best_epoch": best["epoch"], "selected_by": args.select, "test": test,
                   "epochs": history}
 
@@ -439,15 +468,22 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
 # A suite: every (task, model, seed) of a suite file, each stored as it finishes; the table (support/suite.py)
 
 
-def check_model(path, tokenizer):
-    """(The tokenizer to fine-tune a checkpoint with, its config), once it loads as a ModernBERT and the tokenizer
-    fits its embedding."""
+def check_model(path, tokenizer, device, dtype):
+    """-> (the tokenizer to fine-tune a model with, what the table records of it: its family, its max_len, the
+    code that runs it), once it loads and the tokenizer fits its embedding. A ModernBERT checkpoint runs on
+    model.py (with --tokenizer if given); any other family on transformers, with its own tokenizer
+    (support/baselines.py)."""
+    if not baselines.is_modernbert(path):
+        return baselines.check_encoder(path, f"--model {path}")
     tok = model_tokenizer(path, tokenizer)
     with user_error(f"--model {path}"):  # not ModernBERT, no weights, weights of another shape
         config = ModernBertForSequenceClassification.from_pretrained(path, id2label={"0": "a", "1": "b"}).config
     check_vocab(tok.vocab_size, config, "the tokenizer", f"--model {path}",
                 "pass the tokenizer the model was trained with (--tokenizer)")
-    return tok, config
+    backend = pick_backend(config.attn_backend, device, dtype, config.attention_dropout)
+    return tok, {"family": "modernbert", "max_len": config.max_position_embeddings,
+                 "code": f"model.py ModernBertForSequenceClassification / ModernBertForTokenClassification, unpadded, "
+                         f"attention {backend}"}
 
 
 def full_context(max_len, positions, where):
@@ -465,18 +501,17 @@ def run_suite(args, process, autocast, dtype):
     names = suite.model_names(args.models)
 
     # Check everything before training anything: a problem in the last task must not surface hours in.
-    problems, toks, positions, data, max_len = [], {}, {}, {}, {}
+    problems, toks, about, data, max_len = [], {}, {}, {}, {}
     for path in args.models:
         try:
-            toks[path], config = check_model(path, args.tokenizer)
-            positions[path] = config.max_position_embeddings
+            toks[path], about[path] = check_model(path, args.tokenizer, device, dtype)
         except SystemExit as e:
             problems.append(f"model {path}: {e}")
     for t in tasks:
         try:
             data[t["name"]] = read_task(t["data"], t["task"])
-            for path in positions:
-                max_len[t["name"], path] = full_context(t["max_len"], positions[path], f"model {path}")
+            for path in about:
+                max_len[t["name"], path] = full_context(t["max_len"], about[path]["max_len"], f"model {path}")
         except SystemExit as e:
             problems.append(f"task {t['name']!r}: {e}")
     if problems:
@@ -533,6 +568,7 @@ def run_suite(args, process, autocast, dtype):
         for i, r in enumerate(runs):
             scores.setdefault((r["task"]["name"], r["name"]), []).append(done[i]["test"])
         results = suite.summarize(args.suite, seeds, tasks, dict(zip(names, args.models)), scores)
+        results["model_info"] = {name: about[path] for name, path in zip(names, args.models)}
         for r in runs:  # what each model ran with, where the task left it to the model and the device
             results["tasks"][r["task"]["name"]]["models"][r["name"]]["ran_with"] = {
                 k: getattr(r["args"], k) for k in ("max_len", "max_tokens")}
@@ -545,7 +581,8 @@ def run_suite(args, process, autocast, dtype):
 def parse_args(argv):
     """The command line, with the protocol's defaults filled in (suite.PROTOCOL) and every value checked."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="a Hugging Face ModernBERT checkpoint directory")
+    p.add_argument("--model", help="a Hugging Face ModernBERT checkpoint directory, or any other Hugging Face encoder "
+                                   "directory with a fast tokenizer (run through transformers: support/baselines.py)")
     p.add_argument("--task", choices=["cls", "multilabel", "ner"])
     p.add_argument("--data", help="a directory with train / validation / test splits")
     # The fine-tuning protocol; what is not given is the paper's (suite.PROTOCOL, suite.EPOCHS).
@@ -562,8 +599,10 @@ def parse_args(argv):
     p.add_argument("--select", help=f"the validation metric that picks the best epoch (default "
                                     f"{suite.PROTOCOL['select']}; cls: {', '.join(suite.SELECT['cls'])}; multilabel: "
                                     f"{', '.join(suite.SELECT['multilabel'])}; ner: {', '.join(suite.SELECT['ner'])})")
-    p.add_argument("--pooling", choices=["mean", "cls"], help="sequence classification pooling (default mean)")
-    p.add_argument("--tokenizer", help="when the checkpoint carries no tokenizer.json")
+    p.add_argument("--pooling", choices=["mean", "cls"], help="ModernBERT's sequence classification pooling (default "
+                                                               "mean); another family has its own head's")
+    p.add_argument("--tokenizer", help="when a ModernBERT checkpoint carries no tokenizer.json (another family uses "
+                                       "its own directory's)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bfloat16 autocast on GPU (what the flash / varlen attention kernels need), float32 on CPU")
@@ -601,17 +640,19 @@ def parse_args(argv):
 def run_task(args, process, autocast, dtype):
     """eval.py --model --task --data: fine-tune over the seeds, then a mean ± std table of the test metrics."""
     rank, world, device = process.rank, process.world, process.device
-    tok, config = check_model(args.model, args.tokenizer)
-    args.max_len = full_context(args.max_len, config.max_position_embeddings, "--max_len")
+    tok, about = check_model(args.model, args.tokenizer, device, dtype)
+    if args.tokenizer and about["family"] != "modernbert":
+        raise SystemExit(f"--tokenizer {args.tokenizer}: a {about['family']} model is fine-tuned with its own "
+                         f"tokenizer, from {args.model}; --tokenizer is for ModernBERT checkpoints without one")
+    args.max_len = full_context(args.max_len, about["max_len"], "--max_len")
     args.max_tokens = args.max_tokens or suite.max_tokens(device)
     raw, labels = read_task(args.data, args.task)
     splits = encode_splits(raw, tok, args.task, labels, args.max_len)
     if rank == 0:
-        backend = pick_backend(config.attn_backend, device, dtype, config.attention_dropout)
         print(f"{args.task}: {len(labels)} labels; train {len(raw['train'])}, validation {len(raw['validation'])}, "
               f"test {len(raw['test'])} examples ({len(splits['train']['items'])} training sequences); "
-              f"{device}, {str(dtype).removeprefix('torch.')}, attention {backend}; max_len {args.max_len}, "
-              f"{args.max_tokens} tokens per micro batch")
+              f"{device}, {str(dtype).removeprefix('torch.')}, {about['family']}: {about['code']}; max_len "
+              f"{args.max_len}, {args.max_tokens} tokens per micro batch")
     runs = []
     for seed in suite.parse_seeds(args.seeds):
         model, result = finetune(args, seed, splits, labels, device, rank, world, autocast)
@@ -627,8 +668,8 @@ def run_task(args, process, autocast, dtype):
         print(table)
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump({"settings": {**vars(args), "labels": labels, "world_size": world}, "summary": summary,
-                       "runs": runs}, f, indent=2)
+            json.dump({"settings": {**vars(args), "labels": labels, "world_size": world, "model_info": about},
+                       "summary": summary, "runs": runs}, f, indent=2)
         with open(os.path.join(args.out, "results.md"), "w") as f:
             f.write(table)
 

@@ -19,7 +19,9 @@ eval.py fine-tunes; this file holds what is around the fine-tuning:
 - the table (results.md, results.json, results.png): per task and model the test macro F1 (the
   paper's metric) and the metric other papers report, mean ± std over seeds; their average over tasks
   (the paper's headline); and each model's difference to the first model, paired over seeds (seed i
-  of one against seed i of the other), with a 95% t interval.
+  of one against seed i of the other), with a 95% t interval. The models may be of any family (our
+  ModernBERT beside the baselines transformers runs: support/baselines.py): results.json's model_info
+  records each one's family, maximum length and the code that ran it, and ran_with what each task ran with.
 """
 
 import json
@@ -39,9 +41,11 @@ PROTOCOL = dict(
     weight_decay=0.01,  # the paper
     warmup_ratio=0.0,  # the followed protocol: HF Trainer default (no warmup, then its default "linear" decay to 0)
     max_len=None,  # the followed protocol truncates only at the model's maximum length: None = the checkpoint's
-    # max_position_embeddings (8192 for ModernBERT); a task may set less
+    # max_position_embeddings (8192 for ModernBERT), another family's own maximum (512 for the BERTs); a task may
+    # set less
     max_tokens=None,  # our choice, memory only (the update is the same): tokens per micro batch, None = MAX_TOKENS
-    pooling="mean",  # the released ModernBERT checkpoints' classifier_pooling; the paper does not say
+    pooling="mean",  # the released ModernBERT checkpoints' classifier_pooling; the paper does not say. Another family
+    # keeps the head transformers gives it (BERT: its pooler on [CLS]; RoBERTa: a dense layer on <s>)
     select="macro_f1",  # the paper keeps the best epoch "by validation F1"; we read it as its reported metric
 )
 MAX_TOKENS = {"cuda": 16384, "cpu": 4096}  # our choice, per device type (tests/bench_finetune_memory.py)
@@ -241,6 +245,10 @@ def markdown(results):
     names, seeds = list(results["models"]), results["seeds"]
     pct = lambda s: f"{100 * s['mean']:.2f} ± {100 * s['std']:.2f}"  # noqa: E731
 
+    def info(m):  # what ran each model: families differ in their maximum length and in the code that runs them
+        about = results["model_info"][m]
+        return f"{about['family']}, up to {about['max_len']} tokens; {about['code']}"
+
     def delta(d):
         if d["low"] is None:
             return f"{100 * d['mean']:+.2f} (one seed: no interval)"
@@ -252,7 +260,7 @@ def markdown(results):
              "the paper's metric; beside it, the metric other papers report (weighted F1 for classification, "
              "micro F1 for multi-label, seqeval entity micro F1 for NER). Δ: macro F1 minus the first "
              f"model's ({names[0]}), paired over seeds, with its 95% t interval; * where the interval excludes 0.",
-             "", "Models: " + "; ".join(f"{m} = {p}" for m, p in results["models"].items()), "",
+             "", "Models: " + "; ".join(f"{m} = {p} ({info(m)})" for m, p in results["models"].items()), "",
              "| task | " + " | ".join(f"{m} macro F1 | {m} upstream" for m in names)
              + "".join(f" | Δ {m}" for m in names[1:]) + " |",
              "|---" * (1 + 2 * len(names) + len(names) - 1) + "|"]

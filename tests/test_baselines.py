@@ -1,0 +1,473 @@
+"""The baseline rows (support/baselines.py): any Hugging Face encoder fine-tuned by eval.py under the protocol of a
+ModernBERT checkpoint. Two tiny families made here with transformers, each with a tokenizer trained on ../shared
+text (nothing downloaded): a BERT with a WordPiece vocabulary and a RoBERTa with a byte-level BPE. Checked
+against independent references: sub-token alignment written out by hand, transformers' own forward and loss
+on its own padded batch, the longest input transformers' own model takes, seed-paired deltas recomputed from
+the per-seed scores; and our ModernBERT path against transformers' ModernBERT classes (the parity that lets
+both paths share one table)."""
+
+import copy
+import itertools
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED = os.path.join(ROOT, "..", "shared", "data")
+SENTENCES = os.path.join(SHARED, "biomed_sentences.txt")
+pytestmark = pytest.mark.skipif(not os.path.isfile(SENTENCES), reason="../shared/data is not beside the checkout")
+transformers = pytest.importorskip("transformers")
+
+import eval  # noqa: E402
+from model import (ModernBertConfig, ModernBertForMaskedLM, ModernBertForSequenceClassification,  # noqa: E402
+                   ModernBertForTokenClassification)
+from support import baselines  # noqa: E402
+from support.tokenizer import train_bpe  # noqa: E402
+
+CPU, FLOAT32 = torch.device("cpu"), torch.float32
+TINY = dict(vocab_size=600, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+
+
+def texts(n=4000):
+    with open(SENTENCES, encoding="utf-8") as f:
+        return [line.strip() for line in itertools.islice(f, n)]
+
+
+def make_bert(path):
+    """A tiny BERT: a lower-casing WordPiece of 600 ids trained on the shared sentences, 64 positions."""
+    from tokenizers.implementations import BertWordPieceTokenizer
+    wordpiece = BertWordPieceTokenizer(lowercase=True)
+    wordpiece.train_from_iterator(texts(), vocab_size=600, min_frequency=2)
+    os.makedirs(path)
+    wordpiece.save_model(str(path))  # vocab.txt, which transformers' BertTokenizer reads
+    torch.manual_seed(0)
+    transformers.BertForMaskedLM(transformers.BertConfig(**TINY, max_position_embeddings=64)).save_pretrained(path)
+    transformers.AutoTokenizer.from_pretrained(path).save_pretrained(path)  # its tokenizer.json, as on the hub
+
+
+def make_roberta(path):
+    """A tiny RoBERTa: a byte-level BPE of 600 ids, 66 positions (position ids start at pad + 1 = 2)."""
+    from tokenizers.implementations import ByteLevelBPETokenizer
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts(), vocab_size=600, min_frequency=2,
+                            special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
+    os.makedirs(path)
+    bpe.save_model(str(path))  # vocab.json and merges.txt
+    torch.manual_seed(0)
+    transformers.RobertaForMaskedLM(transformers.RobertaConfig(**TINY, max_position_embeddings=66, pad_token_id=1,
+                                                               bos_token_id=0, eos_token_id=2)).save_pretrained(path)
+    transformers.AutoTokenizer.from_pretrained(path).save_pretrained(path)
+
+
+def make_modernbert(path):
+    """A tiny ModernBERT with a byte-level BPE of our own trained on the same sentences."""
+    os.makedirs(path)
+    train_bpe(iter(texts()), 600, str(path / "tokenizer.json"))
+    torch.manual_seed(0)
+    ModernBertForMaskedLM(ModernBertConfig(vocab_size=600, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                           num_attention_heads=2, local_attention=8, pad_token_id=0, cls_token_id=2,
+                                           sep_token_id=3, bos_token_id=2, eos_token_id=3)).save_pretrained(path)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """eval.py runs in this process here: one thread, as the subprocess tests give it (OMP_NUM_THREADS=1), so that
+    a busy machine does not make two threads wait on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("families")
+    make_bert(tmp / "bert")
+    make_roberta(tmp / "roberta")
+    make_modernbert(tmp / "modernbert")
+    return tmp
+
+
+# -----------------------------------------------------------------------------
+# Tokens: each family's own special tokens, maximum length, and first sub-tokens
+
+
+SENTENCE = {"tokens": ["The", "cells", "\x07", "xqzv", "IL-2"], "tags": ["O", "B-DIS", "O", "I-DIS", "O"]}
+TAGS = ["O", "B-DIS", "I-DIS"]  # ids 0, 1, 2
+# Written out by hand from each tokenizer's rules: BERT lower-cases, splits IL-2 at its punctuation (three
+# pre-tokens of one word) and drops the control character (which then stands as [UNK], keeping its label); the
+# byte-level BPE marks every pre-split word as following a space (add_prefix_space), keeps the control
+# character as a byte and has no "ĠThe" in its 600 ids. The tag sits on the first sub-token of each word.
+BY_HAND = {
+    "bert": ([("[CLS]", -100), ("the", 0), ("cells", 1), ("[UNK]", 0), ("x", 2), ("##q", -100), ("##z", -100),
+              ("##v", -100), ("i", 0), ("##l", -100), ("-", -100), ("2", -100), ("[SEP]", -100)],
+             # at max_len 6 (4 sub-tokens between [CLS] and [SEP]) the sentence is cut between words
+             [[("[CLS]", -100), ("the", 0), ("cells", 1), ("[UNK]", 0), ("[SEP]", -100)],
+              [("[CLS]", -100), ("x", 2), ("##q", -100), ("##z", -100), ("##v", -100), ("[SEP]", -100)],
+              [("[CLS]", -100), ("i", 0), ("##l", -100), ("-", -100), ("2", -100), ("[SEP]", -100)]],
+             [[(0, 0), (0, 1), (0, 2)], [(0, 3)], [(0, 4)]]),
+    "roberta": ([("<s>", -100), ("Ġ", 0), ("The", -100), ("Ġcells", 1), ("Ġ", 0), ("ć", -100), ("Ġ", 2), ("x", -100),
+                 ("q", -100), ("z", -100), ("v", -100), ("ĠI", 0), ("L", -100), ("-", -100), ("2", -100),
+                 ("</s>", -100)],
+                # at max_len 6 a word longer than 4 sub-tokens keeps its first 4, as for ModernBERT
+                [[("<s>", -100), ("Ġ", 0), ("The", -100), ("Ġcells", 1), ("</s>", -100)],
+                 [("<s>", -100), ("Ġ", 0), ("ć", -100), ("</s>", -100)],
+                 [("<s>", -100), ("Ġ", 2), ("x", -100), ("q", -100), ("z", -100), ("</s>", -100)],
+                 [("<s>", -100), ("ĠI", 0), ("L", -100), ("-", -100), ("2", -100), ("</s>", -100)]],
+                [[(0, 0), (0, 1)], [(0, 2)], [(0, 3)], [(0, 4)]]),
+}
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_ner_labels_the_first_sub_token_of_each_word_hand_checked(models, family):
+    tok, about = eval.check_model(str(models / family), None, CPU, FLOAT32)
+    whole, pieces, where = BY_HAND[family]
+    convert = tok.words.convert_tokens_to_ids
+    (ids, target), = eval.encode_examples([SENTENCE], tok, "ner", TAGS, about["max_len"])["items"]
+    assert (ids, target) == (convert([t for t, _ in whole]), [y for _, y in whole])
+    split = eval.encode_examples([SENTENCE], tok, "ner", TAGS, 6)
+    assert [item for item in split["items"]] == [(convert([t for t, _ in p]), [y for _, y in p]) for p in pieces]
+    assert split["where"] == where
+
+
+@pytest.mark.parametrize("family,cls,sep", [("bert", "[CLS]", "[SEP]"), ("roberta", "<s>", "</s>")])
+def test_each_model_has_its_own_maximum_length_and_special_tokens(models, family, cls, sep):
+    """max_len is the longest input transformers' own model takes (BERT: its 64 positions; RoBERTa: 66 less the
+    pad + 1 its position ids start from); a longer text keeps its first max_len - 2 tokens between the
+    family's own special tokens."""
+    tok, about = eval.check_model(str(models / family), None, CPU, FLOAT32)
+    assert about["max_len"] == 64 and about["family"] == family and about["code"].startswith("transformers ")
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(models / family).eval()
+    with torch.no_grad():
+        hf(input_ids=torch.full((1, 64), 5))
+        with pytest.raises((IndexError, RuntimeError)):
+            hf(input_ids=torch.full((1, 65), 5))
+    text = " ".join(texts(40)[20:40])
+    plain = tok.text(text, add_special_tokens=False)["input_ids"]
+    assert len(plain) > 64
+    (ids, _), = eval.encode_examples([{"text": text, "label": "a"}], tok, "cls", ["a"], 64)["items"]
+    assert ids == tok.text.convert_tokens_to_ids([cls]) + plain[:62] + tok.text.convert_tokens_to_ids([sep])
+
+
+def test_refused_before_training_with_what_is_missing(models, tmp_path, monkeypatch):
+    """One line each: no weights, an encoder with its weights missing, pre-split words tokenized unlike running
+    text, a --tokenizer it would not use, and transformers not installed."""
+    (tmp_path / "no_weights").mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "no_weights" / name).write_bytes((models / "bert" / name).read_bytes())
+    with pytest.raises(SystemExit, match=r"model_type='bert'; this code only reads ModernBERT .* cannot load it"):
+        eval.check_model(str(tmp_path / "no_weights"), None, CPU, FLOAT32)
+
+    torch.manual_seed(0)  # a classifier saved with its encoder under another name: the encoder would be random
+    hf = transformers.BertForSequenceClassification(transformers.BertConfig(**TINY, max_position_embeddings=64))
+    state = {k.replace("bert.encoder.", "encoder_renamed."): v for k, v in hf.state_dict().items()}
+    hf.save_pretrained(tmp_path / "renamed", state_dict=state)
+    transformers.AutoTokenizer.from_pretrained(models / "bert").save_pretrained(tmp_path / "renamed")
+    with pytest.raises(SystemExit, match=r"finds no weights for its encoder's bert\.encoder\.layer\.0\."):
+        eval.check_model(str(tmp_path / "renamed"), None, CPU, FLOAT32)
+
+    # a byte-level BPE as a generic PreTrainedTokenizerFast, which ignores add_prefix_space
+    generic = transformers.PreTrainedTokenizerFast(tokenizer_file=str(models / "roberta" / "tokenizer.json"),
+                                                   bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    for name in ("config.json", "model.safetensors"):
+        os.makedirs(tmp_path / "generic", exist_ok=True)
+        (tmp_path / "generic" / name).write_bytes((models / "roberta" / name).read_bytes())
+    generic.save_pretrained(tmp_path / "generic")
+    with pytest.raises(SystemExit, match="gives words pre-split other sub-tokens than in running text"):
+        eval.check_model(str(tmp_path / "generic"), None, CPU, FLOAT32)
+
+    with pytest.raises(SystemExit, match="a bert model is fine-tuned with its own tokenizer"):  # not ignored
+        eval.main(["--model", str(models / "bert"), "--tokenizer", str(models / "modernbert"), "--task", "cls",
+                   "--data", str(tmp_path), "--device", "cpu", "--out", str(tmp_path / "out")])
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    with pytest.raises(SystemExit, match=r"^--model \S+: config.json has model_type='bert'; .*is not installed: "
+                                         r"pip install transformers$"):
+        eval.check_model(str(models / "bert"), None, CPU, FLOAT32)
+
+
+def test_a_modernbert_run_never_imports_transformers(models):
+    code = ("import sys, torch, eval; d = sys.argv[1]; "
+            "tok, about = eval.check_model(d, None, torch.device('cpu'), torch.float32); "
+            "split = eval.encode_examples([{'tokens': ['a', 'b'], 'tags': ['O', 'O']}], tok, 'ner', ['O'], 64); "
+            "args = eval.argparse.Namespace(model=d, task='ner', pooling='mean'); eval.classifier(args, ['O']); "
+            "print(about['family'], sorted(m for m in sys.modules if m.startswith('transformers')))")
+    r = subprocess.run([sys.executable, "-c", code, str(models / "modernbert")], cwd=ROOT, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split("\n")[-2] == "modernbert []"
+
+
+# -----------------------------------------------------------------------------
+# The padded path: transformers' own forward and loss, the update of one batch
+
+
+def task_examples(task, n=12, seed=0):
+    """(examples, labels) of each task type, from the shared sentences cut to 3-25 words: classes by keywords,
+    labels by which of three words a sentence holds, NER tags to be drawn (with_tags)."""
+    rng = random.Random(seed)
+    pool = [" ".join(s.split()[:rng.randint(3, 25)]) for s in texts(400)[seed * 100:]]  # of various lengths
+    if task == "cls":
+        return [{"text": s, "label": ("protein" in s) + ("cell" in s)} for s in pool[:n]], ["0", "1", "2"]
+    if task == "multilabel":
+        keys = ["and", "of", "the"]
+        return [{"text": s, "labels": [k for k in keys if k in s.lower().split()]} for s in pool[:n]], keys
+    return [{"tokens": s.split(), "tags": None} for s in pool[:n]], TAGS
+
+
+def with_tags(examples, seed=0):
+    rng = random.Random(seed)
+    return [{"tokens": ex["tokens"], "tags": [rng.choice(TAGS) for _ in ex["tokens"]]} for ex in examples]
+
+
+def examples_of(task):
+    examples, labels = task_examples(task)
+    return (with_tags(examples) if task == "ner" else examples), labels
+
+
+def reference_batch(items, task, pad_id):
+    """The padded batch as transformers' users build it: ids and attention mask right-padded with the pad id,
+    labels as its losses take them (ints, float rows, or per-token ints padded with -100)."""
+    width = max(len(x) for x, _ in items)
+    ids = torch.tensor([x + [pad_id] * (width - len(x)) for x, _ in items])
+    mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in items])
+    if task == "ner":
+        labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in items])
+    else:
+        labels = torch.tensor([y for _, y in items], dtype=torch.float32 if task == "multilabel" else torch.long)
+    return ids, mask, labels
+
+
+def flat_logits(model, items, task):
+    flat, _ = eval.flat_batch(items, task, CPU)
+    return model(flat.tokens, cu_seqlens=flat.cu_seqlens, max_seqlen=flat.max_seqlen)
+
+
+@pytest.mark.parametrize("task", ["cls", "multilabel", "ner"])
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_padded_path_equals_transformers_own_forward_and_loss(models, family, task):
+    """eval.py's loss on the flat micro batch (summed, over the count of targets) through Padded equals the loss
+    transformers computes on its own padded batch (padded with its tokenizer's pad id), and the logits agree."""
+    tok, _ = eval.check_model(str(models / family), None, CPU, FLOAT32)
+    examples, labels = examples_of(task)
+    items = eval.encode_examples(examples, tok, task, labels, 64)["items"]
+    assert len({len(x) for x, _ in items}) > 3  # the batch is padded
+    torch.manual_seed(0)
+    model = eval.classifier(eval.argparse.Namespace(model=str(models / family), task=task, pooling="mean"), labels)
+    assert isinstance(model, baselines.Padded)
+    assert all(m.training for m in model.modules())  # dropout on for training (transformers loads in eval mode)
+    model.eval()  # dropout off: both forwards see the same network
+    ids, mask, targets = reference_batch(items, task, tok.text.pad_token_id)
+    with torch.no_grad():
+        ref = model.hf(input_ids=ids, attention_mask=mask, labels=targets)
+        ours = eval.task_loss_sum(model, items, task, CPU) / eval.count_targets(items, task, len(labels))
+        logits = flat_logits(model, items, task)
+    torch.testing.assert_close(logits, ref.logits[mask.bool()] if task == "ner" else ref.logits, rtol=0, atol=1e-5)
+    assert ours.item() == pytest.approx(ref.loss.item(), rel=1e-6)
+
+
+def test_padded_micro_batches_make_the_update_of_one_batch(models):
+    """In float64, 16 examples cut into micro batches of at most 96 padded tokens give the gradients of the
+    batch in one forward; each micro batch's padded size (rows x longest) is within the budget."""
+    tok, _ = eval.check_model(str(models / "bert"), None, CPU, FLOAT32)
+    examples, labels = task_examples("cls", n=16, seed=1)
+    items = eval.encode_examples(examples, tok, "cls", labels, 64)["items"]
+    parts = eval.micro_batches(items, 96, padded=True)
+    assert len(parts) > 4 and all(len(p) * max(len(x) for x, _ in p) <= 96 or len(p) == 1 for p in parts)
+    assert len(eval.micro_batches(items, 96)) < len(parts)  # counting unpadded tokens would pack more
+    torch.manual_seed(0)
+    base = eval.classifier(eval.argparse.Namespace(model=str(models / "bert"), task="cls", pooling="mean"), labels)
+    base = base.double().eval()  # dropout off: two passes must see one network
+
+    def grads(budget):
+        model = copy.deepcopy(base)
+        eval.accumulate(model, items, "cls", CPU, 1 / len(items), budget, torch.autocast("cpu", enabled=False),
+                        padded=True)
+        return [p.grad for p in model.parameters()]
+
+    for a, b in zip(grads(10 ** 6), grads(96)):
+        torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-15)
+
+
+# -----------------------------------------------------------------------------
+# End to end through eval.py: classification, multi-label and NER for both families
+
+
+def conll_slice(src, dst, n):
+    """The first n sentences that mention an entity."""
+    sentences = [s for s in open(src, encoding="utf-8").read().split("\n\n") if "\tB-" in s][:n]
+    dst.write_text("\n\n".join(sentences) + "\n", encoding="utf-8")
+
+
+def jsonl_slice(src, dst, n):
+    """n lines, half of each label."""
+    rows = [json.loads(line) for line in open(src, encoding="utf-8")]
+    picked = [r for label in ("0", "1") for r in [r for r in rows if r["label"] == label][:n // 2]]
+    dst.write_text("".join(json.dumps(r) + "\n" for r in picked), encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory):
+    """Slices of GAD (cls) and NCBI-disease (ner), a multi-label task from the shared sentences (which of three
+    words a sentence holds), and two separable ones (which of two word families a text uses; which words belong
+    to one)."""
+    tmp = tmp_path_factory.mktemp("tasks")
+    for name in ("gad", "ncbi_disease", "multilabel", "separable", "separable_ner"):
+        (tmp / name).mkdir()
+    for split, n in (("train", 48), ("devel", 16), ("test", 16)):
+        jsonl_slice(os.path.join(SHARED, "gad", f"{split}.jsonl"), tmp / "gad" / f"{split}.jsonl", n)
+        conll_slice(os.path.join(SHARED, "ncbi_disease", f"{split}.tsv"), tmp / "ncbi_disease" / f"{split}.tsv", n)
+    examples, _ = task_examples("multilabel", n=80, seed=2)
+    for split, part in (("train", examples[:48]), ("devel", examples[48:64]), ("test", examples[64:])):
+        (tmp / "multilabel" / f"{split}.jsonl").write_text("".join(json.dumps(ex) + "\n" for ex in part))
+    rng = random.Random(0)
+    warm, cold = ["protein", "gene", "receptor", "kinase"], ["cell", "tissue", "liver", "tumor"]
+    for split, n in (("train", 96), ("devel", 24), ("test", 24)):
+        with open(tmp / "separable" / f"{split}.jsonl", "w") as f:
+            for _ in range(n):
+                label = rng.choice(["warm", "cold"])
+                words = [rng.choice(warm if label == "warm" else cold) for _ in range(rng.randint(3, 10))]
+                f.write(json.dumps({"text": " ".join(words), "label": label}) + "\n")
+        with open(tmp / "separable_ner" / f"{split}.jsonl", "w") as f:  # one family's words are entities
+            for _ in range(n):
+                words = [rng.choice(warm + cold) for _ in range(rng.randint(3, 10))]
+                f.write(json.dumps({"tokens": words, "tags": ["B-X" if w in warm else "O" for w in words]}) + "\n")
+    return tmp
+
+
+def run_eval(*args):
+    eval.main([*args, "--device", "cpu"])
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_classification_multilabel_and_ner_run_end_to_end(models, tasks, tmp_path, family):
+    for task, data in (("cls", "gad"), ("multilabel", "multilabel"), ("ner", "ncbi_disease")):
+        out = tmp_path / task
+        run_eval("--model", str(models / family), "--task", task, "--data", str(tasks / data), "--seeds", "1",
+                 "--epochs", "2", "--lr", "1e-3", "--out", str(out))
+        res = json.loads((out / "results.json").read_text())
+        settings, run = res["settings"], res["runs"][0]
+        assert settings["model_info"]["family"] == family and settings["max_len"] == 64
+        assert settings["model_info"]["code"].startswith("transformers ")
+        f1 = [e["validation"]["macro_f1"] for e in run["epochs"]]
+        assert len(f1) == 2 and run["best_epoch"] == 1 + f1.index(max(f1))  # selected by validation macro F1
+        assert 0 <= run["test"]["macro_f1"] <= 1 and {"micro_f1", "macro_f1"} <= set(run["test"])
+
+
+@pytest.mark.parametrize("family,task,data", [("bert", "cls", "separable"), ("roberta", "ner", "separable_ner")])
+def test_the_transformers_path_learns_a_separable_task(models, tasks, tmp_path, family, task, data):
+    """The transformers path trains: 4 epochs take a tiny random model from chance to a task separable by its
+    words (a class from two word families; entities: the words of one family)."""
+    run_eval("--model", str(models / family), "--task", task, "--data", str(tasks / data), "--seeds", "3",
+             "--epochs", "4", "--lr", "3e-3", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["summary"]["macro_f1"]["mean"] > 0.9
+
+
+# -----------------------------------------------------------------------------
+# One table: a ModernBERT checkpoint beside a BERT
+
+
+def test_suite_puts_a_modernbert_and_a_bert_in_one_table(models, tasks, tmp_path):
+    np = pytest.importorskip("numpy")
+    (tmp_path / "suite.py").write_text(
+        "seeds = [1, 2]\n"
+        f"tasks = [dict(name='gad', task='cls', data={str(tasks / 'gad')!r}, epochs=1, lr=5e-3),\n"
+        f"         dict(name='ncbi', task='ner', data={str(tasks / 'ncbi_disease')!r}, epochs=1, lr=5e-3)]\n")
+    eval.main(["--suite", str(tmp_path / "suite.py"), "--models", str(models / "modernbert"), str(models / "bert"),
+               "--out", str(tmp_path / "out"), "--device", "cpu"])
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    ours, bert = names = list(res["models"])  # families0/modernbert, families0/bert
+    assert ours.endswith("/modernbert") and bert.endswith("/bert")
+    info = res["model_info"]
+    assert (info[ours]["family"], info[ours]["max_len"]) == ("modernbert", 8192)
+    assert (info[bert]["family"], info[bert]["max_len"]) == ("bert", 64)
+    assert info[ours]["code"].startswith("model.py ") and info[bert]["code"].startswith("transformers ")
+    for task in ("gad", "ncbi"):  # each model at its own maximum length; the delta paired over seeds
+        row = res["tasks"][task]["models"]
+        assert row[ours]["ran_with"]["max_len"] == 8192 and row[bert]["ran_with"]["max_len"] == 64
+        a, b = row[ours]["macro_f1"]["per_seed"], row[bert]["macro_f1"]["per_seed"]
+        assert len(a) == len(b) == 2
+        assert row[bert]["delta_macro_f1"]["mean"] == pytest.approx(np.mean(np.subtract(b, a)), abs=1e-12)
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert f"{bert} = {models / 'bert'} (bert, up to 64 tokens; transformers BertForSequenceClassification" in md
+    assert f"{ours} = {models / 'modernbert'} (modernbert, up to 8192 tokens; model.py " in md
+    rows = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| task")]
+    assert [r.split("|")[1].split()[0] for r in rows] == ["gad", "ncbi", "**average**"]
+    assert all(r.count("|") == 7 and re.search(r"\| [+-]\d+\.\d\d \[[+-]\d+\.\d\d, [+-]\d+\.\d\d\]( \*)? \|$", r)
+               for r in rows)  # task, two models x (macro F1, upstream), the BERT's paired delta and interval
+    assert names == list(res["average"])
+
+
+def test_suite_checks_every_model_of_either_family_before_training(models, tasks, tmp_path):
+    (tmp_path / "no_weights").mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "no_weights" / name).write_bytes((models / "bert" / name).read_bytes())
+    (tmp_path / "suite.py").write_text(f"seeds = [1]\ntasks = [dict(name='gad', task='cls', "
+                                       f"data={str(tasks / 'gad')!r}, max_len=128)]\n")
+    with pytest.raises(SystemExit) as e:
+        eval.main(["--suite", str(tmp_path / "suite.py"), "--models", str(models / "modernbert"),
+                   str(tmp_path / "no_weights"), str(models / "roberta"), "--out", str(tmp_path / "out"),
+                   "--device", "cpu"])
+    message = str(e.value)
+    assert "nothing was trained" in message and "no_weights: config.json has model_type='bert'" in message
+    assert "max_len=128 is beyond the model's 64 positions" in message  # the RoBERTa's own maximum
+    assert not (tmp_path / "out").exists()
+
+
+# -----------------------------------------------------------------------------
+# Parity: our ModernBERT path and transformers' ModernBERT classes on one checkpoint
+
+
+@pytest.mark.parametrize("task", ["cls", "multilabel", "ner"])
+def test_our_modernbert_path_equals_transformers_modernbert(models, tmp_path, task):
+    """For one batch, in float32 on CPU with dropout off: the logits, the loss and its gradients of model.py's
+    classifier as eval.py builds and runs it (unpadded, summed loss over the count of targets) equal those of
+    transformers' ModernBertFor*Classification loaded from the same directory, on transformers' padded batch
+    with its own loss; and eval.py's transformers path (Padded) run on that directory gives the same loss. So a
+    ModernBERT row and a baseline row of one table differ by their models, not by the code that ran them."""
+    tok, _ = eval.check_model(str(models / "modernbert"), None, CPU, FLOAT32)
+    examples, labels = examples_of(task)
+    items = eval.encode_examples(examples, tok, task, labels, 64)["items"]
+    torch.manual_seed(0)
+    ours = eval.classifier(eval.argparse.Namespace(model=str(models / "modernbert"), task=task, pooling="mean"),
+                           labels)
+    with torch.no_grad():  # away from the init, so that both load one trained-looking model, head included
+        for p in ours.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    ours.save_pretrained(tmp_path / "ckpt")
+    auto = transformers.AutoModelForTokenClassification if task == "ner" else \
+        transformers.AutoModelForSequenceClassification
+    hf = auto.from_pretrained(tmp_path / "ckpt").eval()
+    assert type(hf).__name__ == type(ours).__name__  # transformers' class of the same name
+    ours = eval.classifier(eval.argparse.Namespace(model=str(tmp_path / "ckpt"), task=task, pooling="mean"),
+                           labels).eval()
+    padded = baselines.classifier(str(tmp_path / "ckpt"), task, ours.config.id2label, ours.config.problem_type).eval()
+
+    n = eval.count_targets(items, task, len(labels))
+    ids, mask, targets = reference_batch(items, task, ours.config.pad_token_id)
+    ref = hf(input_ids=ids, attention_mask=mask, labels=targets)
+    ref.loss.backward()
+    loss = eval.task_loss_sum(ours, items, task, CPU) / n
+    loss.backward()
+    with torch.no_grad():
+        logits = flat_logits(ours, items, task)
+        padded_loss = eval.task_loss_sum(padded, items, task, CPU) / n
+    ref_logits = ref.logits[mask.bool()] if task == "ner" else ref.logits
+    hf_grads = dict(hf.named_parameters())
+    grad_gap = max(((p.grad - hf_grads[k].grad).abs().max() / hf_grads[k].grad.abs().max()).item()
+                   for k, p in ours.named_parameters())
+    print(f"parity {task}: max |logits - transformers'| {(logits - ref_logits).abs().max().item():.2e}, "
+          f"|loss - transformers'| {abs(loss.item() - ref.loss.item()):.2e} (loss {ref.loss.item():.6f}), "
+          f"|Padded loss - transformers'| {abs(padded_loss.item() - ref.loss.item()):.2e}, "
+          f"largest gradient gap {grad_gap:.2e} of the tensor's largest gradient")
+    torch.testing.assert_close(logits, ref_logits.detach(), rtol=0, atol=1e-5)
+    assert loss.item() == pytest.approx(ref.loss.item(), rel=1e-5)
+    assert padded_loss.item() == pytest.approx(ref.loss.item(), rel=1e-5)
+    assert grad_gap < 1e-4
