@@ -9,6 +9,7 @@ run it by hand, before and after changing tests or the code they cover.
                                                             # as if that test did not exist (node-id prefixes)
     python tests/mutate.py --baseline                       # each selection on the unmutated copy: must pass
     python tests/mutate.py --all-at-once --tests tests      # the chosen mutants planted together, one run
+    python tests/mutate.py --only train. --tests "tests/test_train.py -k phase"   # another selection
     python tests/mutate.py --list
 
 A mutant is (name, file, the exact old text, the new text, the tests that cover it, what a user would get).
@@ -211,7 +212,8 @@ def main(argv=None):
                    help="tests to leave out, as pytest node ids or their prefixes (a file, a file::test)")
     p.add_argument("--baseline", action="store_true", help="run each distinct selection on the unmutated copy")
     p.add_argument("--all-at-once", action="store_true", help="plant the chosen mutants together and run --tests")
-    p.add_argument("--tests", default="tests", help="with --all-at-once: the pytest arguments (default: tests)")
+    p.add_argument("--tests", help="pytest arguments that replace each mutant's selection (with --all-at-once: the "
+                                   "one run's; default there: tests)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per pytest run")
     p.add_argument("--list", action="store_true")
     args = p.parse_args(argv)
@@ -241,9 +243,10 @@ def main(argv=None):
                         originals[m.file] = f.read()
                 if plant(repo, m) is None:
                     print(f"{m.name}: old text not found once in {m.file} (n/a)")
-            cmd = pytest_args(args.tests, args.without, stop_first=False)
+            tests = args.tests or "tests"
+            cmd = pytest_args(tests, args.without, stop_first=False)
             outcome, first, seconds = run_tests(repo, cmd, args.timeout * len(chosen))
-            print(f"{len(chosen)} mutants planted together, `{args.tests}`: {outcome}"
+            print(f"{len(chosen)} mutants planted together, `{tests}`: {outcome}"
                   f"{' (first: ' + first + ')' if first else ''} in {seconds:.0f}s")
             return
 
@@ -255,7 +258,8 @@ def main(argv=None):
                 result, first, seconds = "n/a", "old text not found once", 0.0
             else:
                 try:
-                    outcome, first, seconds = run_tests(repo, pytest_args(m.tests, args.without), args.timeout)
+                    cmd = pytest_args(args.tests or m.tests, args.without)
+                    outcome, first, seconds = run_tests(repo, cmd, args.timeout)
                 finally:
                     restore(repo, m, original)
                 result = {"failed": "caught", "passed": "survived"}.get(outcome, outcome)
