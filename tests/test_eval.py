@@ -393,6 +393,32 @@ def test_test_split_is_scored_with_the_selected_epochs_weights(flipped_run, tiny
         assert sk.accuracy_score(y_true, y_pred) == pytest.approx(reported["accuracy"], abs=1e-12), split
 
 
+def test_fine_tuning_optimizer_is_the_trainers(flipped_run):
+    """transformers' Trainer with the paper's lr and weight decay: AdamW betas (0.9, 0.999), eps 1e-8, weight
+    decay 0.01 on the matrices and none on biases and norm weights, and at every step the lr of
+    get_linear_schedule_with_warmup over 3 x 10 steps with ceil(0.25 x 30) = 8 warmup steps
+    (TrainingArguments.get_warmup_steps)."""
+    from transformers import get_linear_schedule_with_warmup
+
+    steps = flipped_run["steps"]
+    reference = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=2e-5)
+    schedule = get_linear_schedule_with_warmup(reference, num_warmup_steps=math.ceil(30 * 0.25),
+                                               num_training_steps=30)
+    expected = []
+    for _ in range(30):
+        expected.append(reference.param_groups[0]["lr"])
+        reference.step()
+        schedule.step()
+    assert len(steps) == 30
+    for k, (groups, lr) in enumerate(zip(steps, expected)):
+        assert all(g[0] == pytest.approx(lr, rel=1e-12, abs=1e-15) for g in groups), f"step {k}: {groups[0][0]}, not {lr}"
+    for lr, weight_decay, betas, eps, ndims in steps[0]:
+        assert betas == (0.9, 0.999) and eps == 1e-8
+        assert weight_decay == (0.01 if min(ndims) >= 2 else 0.0) and (max(ndims) < 2 or min(ndims) >= 2)
+    assert sum(len(g[4]) for g in steps[0]) == len(list(ModernBertForSequenceClassification.from_pretrained(
+        flipped_run["out"] / "model-seed7").parameters()))  # every parameter is trained
+
+
 def test_multilabel_predicts_at_probability_one_half(tiny_model, tmp_path):
     """A multi-label task (which of three word families a text uses) after one epoch: the reported test scores
     are scikit-learn's on the saved model's predictions re-made here, a label wherever its sigmoid is at least
