@@ -79,6 +79,9 @@ MUTANTS = [
            "loss = loss.item() / self.c.log_interval", f"{TRAIN} tests/test_card.py",
            "a record logged off the log interval (with an evaluation) divides its loss sum by log_interval, not by "
            "the steps in it"),
+    Mutant("logger.mfu_last_step_only", "support/logger.py", "self.flops = self.steps + 1, self.flops + flops",
+           "self.flops = self.steps + 1, flops", f"{TRAIN} tests/test_card.py",
+           "MFU counts the FLOPs of a record's last step only, over the time of all its steps"),
     Mutant("checkpoint.resume_replays_data", "support/checkpoint.py", 'loader.load_state_dict(saved["loader"])',
            "loader.load_state_dict(loader.state_dict())", f"{TRAIN} -k resume",
            "a resumed run starts the data stream over"),
@@ -156,6 +159,7 @@ ADDED = [
     "tests/test_train.py::test_evaluations_measure_mlm_at_15_percent_and_clm",
     "tests/test_train.py::test_each_step_runs_at_its_phase_lr",
     "tests/test_train.py::test_logged_loss_is_the_mean_of_the_steps_since_the_last_record",
+    "tests/test_train.py::test_logged_mfu_is_the_flops_of_the_steps_since_the_last_record",
     "tests/test_data.py::test_two_epochs_are_two_permutations_of_every_window",
     "tests/test_model.py::test_presets_are_the_released_configs",
     "tests/test_model.py::test_init_follows_modernbert_at_22_layers",

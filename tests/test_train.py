@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from data import Loader, clm_batch, load_meta, mlm_batch, prepare, read_documents
 from model import ModernBertConfig, ModernBertForMaskedLM
+from model import training_flops  # FLOP accounting: one line if it moves
 from support.tokenizer import train_bpe
 from support.distributed import Process
 from support.freeze import Freeze
@@ -494,7 +495,7 @@ def three_phase_run(data_dir, base_ckpt, tmp_path_factory):
               dict(name="mlm", objective="mlm", tokens=4 * step_tokens, mask_prob=0.4, warmup_tokens=3 * step_tokens),
               dict(name="decay", objective="mlm", tokens=4 * step_tokens, mask_prob=0.15, decay=True,
                    final_lr_frac=0.1)]
-    calls, lrs = [], []
+    calls, lrs, config = [], [], []
     forward = ModernBertForMaskedLM.forward
     signature = inspect.signature(forward)
 
@@ -503,6 +504,7 @@ def three_phase_run(data_dir, base_ckpt, tmp_path_factory):
         a = signature.bind(self, *args, **kwargs)
         a.apply_defaults()
         a = a.arguments
+        config.append(self.config)
         calls.append(dict(train=torch.is_grad_enabled(), causal=bool(a["causal"]),
                           tokens=a["input_ids"].detach().clone(), cu_seqlens=a["cu_seqlens"].clone(),
                           rows=a["rows"].clone(), targets=a["targets"].clone(), loss_sum=result.item(),
@@ -519,7 +521,7 @@ def three_phase_run(data_dir, base_ckpt, tmp_path_factory):
             train.main([f"--data_dir={data_dir}", f"--out_dir={out}", f"--init_from={base_ckpt}", "--seq_len=64",
                         "--global_batch_size=8", "--micro_batch_size=4", f"--phases={phases!r}", "--lr=3e-3",
                         "--log_interval=3", "--eval_interval=100", "--eval_windows=16", "--ckpt_interval=100",
-                        "--device=cpu", "--compile=False"])
+                        "--device=cpu", "--compile=False", "--peak_tflops=0.001"])
     finally:
         torch.set_num_threads(threads)
         hook.remove()
@@ -527,7 +529,7 @@ def three_phase_run(data_dir, base_ckpt, tmp_path_factory):
             signals.signal(s, handler)
     with open(os.path.join(data_dir, "meta.json")) as f:
         meta = json.load(f)
-    return dict(calls=calls, lrs=lrs, records=metrics(out), special={meta[k] for k in ("cls_id", "sep_id", "pad_id",
+    return dict(calls=calls, lrs=lrs, config=config[0], records=metrics(out), special={meta[k] for k in ("cls_id", "sep_id", "pad_id",
                                                                                    "mask_id", "eos_id")},
                 mask_id=meta["mask_id"])
 
@@ -629,3 +631,19 @@ def test_logged_loss_is_the_mean_of_the_steps_since_the_last_record(three_phase_
         assert m["loss"] == pytest.approx(want, rel=1e-5), f"record at step {m['step']}"
         previous = m["step"]
     assert all(("val_mlm_loss" in m) == (m["step"] in (4, 8, 12)) for m in records)
+
+
+def test_logged_mfu_is_the_flops_of_the_steps_since_the_last_record(three_phase_run):
+    """With a peak set (--peak_tflops 0.001: 1e9 FLOP/s on CPU), each record's MFU is the model FLOPs of the
+    batches trained on since the record before it (counted from the recorded batches: their sequence lengths,
+    mask and target rows) over the training time and the peak; the time is what tokens_per_s says it was."""
+    run = three_phase_run
+    training = [c for c in run["calls"] if c["train"]]
+    flops = [training_flops(run["config"], c["cu_seqlens"].diff().tolist(), c["causal"], len(c["targets"]))
+             for c in training]
+    step_flops = [flops[2 * s] + flops[2 * s + 1] for s in range(12)]
+    previous = 0
+    for m in run["records"]:
+        seconds = (m["step"] - previous) * 8 * 64 / m["tokens_per_s"]
+        assert m["mfu"] == pytest.approx(sum(step_flops[previous:m["step"]]) / seconds / 1e9, rel=1e-9), m["step"]
+        previous = m["step"]
