@@ -135,6 +135,9 @@ MUTANTS = [
     Mutant("eval.multilabel_threshold", "eval.py", "out = (logits > 0).int().tolist()",
            "out = (logits > 0.5).int().tolist()", EVAL_TESTS,
            "multi-label predicts a label at logit > 0.5 (probability 0.62), not probability 0.5"),
+    Mutant("eval.ner_skips_o_words", "eval.py", "firsts = [k for k, t in enumerate(y) if t != -100]",
+           "firsts = [k for k, t in enumerate(y) if t > 0]", EVAL_TESTS,
+           "NER scoring takes the first sub-tokens of non-O words only, so words get their neighbours' predictions"),
     Mutant("eval.weighted_f1_unweighted", "eval.py", "(f1s * support).sum() /", "f1s.sum() /", EVAL_TESTS,
            "weighted F1 is not weighted by support"),
     Mutant("eval.select_last_tie", "eval.py", "val[args.select] > best", "val[args.select] >= best", EVAL_TESTS,
@@ -168,6 +171,7 @@ ADDED = [
     "tests/test_eval.py::test_test_split_is_scored_with_the_selected_epochs_weights",
     "tests/test_eval.py::test_fine_tuning_optimizer_is_the_trainers",
     "tests/test_eval.py::test_multilabel_predicts_at_probability_one_half",
+    "tests/test_eval.py::test_ner_scores_are_seqeval_on_the_saved_models_first_sub_tokens",
     "tests/test_cka.py::test_regions_are_the_papers_at_22_layers_and_thirds_otherwise",
     "tests/test_cka.py::test_ratios_and_regions_are_computed_from_the_per_seed_divergences",
 ]

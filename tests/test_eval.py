@@ -445,3 +445,48 @@ def test_multilabel_predicts_at_probability_one_half(tiny_model, tmp_path):
     for avg in ("macro", "micro"):
         assert sk.f1_score(y_true, y_pred, average=avg, zero_division=0) == pytest.approx(reported[f"{avg}_f1"],
                                                                                           abs=1e-12), avg
+
+
+def test_ner_scores_are_seqeval_on_the_saved_models_first_sub_tokens(tiny_model, tmp_path):
+    """NER after two epochs: the reported test entity F1s are seqeval's on the saved model's predictions
+    re-made here, each word tagged by its first sub-token (HF tokenizers, a word after the first with its
+    leading space), on sentences whose words split into several sub-tokens and whose O words are many."""
+    seqeval = pytest.importorskip("seqeval.metrics")
+    from tokenizers import Tokenizer
+
+    rng = random.Random(2)
+    entities = {"COL": [["red"], ["dark", "red"], ["blue"], ["light", "cyan", "blue"]], "GRK": [["alpha"], ["beta"]]}
+    filler = ["the", "a", "grey", "pinkish", "was", "seen", "near", "xqz"]  # "pinkish", "xqz": several sub-tokens
+    os.makedirs(tmp_path / "task")
+    for split, n in (("train", 160), ("validation", 24), ("test", 40)):
+        with open(tmp_path / "task" / f"{split}.jsonl", "w") as f:
+            for _ in range(n):
+                tokens, tags = [], []
+                for _ in range(rng.randint(2, 5)):
+                    tokens += rng.sample(filler, rng.randint(1, 3))
+                    tags += ["O"] * (len(tokens) - len(tags))
+                    if rng.random() < 0.6:
+                        kind = rng.choice(sorted(entities))
+                        words = rng.choice(entities[kind])
+                        tokens += words
+                        tags += [f"B-{kind}"] + [f"I-{kind}"] * (len(words) - 1)
+                f.write(json.dumps({"tokens": tokens, "tags": tags}) + "\n")
+    eval_in_process(["--model", tiny_model, "--task", "ner", "--data", str(tmp_path / "task"), "--seeds", "5",
+                     "--epochs", "2", "--lr", "3e-3", "--save_model", "--out", str(tmp_path / "out"), "--device", "cpu"])
+    reported = json.loads((tmp_path / "out" / "results.json").read_text())["runs"][0]["test"]
+    tok = Tokenizer.from_file(os.path.join(tiny_model, "tokenizer.json"))
+    model = ModernBertForTokenClassification.from_pretrained(tmp_path / "out" / "model-seed5").eval()
+    examples = [json.loads(line) for line in (tmp_path / "task" / "test.jsonl").read_text().splitlines()]
+    predicted = []
+    with torch.no_grad(), one_thread():
+        for ex in examples:
+            ids, firsts = [tok.token_to_id("[CLS]")], []
+            for i, word in enumerate(ex["tokens"]):
+                firsts.append(len(ids))
+                ids += tok.encode(word if i == 0 else " " + word, add_special_tokens=False).ids
+            tags = model(torch.tensor([ids + [tok.token_to_id("[SEP]")]]))[0].argmax(-1)
+            predicted.append([model.config.id2label[str(int(tags[k]))] for k in firsts])
+    gold = [ex["tags"] for ex in examples]
+    assert any(t != "O" for seq in predicted for t in seq) and any(len(tok.encode(" " + w).ids) > 1 for w in filler)
+    assert seqeval.f1_score(gold, predicted, average="micro") == pytest.approx(reported["micro_f1"], abs=1e-12)
+    assert seqeval.f1_score(gold, predicted, average="macro") == pytest.approx(reported["macro_f1"], abs=1e-12)
