@@ -582,7 +582,8 @@ def test_every_step_trains_on_the_batch_its_phase_calls_for(three_phase_run):
 
 def test_evaluations_measure_mlm_at_15_percent_and_clm(three_phase_run):
     """At the end of each phase (steps 4, 8, 12), an evaluation under no_grad: eval_windows (16) windows as MLM
-    at 15% masking (bidirectional) and the same 16 as CLM (causal, every next token)."""
+    at 15% masking (bidirectional) and the same 16 as CLM (causal, every next token); each logged validation
+    loss is the sum of its batches' cross-entropy sums over their target count."""
     run = three_phase_run
     evals = [c for c in run["calls"] if not c["train"]]
     assert sorted({c["steps_before"] for c in evals}) == [4, 8, 12]
@@ -591,6 +592,10 @@ def test_evaluations_measure_mlm_at_15_percent_and_clm(three_phase_run):
         these = [c for c in evals if c["steps_before"] == after]
         mlm, clm = [c for c in these if not c["causal"]], [c for c in these if c["causal"]]
         assert sum(len(c["cu_seqlens"]) - 1 for c in mlm) == sum(len(c["cu_seqlens"]) - 1 for c in clm) == 16
+        record = next(m for m in run["records"] if m["step"] == after)
+        for key, calls in (("val_mlm_loss", mlm), ("val_clm_loss", clm)):
+            want = sum(c["loss_sum"] for c in calls) / sum(len(c["targets"]) for c in calls)
+            assert record[key] == pytest.approx(want, rel=1e-5), (after, key)
         for c in clm:
             check_clm_batch(c, run["mask_id"])
         for c in mlm:
@@ -625,6 +630,7 @@ def test_logged_loss_is_the_mean_of_the_steps_since_the_last_record(three_phase_
     assert [(m["step"], m["phase"], m["objective"]) for m in records] == [
         (3, "clm", "clm"), (4, "clm", "clm"), (6, "mlm", "mlm"), (8, "mlm", "mlm"), (9, "decay", "mlm"),
         (12, "decay", "mlm")]
+    assert all(m["tokens"] == m["step"] * 8 * 64 for m in records)
     previous = 0
     for m in records:
         want = sum(step_loss[previous:m["step"]]) / (m["step"] - previous)
