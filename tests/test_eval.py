@@ -411,7 +411,7 @@ def test_fine_tuning_optimizer_is_the_trainers(flipped_run):
         schedule.step()
     assert len(steps) == 30
     for k, (groups, lr) in enumerate(zip(steps, expected)):
-        assert all(g[0] == pytest.approx(lr, rel=1e-12, abs=1e-15) for g in groups), f"step {k}: {groups[0][0]}, not {lr}"
+        assert all(g[0] == pytest.approx(lr, rel=1e-12, abs=1e-15) for g in groups), f"step {k}: {groups}, not {lr}"
     for lr, weight_decay, betas, eps, ndims in steps[0]:
         assert betas == (0.9, 0.999) and eps == 1e-8
         assert weight_decay == (0.01 if min(ndims) >= 2 else 0.0) and (max(ndims) < 2 or min(ndims) >= 2)
@@ -435,7 +435,8 @@ def test_multilabel_predicts_at_probability_one_half(tiny_model, tmp_path):
                 f.write(json.dumps({"text": " ".join(rng.sample(words, len(words))) or "white",
                                     "labels": present}) + "\n")
     eval_in_process(["--model", tiny_model, "--task", "multilabel", "--data", str(tmp_path / "task"), "--seeds", "3",
-                     "--epochs", "1", "--lr", "3e-3", "--save_model", "--out", str(tmp_path / "out"), "--device", "cpu"])
+                     "--epochs", "1", "--lr", "3e-3", "--save_model", "--out", str(tmp_path / "out"),
+                     "--device", "cpu"])
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     labels, reported = results["settings"]["labels"], results["runs"][0]["test"]
     examples = [json.loads(line) for line in (tmp_path / "task" / "test.jsonl").read_text().splitlines()]
@@ -472,7 +473,8 @@ def test_ner_scores_are_seqeval_on_the_saved_models_first_sub_tokens(tiny_model,
                         tags += [f"B-{kind}"] + [f"I-{kind}"] * (len(words) - 1)
                 f.write(json.dumps({"tokens": tokens, "tags": tags}) + "\n")
     eval_in_process(["--model", tiny_model, "--task", "ner", "--data", str(tmp_path / "task"), "--seeds", "5",
-                     "--epochs", "2", "--lr", "3e-3", "--save_model", "--out", str(tmp_path / "out"), "--device", "cpu"])
+                     "--epochs", "2", "--lr", "3e-3", "--save_model", "--out", str(tmp_path / "out"),
+                     "--device", "cpu"])
     reported = json.loads((tmp_path / "out" / "results.json").read_text())["runs"][0]["test"]
     tok = Tokenizer.from_file(os.path.join(tiny_model, "tokenizer.json"))
     model = ModernBertForTokenClassification.from_pretrained(tmp_path / "out" / "model-seed5").eval()

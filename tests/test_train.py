@@ -529,9 +529,8 @@ def three_phase_run(data_dir, base_ckpt, tmp_path_factory):
             signals.signal(s, handler)
     with open(os.path.join(data_dir, "meta.json")) as f:
         meta = json.load(f)
-    return dict(calls=calls, lrs=lrs, config=config[0], records=metrics(out), special={meta[k] for k in ("cls_id", "sep_id", "pad_id",
-                                                                                   "mask_id", "eos_id")},
-                mask_id=meta["mask_id"])
+    special = {meta[k] for k in ("cls_id", "sep_id", "pad_id", "mask_id", "eos_id")}
+    return dict(calls=calls, lrs=lrs, config=config[0], records=metrics(out), special=special, mask_id=meta["mask_id"])
 
 
 def check_clm_batch(call, mask_id):
