@@ -31,6 +31,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -204,14 +205,23 @@ def run_tests(repo, cmd, timeout):
         return "no tests", "", 0.0
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}  # a stale .pyc of a mutant must never be imported
     started = time.time()
+    # Its own process group: on a timeout or an interrupt, pytest and the runs it started (train.py, torchrun)
+    # all stop, not only pytest.
+    proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
     try:
-        r = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, env=env, timeout=timeout)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         return "timeout", "", time.time() - started
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     seconds = time.time() - started
-    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", r.stdout, re.M)
-    outcome = {0: "passed", 1: "failed", 5: "no tests"}.get(r.returncode, "error")
-    summary = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr.strip()[-200:]
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", stdout, re.M)
+    outcome = {0: "passed", 1: "failed", 5: "no tests"}.get(proc.returncode, "error")
+    summary = stdout.strip().splitlines()[-1] if stdout.strip() else stderr.strip()[-200:]
     return outcome, failed[0] if failed else ("" if outcome != "error" else summary), seconds
 
 
@@ -246,6 +256,8 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=900, help="seconds per pytest run")
     p.add_argument("--list", action="store_true")
     args = p.parse_args(argv)
+    # SIGTERM as Ctrl-C: the running tests are stopped and the temporary copy removed.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     if args.before:
         args.without += ADDED
 
@@ -307,4 +319,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the tests were stopped, the copy removed
+        sys.exit("interrupted")
