@@ -87,7 +87,7 @@ MUTANTS = [
            "loader.load_state_dict(loader.state_dict())", f"{TRAIN} -k resume",
            "a resumed run starts the data stream over"),
     Mutant("freeze.zero_grad_is_exact", "support/freeze.py", "p.grad = torch.zeros_like(p)", "p.grad = None",
-           f"{TRAIN} -k freeze", "freeze_mode zero_grad behaves as exact: not the paper's freeze"),
+           f"{TRAIN} -k 'freeze or frozen'", "freeze_mode zero_grad behaves as exact: not the paper's freeze"),
     # --- data.py
     Mutant("data.epochs_repeat", "data.py", "np.random.default_rng([self.data_seed, epoch])",
            "np.random.default_rng([self.data_seed, 0])", "tests/test_data.py",
