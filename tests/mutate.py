@@ -195,14 +195,15 @@ def pytest_args(tests, without, stop_first=True):
     if not any(a.startswith("tests") for a in args):  # all left out: pytest would run its testpaths, everything
         return None
     deselect = [x for w in without for x in ("--deselect", w)]
-    return [sys.executable, "-m", "pytest", *(["-x"] if stop_first else []), "-q", "-p", "no:cacheprovider",
-            *args, *deselect]
+    # -o addopts=: pytest.ini's -q with ours would be -qq, which drops the line of counts
+    return [sys.executable, "-m", "pytest", *(["-x"] if stop_first else []), "-q", "-o", "addopts=", "-p",
+            "no:cacheprovider", *args, *deselect]
 
 
 def run_tests(repo, cmd, timeout):
-    """-> (outcome, first failing test, seconds) of a pytest run in the copy."""
+    """-> (outcome, first failing test, seconds, pytest's last line) of a pytest run in the copy."""
     if cmd is None:
-        return "no tests", "", 0.0
+        return "no tests", "", 0.0, ""
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}  # a stale .pyc of a mutant must never be imported
     started = time.time()
     # Its own process group: on a timeout or an interrupt, pytest and the runs it started (train.py, torchrun)
@@ -214,15 +215,16 @@ def run_tests(repo, cmd, timeout):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        return "timeout", "", time.time() - started
+        return "timeout", "", time.time() - started, ""
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
     seconds = time.time() - started
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", stdout, re.M)
     outcome = {0: "passed", 1: "failed", 5: "no tests"}.get(proc.returncode, "error")
-    summary = stdout.strip().splitlines()[-1] if stdout.strip() else stderr.strip()[-200:]
-    return outcome, failed[0] if failed else ("" if outcome != "error" else summary), seconds
+    counts = re.findall(r"^=*\s*(\d+ (?:passed|failed|errors?|skipped|deselected).*?)\s*=*$", stdout, re.M)
+    summary = counts[-1] if counts else (stdout.strip().splitlines() or [stderr.strip()[-200:]])[-1]
+    return outcome, failed[0] if failed else ("" if outcome != "error" else summary), seconds, summary
 
 
 def plant(repo, m):
@@ -276,8 +278,8 @@ def main(argv=None):
         print(f"copy of {ROOT} in {repo}; left out: {left_out or 'nothing'}", flush=True)
         if args.baseline:
             print("| selection | unmutated | first failing test | s |\n|---|---|---|---|")
-            for tests in dict.fromkeys(m.tests for m in chosen):
-                outcome, first, seconds = run_tests(repo, pytest_args(tests, args.without), args.timeout)
+            for tests in dict.fromkeys(args.tests or m.tests for m in chosen):
+                outcome, first, seconds, _ = run_tests(repo, pytest_args(tests, args.without), args.timeout)
                 print(f"| `{tests}` | {outcome} | {first} | {seconds:.0f} |", flush=True)
             return
         if args.all_at_once:
@@ -290,9 +292,9 @@ def main(argv=None):
                     print(f"{m.name}: old text not found once in {m.file} (n/a)")
             tests = args.tests or "tests"
             cmd = pytest_args(tests, args.without, stop_first=False)
-            outcome, first, seconds = run_tests(repo, cmd, args.timeout * len(chosen))
-            print(f"{len(chosen)} mutants planted together, `{tests}`: {outcome}"
-                  f"{' (first: ' + first + ')' if first else ''} in {seconds:.0f}s")
+            outcome, first, seconds, summary = run_tests(repo, cmd, args.timeout * len(chosen))
+            print(f"{len(chosen)} mutants planted together, `{tests}`: {outcome} ({summary}) in {seconds:.0f}s"
+                  + (f"; first failing test {first}" if first else ""))
             return
 
         rows, started = [], time.time()
@@ -304,7 +306,7 @@ def main(argv=None):
             else:
                 try:
                     cmd = pytest_args(args.tests or m.tests, args.without)
-                    outcome, first, seconds = run_tests(repo, cmd, args.timeout)
+                    outcome, first, seconds, _ = run_tests(repo, cmd, args.timeout)
                 finally:
                     restore(repo, m, original)
                 result = {"failed": "caught", "passed": "survived"}.get(outcome, outcome)
