@@ -420,7 +420,7 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
     train = splits["train"]["items"]
     steps_per_epoch = math.ceil(len(train) / args.batch_size)
     total = steps_per_epoch * args.epochs
-    warmup = int(args.warmup_ratio * total)
+    warmup = math.ceil(total * args.warmup_ratio)  # the Trainer's count (TrainingArguments.get_warmup_steps)
     # AdamW with the Hugging Face Trainer's betas and eps, and its "linear" schedule: a linear warmup (none by
     # default), then a linear decay to 0
     opt = torch.optim.AdamW(core.param_groups(args.weight_decay), lr=args.lr, betas=(0.9, 0.999), eps=1e-8)

@@ -175,3 +175,51 @@ def test_bad_inputs_are_clear(setup, tmp_path):
     shutil.copyfile(tmp / "tokenizer.json", deeper / "tokenizer.json")
     r = run_cka(tmp, tmp_path / "x", "--pair", paths["a"], str(deeper), check=False)
     assert r.returncode != 0 and "layer count mismatch" in r.stderr
+
+
+# -----------------------------------------------------------------------------
+# Against an outside expectation: the paper's regions, and the table's numbers from the per-seed CKAs
+
+
+def test_regions_are_the_papers_at_22_layers_and_thirds_otherwise():
+    from cka import regions
+
+    assert regions(22) == [(0, 8), (8, 15), (15, 22)]  # PAPER.md: layers 0-7, 8-14, 15-21 (French Base)
+    assert regions(28) == [(0, 10), (10, 19), (19, 28)]  # Large: thirds, the larger first
+    assert regions(6) == [(0, 2), (2, 4), (4, 6)]
+
+
+def test_ratios_and_regions_are_computed_from_the_per_seed_divergences(setup, tmp_path):
+    """results.json's summaries, recomputed here from its per-seed, per-layer CKAs: divergence = 1 - CKA; a
+    layer's ratio is the mean over seeds of pair divergence / control divergence; a region's divergence is
+    the mean over seeds of its layers' mean divergence (sample std over seeds), and its ratio that of the
+    pair's region mean to the control's. Two processes against one cannot see a ratio turned upside down."""
+    import cka
+
+    tmp, paths = setup
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cka.main(["--pair", paths["a"], paths[0.05], "--control", paths["a"], paths[0.002], "--texts",
+                  str(tmp / "texts.txt"), "--n", "60", "--seeds", "1,2,3", "--out", str(tmp_path), "--device", "cpu"])
+    finally:
+        torch.set_num_threads(threads)
+    res = json.loads((tmp_path / "results.json").read_text())
+    seeds = ("1", "2", "3")
+    div = {name: np.array([[1 - row["cka"] for row in res["per_seed"][name][s]] for s in seeds])
+           for name in ("pair", "control")}  # (seeds, layers)
+    for name in div:
+        assert np.allclose(div[name], [[row["divergence"] for row in res["per_seed"][name][s]] for s in seeds])
+    assert (div["pair"] > div["control"]).all()  # 0.05 noise against 0.002: a ratio above 1 everywhere
+    for layer in range(6):
+        entry = res["layers"][str(layer)]
+        assert entry["ratio"]["mean"] == pytest.approx(np.mean(div["pair"][:, layer] / div["control"][:, layer]))
+        assert entry["pair_divergence"]["mean"] == pytest.approx(div["pair"][:, layer].mean())
+        assert entry["pair_divergence"]["std"] == pytest.approx(div["pair"][:, layer].std(ddof=1))
+    assert [r["layers"] for r in res["regions"]] == ["0-1", "2-3", "4-5"]
+    for region, (lo, hi) in zip(res["regions"], [(0, 2), (2, 4), (4, 6)]):
+        means = {name: div[name][:, lo:hi].mean(axis=1) for name in div}  # per seed
+        for name in div:
+            assert region[f"{name}_divergence"]["mean"] == pytest.approx(means[name].mean())
+            assert region[f"{name}_divergence"]["std"] == pytest.approx(means[name].std(ddof=1))
+        assert region["ratio"]["mean"] == pytest.approx(means["pair"].mean() / means["control"].mean())

@@ -184,3 +184,24 @@ def test_prepare_errors(tmp_path):
         r = run_prepare("--input", name, "--tokenizer", "tok.json", "--out", "o", "--workers", "1", cwd=tmp_path)
         assert r.returncode != 0 and message in r.stderr, (name, r.stderr[-500:])
         assert not os.path.exists(tmp_path / "o" / "train.bin")  # no half files
+
+
+# -----------------------------------------------------------------------------
+# 4. Against an outside expectation: what the stream of windows is, not only that it resumes as itself
+
+
+def test_two_epochs_are_two_permutations_of_every_window(shards):
+    """10,000 tokens make 333 whole windows of 30 (the last 10 tokens are no window). The stream is epoch 0's
+    order, then epoch 1's: each a permutation of the 333 windows, the two in different orders, whatever the
+    world size, with the epoch boundary inside a step (333 is no multiple of 4 or of 2 x 2)."""
+    for world in (1, 2):
+        loaders = [Loader(shards, "train", 30, 4 // world, data_seed=42, rank=r, world_size=world)
+                   for r in range(world)]
+        assert loaders[0].n_windows == 333
+        stream = []
+        while len(stream) < 2 * 333:
+            for ld in loaders:  # a step: the ranks' micro batches, in rank order
+                stream += [int(row[0]) // 30 for row in ld.next()]
+        first, second = stream[:333], stream[333:666]
+        assert sorted(first) == sorted(second) == list(range(333)), "an epoch misses or repeats a window"
+        assert first != second, "the second epoch repeats the first one's order"

@@ -1,7 +1,9 @@
 """eval.py: metrics against seqeval and scikit-learn, heads against transformers, learning, determinism."""
 
+import contextlib
 import copy
 import json
+import math
 import os
 import random
 import shutil
@@ -300,3 +302,193 @@ def test_torchrun_with_several_micro_batches_per_rank_equals_one_process(tiny_mo
     assert moved > 1e-3  # the comparison below means something: training moved the weights
     for k in one:
         torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-5)
+
+
+# -----------------------------------------------------------------------------
+# 7. Against an outside expectation: the saved model re-scored by hand (HF tokenizers, a plain forward,
+# scikit-learn), and the optimizer as transformers' Trainer sets it up. One in-process eval.py run per task.
+
+
+@contextlib.contextmanager
+def one_thread():
+    """As the subprocess runs (OMP_NUM_THREADS=1): tiny matmuls on 2 shared threads crawl."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def eval_in_process(argv):
+    """eval.main(argv); -> what every optimizer step saw: [(lr, weight_decay, betas, eps, the parameters'
+    ndim) per param group]."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    import eval as eval_py
+
+    steps = []
+    hook = register_optimizer_step_pre_hook(lambda opt, args, kwargs: steps.append(
+        [(g["lr"], g["weight_decay"], tuple(g["betas"]), g["eps"], [p.ndim for p in g["params"]])
+         for g in opt.param_groups]))
+    try:
+        with one_thread():
+            eval_py.main(argv)
+    finally:
+        hook.remove()
+    return steps
+
+
+@pytest.fixture(scope="module")
+def flipped_run(tiny_model, tmp_path_factory):
+    """The separable task with every validation label flipped: the better the model learns the training split,
+    the worse it scores on validation, so the best epoch is an early one and not the last (at lr 2e-5 the
+    learning is slow enough for the three epochs to score 0.35, 0.17, 0.15). 3 epochs of 10 steps (160 examples,
+    batch 16), a warmup ratio of 0.25 (7.5 steps), the best model saved."""
+    tmp = tmp_path_factory.mktemp("flipped")
+    separable_task(tmp / "task")
+    path = tmp / "task" / "validation.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps({**r, "label": {"warm": "cold", "cold": "warm"}[r["label"]]}) + "\n"
+                            for r in rows))
+    steps = eval_in_process(["--model", tiny_model, "--task", "cls", "--data", str(tmp / "task"), "--seeds", "7",
+                             "--epochs", "3", "--lr", "2e-5", "--warmup_ratio", "0.25", "--save_model",
+                             "--out", str(tmp / "out"), "--device", "cpu"])
+    return dict(steps=steps, task=tmp / "task", out=tmp / "out",
+                results=json.loads((tmp / "out" / "results.json").read_text()))
+
+
+def rescore(model_dir, tokenizer_dir, examples, labels, multilabel=False):
+    """Predictions of a saved classifier, one example at a time, encoded with Hugging Face tokenizers:
+    [CLS] text [SEP]; argmax (cls), or every label whose sigmoid is at least 0.5 (multilabel). -> (the
+    predictions, the logits)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
+    model = ModernBertForSequenceClassification.from_pretrained(model_dir).eval()
+    assert [model.config.id2label[str(i)] for i in range(len(labels))] == labels
+    logits = []
+    with torch.no_grad(), one_thread():
+        for ex in examples:
+            ids = [tok.token_to_id("[CLS]"), *tok.encode(ex["text"], add_special_tokens=False).ids,
+                   tok.token_to_id("[SEP]")]
+            logits.append(model(torch.tensor([ids]))[0])
+    logits = torch.stack(logits)
+    return ((logits.sigmoid() >= 0.5).int().numpy() if multilabel else logits.argmax(-1).numpy()), logits
+
+
+def test_test_split_is_scored_with_the_selected_epochs_weights(flipped_run, tiny_model):
+    """The saved model of a run whose best epoch is not its last scores, re-scored here, what the run reported:
+    on validation the selected epoch's numbers (not the last epoch's, which differ), on test the reported test
+    numbers. Weights kept by reference instead of copied would be the last epoch's."""
+    sk = pytest.importorskip("sklearn.metrics")
+    run, labels = flipped_run["results"]["runs"][0], flipped_run["results"]["settings"]["labels"]
+    best, last = run["epochs"][run["best_epoch"] - 1]["validation"], run["epochs"][-1]["validation"]
+    assert run["best_epoch"] < len(run["epochs"]) and best["macro_f1"] != last["macro_f1"]  # the case under test
+    for split, reported in (("validation", best), ("test", run["test"])):
+        examples = [json.loads(line) for line in (flipped_run["task"] / f"{split}.jsonl").read_text().splitlines()]
+        y_pred, _ = rescore(flipped_run["out"] / "model-seed7", tiny_model, examples, labels)
+        y_true = [labels.index(ex["label"]) for ex in examples]
+        assert sk.f1_score(y_true, y_pred, average="macro") == pytest.approx(reported["macro_f1"], abs=1e-12), split
+        assert sk.accuracy_score(y_true, y_pred) == pytest.approx(reported["accuracy"], abs=1e-12), split
+
+
+def test_fine_tuning_optimizer_is_the_trainers(flipped_run):
+    """transformers' Trainer with the paper's lr and weight decay: AdamW betas (0.9, 0.999), eps 1e-8, weight
+    decay 0.01 on the matrices and none on biases and norm weights, and at every step the lr of
+    get_linear_schedule_with_warmup over 3 x 10 steps with ceil(0.25 x 30) = 8 warmup steps
+    (TrainingArguments.get_warmup_steps)."""
+    from transformers import get_linear_schedule_with_warmup
+
+    steps = flipped_run["steps"]
+    reference = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=2e-5)
+    schedule = get_linear_schedule_with_warmup(reference, num_warmup_steps=math.ceil(30 * 0.25),
+                                               num_training_steps=30)
+    expected = []
+    for _ in range(30):
+        expected.append(reference.param_groups[0]["lr"])
+        reference.step()
+        schedule.step()
+    assert len(steps) == 30
+    for k, (groups, lr) in enumerate(zip(steps, expected)):
+        assert all(g[0] == pytest.approx(lr, rel=1e-12, abs=1e-15) for g in groups), f"step {k}: {groups}, not {lr}"
+    for lr, weight_decay, betas, eps, ndims in steps[0]:
+        assert betas == (0.9, 0.999) and eps == 1e-8
+        assert weight_decay == (0.01 if min(ndims) >= 2 else 0.0) and (max(ndims) < 2 or min(ndims) >= 2)
+    assert sum(len(g[4]) for g in steps[0]) == len(list(ModernBertForSequenceClassification.from_pretrained(
+        flipped_run["out"] / "model-seed7").parameters()))  # every parameter is trained
+
+
+def test_multilabel_predicts_at_probability_one_half(tiny_model, tmp_path):
+    """A multi-label task (which of three word families a text uses) after one epoch: the reported test scores
+    are scikit-learn's on the saved model's predictions re-made here, a label wherever its sigmoid is at least
+    0.5 (logit 0), with logits on both sides of 0 and some between 0 and 0.5, where a wrong threshold shows."""
+    sk = pytest.importorskip("sklearn.metrics")
+    rng = random.Random(1)
+    families = {"warm": ["red", "yellow", "pink"], "cold": ["blue", "cyan", "grey"], "dark": ["black", "magenta"]}
+    os.makedirs(tmp_path / "task")
+    for split, n in (("train", 160), ("validation", 32), ("test", 48)):
+        with open(tmp_path / "task" / f"{split}.jsonl", "w") as f:
+            for _ in range(n):
+                present = [name for name in families if rng.random() < 0.5]
+                words = [rng.choice(families[name]) for name in present for _ in range(rng.randint(1, 4))]
+                f.write(json.dumps({"text": " ".join(rng.sample(words, len(words))) or "white",
+                                    "labels": present}) + "\n")
+    eval_in_process(["--model", tiny_model, "--task", "multilabel", "--data", str(tmp_path / "task"), "--seeds", "3",
+                     "--epochs", "1", "--lr", "3e-3", "--save_model", "--out", str(tmp_path / "out"),
+                     "--device", "cpu"])
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    labels, reported = results["settings"]["labels"], results["runs"][0]["test"]
+    examples = [json.loads(line) for line in (tmp_path / "task" / "test.jsonl").read_text().splitlines()]
+    y_pred, logits = rescore(tmp_path / "out" / "model-seed3", tiny_model, examples, labels, multilabel=True)
+    assert (logits < 0).any() and ((logits > 0) & (logits < 0.5)).any()
+    y_true = np.array([[int(label in ex["labels"]) for label in labels] for ex in examples])
+    for avg in ("macro", "micro"):
+        assert sk.f1_score(y_true, y_pred, average=avg, zero_division=0) == pytest.approx(reported[f"{avg}_f1"],
+                                                                                          abs=1e-12), avg
+
+
+def test_ner_scores_are_seqeval_on_the_saved_models_first_sub_tokens(tiny_model, tmp_path):
+    """NER after two epochs: the reported test entity F1s are seqeval's on the saved model's predictions
+    re-made here, each word tagged by its first sub-token (HF tokenizers, a word after the first with its
+    leading space), on sentences whose words split into several sub-tokens and whose O words are many."""
+    seqeval = pytest.importorskip("seqeval.metrics")
+    from tokenizers import Tokenizer
+
+    rng = random.Random(2)
+    entities = {"COL": [["red"], ["dark", "red"], ["blue"], ["light", "cyan", "blue"]], "GRK": [["alpha"], ["beta"]]}
+    filler = ["the", "a", "grey", "pinkish", "was", "seen", "near", "xqz"]  # "pinkish", "xqz": several sub-tokens
+    os.makedirs(tmp_path / "task")
+    for split, n in (("train", 160), ("validation", 24), ("test", 40)):
+        with open(tmp_path / "task" / f"{split}.jsonl", "w") as f:
+            for _ in range(n):
+                tokens, tags = [], []
+                for _ in range(rng.randint(2, 5)):
+                    tokens += rng.sample(filler, rng.randint(1, 3))
+                    tags += ["O"] * (len(tokens) - len(tags))
+                    if rng.random() < 0.6:
+                        kind = rng.choice(sorted(entities))
+                        words = rng.choice(entities[kind])
+                        tokens += words
+                        tags += [f"B-{kind}"] + [f"I-{kind}"] * (len(words) - 1)
+                f.write(json.dumps({"tokens": tokens, "tags": tags}) + "\n")
+    eval_in_process(["--model", tiny_model, "--task", "ner", "--data", str(tmp_path / "task"), "--seeds", "5",
+                     "--epochs", "2", "--lr", "3e-3", "--save_model", "--out", str(tmp_path / "out"),
+                     "--device", "cpu"])
+    reported = json.loads((tmp_path / "out" / "results.json").read_text())["runs"][0]["test"]
+    tok = Tokenizer.from_file(os.path.join(tiny_model, "tokenizer.json"))
+    model = ModernBertForTokenClassification.from_pretrained(tmp_path / "out" / "model-seed5").eval()
+    examples = [json.loads(line) for line in (tmp_path / "task" / "test.jsonl").read_text().splitlines()]
+    predicted = []
+    with torch.no_grad(), one_thread():
+        for ex in examples:
+            ids, firsts = [tok.token_to_id("[CLS]")], []
+            for i, word in enumerate(ex["tokens"]):
+                firsts.append(len(ids))
+                ids += tok.encode(word if i == 0 else " " + word, add_special_tokens=False).ids
+            tags = model(torch.tensor([ids + [tok.token_to_id("[SEP]")]]))[0].argmax(-1)
+            predicted.append([model.config.id2label[str(int(tags[k]))] for k in firsts])
+    gold = [ex["tags"] for ex in examples]
+    assert any(t != "O" for seq in predicted for t in seq) and any(len(tok.encode(" " + w).ids) > 1 for w in filler)
+    assert seqeval.f1_score(gold, predicted, average="micro") == pytest.approx(reported["micro_f1"], abs=1e-12)
+    assert seqeval.f1_score(gold, predicted, average="macro") == pytest.approx(reported["macro_f1"], abs=1e-12)

@@ -316,3 +316,80 @@ def test_bad_checkpoints_get_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="unknown attention backend"):
         ModernBertForMaskedLM(small_config("long_seqs", attn_backend="xformers"))(torch.ones(1, 3, dtype=torch.long))
 
+
+
+# -----------------------------------------------------------------------------
+# 7. Against an outside expectation: what only a full-size model or a foreign checkpoint exercises
+
+
+def test_presets_are_the_released_configs():
+    """Base and Large as answerdotai/ModernBERT-base and -large's config.json give them (PAPER.md, section 3):
+    Base 22 x 768, 12 heads, GeGLU branch 1152; Large 28 x 1024, 16 heads, branch 2624; both heads of 64, a
+    global layer every 3, local window 128, RoPE theta 160,000 (global) and 10,000 (local), vocab 50,368. The
+    parameter count cannot tell the number of heads: only these numbers can."""
+    shared = dict(vocab_size=50368, head_dim=64, global_attn_every_n_layers=3, local_attention=128,
+                  global_rope_theta=160000.0, local_rope_theta=10000.0, max_position_embeddings=8192, norm_eps=1e-5)
+    for preset, sizes in [(ModernBertConfig.base(), dict(num_hidden_layers=22, hidden_size=768, num_attention_heads=12,
+                                                         intermediate_size=1152)),
+                          (ModernBertConfig.large(), dict(num_hidden_layers=28, hidden_size=1024,
+                                                          num_attention_heads=16, intermediate_size=2624))]:
+        assert {k: getattr(preset, k) for k in {**shared, **sizes}} == {**shared, **sizes}
+    hf = transformers.ModernBertConfig()  # transformers' defaults are ModernBERT-base's
+    base = ModernBertConfig.base()
+    for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "local_attention", "max_position_embeddings", "norm_eps"):
+        assert getattr(base, k) == getattr(hf, k), k
+    assert [base.is_global(i) for i in range(22)] == [t == "full_attention" for t in hf.layer_types]
+
+
+def test_init_follows_modernbert_at_22_layers():
+    """ModernBERT's init (PAPER.md, section 3, as transformers' _init_weights writes it), at the paper's 22 layers
+    where the output projections' std 0.02 / sqrt(2 x 22) differs most from the inputs' 0.02: a normal truncated
+    at 2 std, whose std is 0.8796 of the untruncated one; norms at 1, decoder bias at 0; a classifier at
+    hidden_size ** -0.5 with a zero bias."""
+    import dataclasses
+
+    from model import ModernBertForSequenceClassification
+
+    L, H = 22, 64
+    config = ModernBertConfig(vocab_size=512, hidden_size=H, intermediate_size=96, num_hidden_layers=L,
+                              num_attention_heads=4, **SPECIAL)
+    shrink = math.sqrt(1 - 4 * math.exp(-2) / math.sqrt(2 * math.pi) / math.erf(math.sqrt(2)))  # 0.8796
+    out = 0.02 / math.sqrt(2 * L)
+    torch.manual_seed(0)
+    model = ModernBertForMaskedLM(config)
+    groups = {"tok_embeddings.weight": 0.02, "attn.Wqkv.weight": 0.02, "mlp.Wi.weight": 0.02,
+              "attn.Wo.weight": out, "mlp.Wo.weight": out, "head.dense.weight": out}
+    params = dict(model.named_parameters())
+    for suffix, std in groups.items():
+        w = torch.cat([p.detach().flatten() for n, p in params.items() if n.endswith(suffix)]).double()
+        assert w.abs().max() <= 2 * std * (1 + 1e-6), f"{suffix}: not truncated at 2 std"
+        assert w.std().item() == pytest.approx(shrink * std, rel=0.03), suffix
+    assert all(torch.equal(p, torch.ones_like(p)) for n, p in params.items() if "norm" in n)
+    assert not params["decoder.bias"].any()
+    clf = dict(ModernBertForSequenceClassification(dataclasses.replace(config, id2label={"0": "a", "1": "b"}))
+               .named_parameters())
+    assert clf["classifier.weight"].std().item() == pytest.approx(shrink * H ** -0.5, rel=0.2)  # 128 values
+    assert clf["classifier.weight"].abs().max() <= 2 * H ** -0.5 and not clf["classifier.bias"].any()
+
+
+def test_bare_encoder_checkpoint_from_transformers_loads_into_classifiers(tmp_path):
+    """transformers' ModernBertModel saves its keys without the "model." prefix: a classifier loads it, each
+    encoder weight (under "model.", the Hugging Face layout) equal to the file's."""
+    from safetensors.torch import load_file
+
+    from model import ModernBertForSequenceClassification, ModernBertForTokenClassification
+
+    c = CONFIGS["seven_layers"]
+    hf_cfg = transformers.ModernBertConfig(
+        **{k: v for k, v in c.items() if k != "global_attn_every_n_layers"}, **SPECIAL,
+        layer_types=["full_attention" if i % 2 == 0 else "sliding_attention" for i in range(7)])
+    encoder = randomize_(transformers.ModernBertModel(hf_cfg)).eval()
+    encoder.save_pretrained(tmp_path)
+    file = load_file(tmp_path / "model.safetensors")
+    assert file and not any(k.startswith("model.") for k in file)  # bare: the branch under test
+    for cls in (ModernBertForSequenceClassification, ModernBertForTokenClassification):
+        ours = cls.from_pretrained(tmp_path, id2label={"0": "a", "1": "b", "2": "c"})
+        encoder_weights = {k[len("model."):]: v for k, v in ours.state_dict().items() if k.startswith("model.")}
+        assert set(encoder_weights) == set(file), cls.__name__
+        assert all(torch.equal(encoder_weights[k], file[k]) for k in file), cls.__name__

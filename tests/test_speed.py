@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import model as model_py
 from model import ModernBertForMaskedLM, apply_rope, rope_cos_sin
-from support.flops import attention_pairs, peak_flops, training_flops
+from support.flops import PEAK_FLOPS, attention_pairs, peak_flops, training_flops
 from test_model import padded_batch, randomize_, small_config
 
 
@@ -251,3 +251,13 @@ def test_peak_flops_by_exact_gpu_model(monkeypatch):
         assert peak_flops(cuda, peak_tflops=123.0) == 123e12  # the override wins, silently
         assert peak_flops(torch.device("cpu")) is None
         assert peak_flops(torch.device("cpu"), peak_tflops=2.0) == 2e12
+
+
+def test_every_gpu_in_the_peak_table_gets_its_own_peak(monkeypatch):
+    """The lookup takes the first key found in the GPU's name: a family listed before its variant ("H100" before
+    "H100 PCIe") would shadow it. Each entry, as torch names such a GPU ("NVIDIA " + the key), gets its own
+    figure, whatever is added to the table later."""
+    assert len({key for key, _ in PEAK_FLOPS}) == len(PEAK_FLOPS)
+    for key, flops in PEAK_FLOPS:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, key=key: f"NVIDIA {key}")
+        assert peak_flops(torch.device("cuda")) == flops, key

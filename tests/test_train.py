@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from data import Loader, clm_batch, load_meta, mlm_batch, prepare, read_documents
 from model import ModernBertConfig, ModernBertForMaskedLM
+from support.flops import training_flops
 from support.tokenizer import train_bpe
 from support.distributed import Process
 from support.freeze import Freeze
@@ -471,3 +472,185 @@ def test_every_config_parses_and_ablations_stack():
                   for files in (["en_base.py"], ["en_base.py", "tokens_50b.py"]))
     assert (ten.tokens, fifty.tokens) == (10 ** 10, 5 * 10 ** 10)  # the English 10B and 50B runs share no folder
     assert ten.out_dir != fifty.out_dir and ten.data_dir != fifty.data_dir
+
+
+# -----------------------------------------------------------------------------
+# 8. Against an outside expectation: what each step of a real run trains on, at what lr, and what it logs.
+# One in-process run of train.main through the real prefetch thread, three phases of 4 steps (CLM, MLM 40%
+# with its own warmup, an MLM 15% decay), 2 micro batches of 4 x 64 tokens per step; the model's forward is
+# wrapped to record what it receives and returns. Training calls run with gradients, evaluations under no_grad.
+
+STEPS_OF_PHASE = [("clm", None)] * 4 + [("mlm", 0.4)] * 4 + [("mlm", 0.15)] * 4  # (objective, mask_prob) by step
+
+
+@pytest.fixture(scope="module")
+def three_phase_run(data_dir, base_ckpt, tmp_path_factory):
+    import inspect
+    import signal as signals
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    import train
+
+    out = tmp_path_factory.mktemp("three_phases")
+    step_tokens = 8 * 64
+    phases = [dict(name="clm", objective="clm", tokens=4 * step_tokens, warmup_tokens=2 * step_tokens),
+              dict(name="mlm", objective="mlm", tokens=4 * step_tokens, mask_prob=0.4, warmup_tokens=3 * step_tokens),
+              dict(name="decay", objective="mlm", tokens=4 * step_tokens, mask_prob=0.15, decay=True,
+                   final_lr_frac=0.1)]
+    calls, lrs, config = [], [], []
+    forward = ModernBertForMaskedLM.forward
+    signature = inspect.signature(forward)
+
+    def recording_forward(self, *args, **kwargs):
+        result = forward(self, *args, **kwargs)
+        a = signature.bind(self, *args, **kwargs)
+        a.apply_defaults()
+        a = a.arguments
+        config.append(self.config)
+        calls.append(dict(train=torch.is_grad_enabled(), causal=bool(a["causal"]),
+                          tokens=a["input_ids"].detach().clone(), cu_seqlens=a["cu_seqlens"].clone(),
+                          rows=a["rows"].clone(), targets=a["targets"].clone(), loss_sum=result.item(),
+                          steps_before=sum(c["train"] for c in calls) // 2))
+        return result
+
+    handlers = {s: signals.getsignal(s) for s in (signals.SIGTERM, signals.SIGINT)}  # train.main sets its own
+    hook = register_optimizer_step_pre_hook(lambda opt, args, kwargs: lrs.append([g["lr"] for g in opt.param_groups]))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the subprocess runs (OMP_NUM_THREADS=1): tiny matmuls on 2 threads crawl
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(ModernBertForMaskedLM, "forward", recording_forward)
+            train.main([f"--data_dir={data_dir}", f"--out_dir={out}", f"--init_from={base_ckpt}", "--seq_len=64",
+                        "--global_batch_size=8", "--micro_batch_size=4", f"--phases={phases!r}", "--lr=3e-3",
+                        "--log_interval=3", "--eval_interval=100", "--eval_windows=16", "--ckpt_interval=100",
+                        "--device=cpu", "--compile=False", "--peak_tflops=0.001"])
+    finally:
+        torch.set_num_threads(threads)
+        hook.remove()
+        for s, handler in handlers.items():
+            signals.signal(s, handler)
+    with open(os.path.join(data_dir, "meta.json")) as f:
+        meta = json.load(f)
+    special = {meta[k] for k in ("cls_id", "sep_id", "pad_id", "mask_id", "eos_id")}
+    return dict(calls=calls, lrs=lrs, config=config[0], records=metrics(out), special=special, mask_id=meta["mask_id"])
+
+
+def check_clm_batch(call, mask_id):
+    """Causal, and a target for every position but the last of each sequence: its next token."""
+    tokens, cu = call["tokens"], call["cu_seqlens"].long()
+    last = set((cu[1:] - 1).tolist())
+    assert call["causal"], "a CLM batch under the bidirectional mask"
+    assert call["rows"].tolist() == [i for i in range(len(tokens)) if i not in last], "not every next token"
+    assert torch.equal(call["targets"], tokens[call["rows"] + 1]) and not (tokens == mask_id).any()
+
+
+def mlm_counts(call, special, mask_id):
+    """(chosen rows, maskable tokens, chosen rows whose input is [MASK]) of a bidirectional MLM batch."""
+    assert not call["causal"], "an MLM batch under the causal mask"
+    original = call["tokens"].clone()
+    original[call["rows"]] = call["targets"]  # the input elsewhere is the text itself
+    is_special = torch.isin(original, torch.tensor(sorted(special)))
+    assert not is_special[call["rows"]].any(), "a special token was masked"
+    assert not (call["tokens"][~torch.isin(torch.arange(len(original)), call["rows"])] == mask_id).any()
+    return len(call["rows"]), int((~is_special).sum()), int((call["tokens"][call["rows"]] == mask_id).sum())
+
+
+def within(k, n, p, sds=4.5):
+    return abs(k - n * p) <= sds * math.sqrt(n * p * (1 - p))
+
+
+def test_every_step_trains_on_the_batch_its_phase_calls_for(three_phase_run):
+    """At each of the 12 steps, across both phase boundaries, the two micro batches the model trains on are
+    the phase's, read from the batches themselves: CLM (causal, every next token) for steps 0-3, MLM with
+    40% of the maskable tokens chosen for steps 4-7 and 15% for steps 8-11 (bidirectional, specials never
+    chosen, about 80% of the chosen inputs [MASK]); 4 windows of 64 tokens each."""
+    run = three_phase_run
+    training = [c for c in run["calls"] if c["train"]]
+    assert len(training) == 2 * len(STEPS_OF_PHASE)
+    chosen_masked = [0, 0]
+    for step, (objective, mask_prob) in enumerate(STEPS_OF_PHASE):
+        micro = training[2 * step:2 * step + 2]
+        assert all(c["cu_seqlens"].tolist() == [0, 64, 128, 192, 256] for c in micro)
+        if objective == "clm":
+            for c in micro:
+                check_clm_batch(c, run["mask_id"])
+            continue
+        k, n, masked = (sum(x) for x in zip(*(mlm_counts(c, run["special"], run["mask_id"]) for c in micro)))
+        assert within(k, n, mask_prob), f"step {step}: {k} of {n} maskable tokens chosen, not about {mask_prob:.0%}"
+        chosen_masked = [chosen_masked[0] + k, chosen_masked[1] + masked]
+    assert within(chosen_masked[1], chosen_masked[0], 0.8), "not 80% of the chosen inputs are [MASK]"
+
+
+def test_evaluations_measure_mlm_at_15_percent_and_clm(three_phase_run):
+    """At the end of each phase (steps 4, 8, 12), an evaluation under no_grad: eval_windows (16) windows as MLM
+    at 15% masking (bidirectional) and the same 16 as CLM (causal, every next token); each logged validation
+    loss is the sum of its batches' cross-entropy sums over their target count."""
+    run = three_phase_run
+    evals = [c for c in run["calls"] if not c["train"]]
+    assert sorted({c["steps_before"] for c in evals}) == [4, 8, 12]
+    k = n = 0
+    for after in (4, 8, 12):
+        these = [c for c in evals if c["steps_before"] == after]
+        mlm, clm = [c for c in these if not c["causal"]], [c for c in these if c["causal"]]
+        assert sum(len(c["cu_seqlens"]) - 1 for c in mlm) == sum(len(c["cu_seqlens"]) - 1 for c in clm) == 16
+        record = next(m for m in run["records"] if m["step"] == after)
+        for key, calls in (("val_mlm_loss", mlm), ("val_clm_loss", clm)):
+            want = sum(c["loss_sum"] for c in calls) / sum(len(c["targets"]) for c in calls)
+            assert record[key] == pytest.approx(want, rel=1e-5), (after, key)
+        for c in clm:
+            check_clm_batch(c, run["mask_id"])
+        for c in mlm:
+            chosen, maskable, _ = mlm_counts(c, run["special"], run["mask_id"])
+            k, n = k + chosen, n + maskable
+    assert within(k, n, 0.15), f"validation MLM: {k} of {n} maskable tokens chosen, not about 15%"
+
+
+def test_each_step_runs_at_its_phase_lr(three_phase_run):
+    """The lr every parameter group has when the optimizer steps, against the phases' formulas written out: a
+    2-step warmup to 3e-3 in the CLM phase, the MLM phase's own 3-step warmup from its first step, then the
+    decay's 1-sqrt from 3e-3 to 3e-4 over its 4 steps."""
+    lr = 3e-3
+    expected = ([lr / 2, lr, lr, lr] + [lr / 3, 2 * lr / 3, lr, lr]
+                + [lr * (0.1 + 0.9 * (1 - math.sqrt(t / 4))) for t in range(4)])
+    got = three_phase_run["lrs"]
+    assert len(got) == len(expected)
+    for step, (groups, want) in enumerate(zip(got, expected)):
+        assert all(g == pytest.approx(want, rel=1e-12) for g in groups), f"step {step}: lr {groups}, not {want}"
+
+
+def test_logged_loss_is_the_mean_of_the_steps_since_the_last_record(three_phase_run):
+    """log_interval 3, with an evaluation and a record at each phase end: records at steps 3, 4, 6, 8, 9, 12.
+    Each step's loss is the sum of its micro batches' cross-entropy sums (what the model returned) over its
+    target count; each record's loss is the mean of the step losses since the record before it, named by the
+    phase of its last step."""
+    run = three_phase_run
+    training = [c for c in run["calls"] if c["train"]]
+    step_loss = [sum(c["loss_sum"] for c in training[2 * s:2 * s + 2])
+                 / sum(len(c["targets"]) for c in training[2 * s:2 * s + 2]) for s in range(12)]
+    records = run["records"]
+    assert [(m["step"], m["phase"], m["objective"]) for m in records] == [
+        (3, "clm", "clm"), (4, "clm", "clm"), (6, "mlm", "mlm"), (8, "mlm", "mlm"), (9, "decay", "mlm"),
+        (12, "decay", "mlm")]
+    assert all(m["tokens"] == m["step"] * 8 * 64 for m in records)
+    previous = 0
+    for m in records:
+        want = sum(step_loss[previous:m["step"]]) / (m["step"] - previous)
+        assert m["loss"] == pytest.approx(want, rel=1e-5), f"record at step {m['step']}"
+        previous = m["step"]
+    assert all(("val_mlm_loss" in m) == (m["step"] in (4, 8, 12)) for m in records)
+
+
+def test_logged_mfu_is_the_flops_of_the_steps_since_the_last_record(three_phase_run):
+    """With a peak set (--peak_tflops 0.001: 1e9 FLOP/s on CPU), each record's MFU is the model FLOPs of the
+    batches trained on since the record before it (counted from the recorded batches: their sequence lengths,
+    mask and target rows) over the training time and the peak; the time is what tokens_per_s says it was."""
+    run = three_phase_run
+    training = [c for c in run["calls"] if c["train"]]
+    flops = [training_flops(run["config"], c["cu_seqlens"].diff().tolist(), c["causal"], len(c["targets"]))
+             for c in training]
+    step_flops = [flops[2 * s] + flops[2 * s + 1] for s in range(12)]
+    previous = 0
+    for m in run["records"]:
+        seconds = (m["step"] - previous) * 8 * 64 / m["tokens_per_s"]
+        assert m["mfu"] == pytest.approx(sum(step_flops[previous:m["step"]]) / seconds / 1e9, rel=1e-9), m["step"]
+        previous = m["step"]
