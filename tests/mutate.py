@@ -56,7 +56,8 @@ EVAL_TESTS = "tests/test_eval.py"
 
 MUTANTS = [
     # --- train.py, and what it logs
-    Mutant("train.prefetch_next_phase", "train.py", "phase = schedule.at(step)", "phase = schedule.at(step + 1)",
+    Mutant("train.prefetch_next_phase", "train.py", "step_batches(step, schedule.at(step),",
+           "step_batches(step, schedule.at(step + 1),",
            f"{TRAIN} tests/test_compile.py::test_prefetch_keeps_the_stream_and_raises_at_the_step",
            "the prefetch thread builds a step's batches with the next step's phase: the last CLM step trains on an "
            "MLM batch under the causal mask"),
@@ -70,8 +71,8 @@ MUTANTS = [
     Mutant("train.weight_decay_coupled", "train.py", "model.param_groups(c.weight_decay / c.lr)",
            "model.param_groups(c.weight_decay)", TRAIN,
            "torch's coupled decay lr_t * wd instead of the decoupled wd * lr_t / lr (1/lr times too weak)"),
-    Mutant("train.decay_masks_like_main", "train.py", "c.decay_frac * c.tokens, c.decay_mask_prob, decay=True",
-           "c.decay_frac * c.tokens, c.mask_prob, decay=True", f"{TRAIN} tests/test_card.py",
+    Mutant("train.decay_masks_like_main", "train.py", "mask_prob=c.decay_mask_prob, decay=True",
+           "mask_prob=c.mask_prob, decay=True", f"{TRAIN} tests/test_card.py",
            "the decay masks at the main phase's mask_prob (30%) instead of decay_mask_prob (15%)"),
     Mutant("train.val_mlm_at_30", "train.py", 'Phase("val_mlm", "mlm", 0, mask_prob=0.15)',
            'Phase("val_mlm", "mlm", 0, mask_prob=0.3)', f"{TRAIN} tests/test_card.py",
@@ -101,8 +102,8 @@ MUTANTS = [
            "rank r starts r windows in, not r micro batches: ranks train on overlapping windows"),
     Mutant("data.clm_first_not_last", "data.py", "last[cu[1:].long() - 1] = True", "last[cu[:-1].long()] = True",
            "tests/test_data.py", "CLM drops the first position of each sequence instead of the last"),
-    # --- model.py
-    Mutant("model.bare_encoder_prefix", "model.py", 'state = {"model." + k: v', 'state = {"model" + k: v',
+    # --- model.py, and behind it support/hf.py, support/flops.py
+    Mutant("hf.bare_encoder_prefix", "support/hf.py", 'state = {"model." + k: v', 'state = {"model" + k: v',
            "tests/test_model.py tests/test_eval.py -k 'transformers or mlm_checkpoint'",
            "a checkpoint of transformers' bare ModernBertModel (keys without 'model.') no longer loads"),
     Mutant("model.large_heads", "model.py", "num_attention_heads=16), **kw}", "num_attention_heads=8), **kw}",
@@ -116,10 +117,10 @@ MUTANTS = [
     Mutant("model.last_layer_global", "model.py", "return layer % self.global_attn_every_n_layers == 0",
            "return (layer + 1) % self.global_attn_every_n_layers == 0", "tests/test_model.py",
            "global attention on layers 2, 5, 8, ... instead of 0, 3, 6, ..."),
-    Mutant("model.peak_h100_first", "model.py", '("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12)',
+    Mutant("flops.peak_h100_first", "support/flops.py", '("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12)',
            '("H100", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12)',
            "tests/test_speed.py tests/test_flops.py", "an H100 PCIe or NVL reports MFU against the SXM peak"),
-    Mutant("model.flops_head_all_tokens", "model.py", "6 * (H * H + H * V) * n_rows", "6 * (H * H + H * V) * "
+    Mutant("flops.head_all_tokens", "support/flops.py", "6 * (H * H + H * V) * n_rows", "6 * (H * H + H * V) * "
            "sum(seqlens)", "tests/test_speed.py tests/test_flops.py",
            "MFU counts the LM head on every token, not only the predicted rows"),
     # --- eval.py
