@@ -13,7 +13,8 @@ run it by hand, before and after changing tests or the code they cover.
     python tests/mutate.py --only train. --tests "tests/test_train.py -k phase"   # another selection
     python tests/mutate.py --list
 
-A mutant is (name, file, the exact old text, the new text, the tests that cover it, what a user would get).
+A mutant (tests/mutants.txt) is: a name, a file, the exact old text, the new text, the tests that cover it, and
+what a user would get.
 The old text must occur exactly once in the file; where it does not (a refactor moved or reworded the code)
 the mutant is "n/a", not a survivor: update its old text. The working tree is never touched: the repository
 (with tests/.kernels, without .git) is copied to a temporary directory once, each mutant is written there,
@@ -51,109 +52,27 @@ class Mutant:
     what: str  # the slip, and what a user would get from it
 
 
-TRAIN = "tests/test_train.py"
-EVAL_TESTS = "tests/test_eval.py"
+MUTANTS_FILE = os.path.join(ROOT, "tests", "mutants.txt")
 
-MUTANTS = [
-    # --- train.py, and what it logs
-    Mutant("train.prefetch_next_phase", "train.py", "step_batches(step, schedule.at(step),",
-           "step_batches(step, schedule.at(step + 1),",
-           f"{TRAIN} tests/test_compile.py::test_prefetch_keeps_the_stream_and_raises_at_the_step",
-           "the prefetch thread builds a step's batches with the next step's phase: the last CLM step trains on an "
-           "MLM batch under the causal mask"),
-    Mutant("train.warmup_off_by_one", "train.py", "min(1.0, (t + 1) / self.warmup_steps[i])",
-           "min(1.0, t / self.warmup_steps[i])", TRAIN, "the warmup starts at lr 0 and reaches the peak a step late"),
-    Mutant("train.warmup_from_run_start", "train.py", "min(1.0, (t + 1) / self.warmup_steps[i])",
-           "min(1.0, (step + 1) / self.warmup_steps[i])", TRAIN,
-           "a later phase's warmup counts from the run's first step, not the phase's: it is skipped"),
-    Mutant("train.decay_linear", "train.py", "(1 - math.sqrt(t / self.steps[i]))", "(1 - t / self.steps[i])", TRAIN,
-           "the decay is linear instead of 1-sqrt"),
-    Mutant("train.weight_decay_coupled", "train.py", "model.param_groups(c.weight_decay / c.lr)",
-           "model.param_groups(c.weight_decay)", TRAIN,
-           "torch's coupled decay lr_t * wd instead of the decoupled wd * lr_t / lr (1/lr times too weak)"),
-    Mutant("train.decay_masks_like_main", "train.py", "mask_prob=c.decay_mask_prob, decay=True",
-           "mask_prob=c.mask_prob, decay=True", f"{TRAIN} tests/test_card.py",
-           "the decay masks at the main phase's mask_prob (30%) instead of decay_mask_prob (15%)"),
-    Mutant("train.val_mlm_at_30", "train.py", 'Phase("val_mlm", "mlm", 0, mask_prob=0.15)',
-           'Phase("val_mlm", "mlm", 0, mask_prob=0.3)', f"{TRAIN} tests/test_card.py",
-           "val_mlm_loss is measured at 30% masking, not the 15% that the logs and card call it"),
-    Mutant("logger.loss_over_log_interval", "support/logger.py", "loss = loss.item() / state.loss_steps",
-           "loss = loss.item() / self.c.log_interval", f"{TRAIN} tests/test_card.py",
-           "a record logged off the log interval (with an evaluation) divides its loss sum by log_interval, not by "
-           "the steps in it"),
-    Mutant("logger.mfu_last_step_only", "support/logger.py", "self.flops = self.steps + 1, self.flops + flops",
-           "self.flops = self.steps + 1, flops", f"{TRAIN} tests/test_card.py",
-           "MFU counts the FLOPs of a record's last step only, over the time of all its steps"),
-    Mutant("checkpoint.resume_replays_data", "support/checkpoint.py", 'loader.load_state_dict(saved["loader"])',
-           "loader.load_state_dict(loader.state_dict())", f"{TRAIN} -k resume",
-           "a resumed run starts the data stream over"),
-    Mutant("freeze.zero_grad_is_exact", "support/freeze.py", "p.grad = torch.zeros_like(p)", "p.grad = None",
-           f"{TRAIN} -k 'freeze or frozen'", "freeze_mode zero_grad behaves as exact: not the paper's freeze"),
-    # --- data.py
-    Mutant("data.epochs_repeat", "data.py", "np.random.default_rng([self.data_seed, epoch])",
-           "np.random.default_rng([self.data_seed, 0])", "tests/test_data.py",
-           "every epoch visits the windows in the first epoch's order"),
-    Mutant("data.mask_90_0_10", "data.py", "torch.where(action < 0.8, special", "torch.where(action < 0.9, special",
-           "tests/test_data.py", "BERT masking 90/0/10 instead of 80/10/10"),
-    Mutant("data.specials_masked", "data.py", "< mask_prob) & maskable", "< mask_prob)", "tests/test_data.py",
-           "[CLS], [SEP], [PAD] can be masked and predicted"),
-    Mutant("data.ranks_overlap", "data.py", "start = self.consumed + self.rank * self.micro_batch_size",
-           "start = self.consumed + self.rank", "tests/test_data.py",
-           "rank r starts r windows in, not r micro batches: ranks train on overlapping windows"),
-    Mutant("data.clm_first_not_last", "data.py", "last[cu[1:].long() - 1] = True", "last[cu[:-1].long()] = True",
-           "tests/test_data.py", "CLM drops the first position of each sequence instead of the last"),
-    # --- model.py, and behind it support/hf.py, support/flops.py
-    Mutant("hf.bare_encoder_prefix", "support/hf.py", 'state = {"model." + k: v', 'state = {"model" + k: v',
-           "tests/test_model.py tests/test_eval.py -k 'transformers or mlm_checkpoint'",
-           "a checkpoint of transformers' bare ModernBertModel (keys without 'model.') no longer loads"),
-    Mutant("model.large_heads", "model.py", "num_attention_heads=16), **kw}", "num_attention_heads=8), **kw}",
-           "tests/test_model.py tests/test_speed.py", "Large has 8 heads of 128 instead of 16 heads of 64"),
-    Mutant("model.init_out_std", "model.py", "c.initializer_range / math.sqrt(2.0 * c.num_hidden_layers)",
-           "c.initializer_range / math.sqrt(c.num_hidden_layers)", "tests/test_model.py",
-           "the output projections start at 0.02/sqrt(L) instead of 0.02/sqrt(2L)"),
-    Mutant("model.rope_thetas_swapped", "model.py", 'rope = {"global": rope_cos_sin(packing.positions, c.head_dim, '
-           'c.global_rope_theta)', 'rope = {"global": rope_cos_sin(packing.positions, c.head_dim, '
-           'c.local_rope_theta)', "tests/test_model.py", "global layers rotate with the local theta"),
-    Mutant("model.last_layer_global", "model.py", "return layer % self.global_attn_every_n_layers == 0",
-           "return (layer + 1) % self.global_attn_every_n_layers == 0", "tests/test_model.py",
-           "global attention on layers 2, 5, 8, ... instead of 0, 3, 6, ..."),
-    Mutant("flops.peak_h100_first", "support/flops.py", '("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12)',
-           '("H100", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12)',
-           "tests/test_speed.py tests/test_flops.py", "an H100 PCIe or NVL reports MFU against the SXM peak"),
-    Mutant("flops.head_all_tokens", "support/flops.py", "6 * (H * H + H * V) * n_rows", "6 * (H * H + H * V) * "
-           "sum(seqlens)", "tests/test_speed.py tests/test_flops.py",
-           "MFU counts the LM head on every token, not only the predicted rows"),
-    # --- eval.py
-    Mutant("eval.best_by_reference", "eval.py", "best_state = copy.deepcopy(core.state_dict())",
-           "best_state = core.state_dict()", EVAL_TESTS,
-           "the best epoch's weights kept by reference: test is scored (and the model saved) with the last epoch's"),
-    Mutant("eval.decay_ignores_warmup", "eval.py", "max(0.0, (total - s) / max(1, total - warmup))",
-           "max(0.0, (total - s) / max(1, total))", EVAL_TESTS,
-           "with a warmup, the linear decay starts below the peak (Trainer's schedule: from the peak to 0)"),
-    Mutant("eval.weight_decay_over_lr", "eval.py", "core.param_groups(args.weight_decay)",
-           "core.param_groups(args.weight_decay / args.lr)", EVAL_TESTS,
-           "fine-tuning takes pretraining's decoupled form: weight decay 0.01 / 5e-5 = 200 in torch's AdamW"),
-    Mutant("eval.multilabel_threshold", "eval.py", "out = (logits > 0).int().tolist()",
-           "out = (logits > 0.5).int().tolist()", EVAL_TESTS,
-           "multi-label predicts a label at logit > 0.5 (probability 0.62), not probability 0.5"),
-    Mutant("eval.ner_skips_o_words", "eval.py", "firsts = [k for k, t in enumerate(y) if t != -100]",
-           "firsts = [k for k, t in enumerate(y) if t > 0]", EVAL_TESTS,
-           "NER scoring takes the first sub-tokens of non-O words only, so words get their neighbours' predictions"),
-    Mutant("eval.weighted_f1_unweighted", "eval.py", "(f1s * support).sum() /", "f1s.sum() /", EVAL_TESTS,
-           "weighted F1 is not weighted by support"),
-    Mutant("eval.select_last_tie", "eval.py", "val[args.select] > best", "val[args.select] >= best", EVAL_TESTS,
-           "among epochs with the same validation score the last is kept, not the first (Trainer keeps the first)"),
-    # --- cka.py, support/suite.py
-    Mutant("cka.regions_22", "cka.py", "return [(0, 8), (8, 15), (15, 22)]", "return [(0, 7), (7, 15), (15, 22)]",
-           "tests/test_cka.py tests/test_trajectory.py", "the paper's first region is layers 0-6, not 0-7"),
-    Mutant("cka.ratio_inverted", "cka.py", "[p / c for p, c in zip(pair, control)]",
-           "[c / p for p, c in zip(pair, control)]", "tests/test_cka.py tests/test_trajectory.py",
-           "the ratio is control over pair"),
-    Mutant("cka.uncentred_y", "cka.py", "X, Y = X - X.mean(0), Y - Y.mean(0)", "X, Y = X - X.mean(0), Y",
-           "tests/test_cka.py", "linear CKA without centring Y"),
-    Mutant("suite.t_quantile_df", "support/suite.py", "half = t975(len(d) - 1)", "half = t975(len(d))",
-           "tests/test_suite.py", "the paired interval uses n degrees of freedom, not n - 1: too narrow"),
-]
+
+def load_mutants(path=MUTANTS_FILE):
+    """The mutants of tests/mutants.txt: blocks of `key: value` lines (the keys of Mutant), a blank line between
+    blocks; a value runs to the end of its line, spaces included."""
+    mutants, block = [], {}
+    with open(path) as f:
+        for line in [*f.read().split("\n"), ""]:
+            if line.startswith("#"):
+                continue
+            if line:
+                key, value = line.split(": ", 1)
+                block[key] = value
+            elif block:
+                mutants.append(Mutant(**block))
+                block = {}
+    return mutants
+
+
+MUTANTS = load_mutants()
 
 
 # The tests issue 31 added, each against an outside expectation: --before leaves them out, for the table as it

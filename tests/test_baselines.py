@@ -25,10 +25,10 @@ pytestmark = pytest.mark.skipif(not os.path.isfile(SENTENCES), reason="../shared
 transformers = pytest.importorskip("transformers")
 
 import eval  # noqa: E402
-from model import (ModernBertConfig, ModernBertForMaskedLM, ModernBertForSequenceClassification,  # noqa: E402
-                   ModernBertForTokenClassification)
+from model import ModernBertConfig, ModernBertForMaskedLM  # noqa: E402
 from support import baselines  # noqa: E402
 from support.tokenizer import train_bpe  # noqa: E402
+from test_suite import conll_slice, jsonl_slice  # noqa: E402
 
 CPU, FLOAT32 = torch.device("cpu"), torch.float32
 TINY = dict(vocab_size=600, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
@@ -297,19 +297,6 @@ def test_padded_micro_batches_make_the_update_of_one_batch(models):
 
 # -----------------------------------------------------------------------------
 # End to end through eval.py: classification, multi-label and NER for both families
-
-
-def conll_slice(src, dst, n):
-    """The first n sentences that mention an entity."""
-    sentences = [s for s in open(src, encoding="utf-8").read().split("\n\n") if "\tB-" in s][:n]
-    dst.write_text("\n\n".join(sentences) + "\n", encoding="utf-8")
-
-
-def jsonl_slice(src, dst, n):
-    """n lines, half of each label."""
-    rows = [json.loads(line) for line in open(src, encoding="utf-8")]
-    picked = [r for label in ("0", "1") for r in [r for r in rows if r["label"] == label][:n // 2]]
-    dst.write_text("".join(json.dumps(r) + "\n" for r in picked), encoding="utf-8")
 
 
 @pytest.fixture(scope="module")
