@@ -329,13 +329,13 @@ def test_presets_are_the_released_configs():
     parameter count cannot tell the number of heads: only these numbers can."""
     shared = dict(vocab_size=50368, head_dim=64, global_attn_every_n_layers=3, local_attention=128,
                   global_rope_theta=160000.0, local_rope_theta=10000.0, max_position_embeddings=8192, norm_eps=1e-5)
-    for preset, sizes in [(ModernBertConfig.base(), dict(num_hidden_layers=22, hidden_size=768, num_attention_heads=12,
-                                                         intermediate_size=1152)),
+    for preset, sizes in [(ModernBertConfig(), dict(num_hidden_layers=22, hidden_size=768, num_attention_heads=12,
+                                                    intermediate_size=1152)),
                           (ModernBertConfig.large(), dict(num_hidden_layers=28, hidden_size=1024,
                                                           num_attention_heads=16, intermediate_size=2624))]:
         assert {k: getattr(preset, k) for k in {**shared, **sizes}} == {**shared, **sizes}
     hf = transformers.ModernBertConfig()  # transformers' defaults are ModernBERT-base's
-    base = ModernBertConfig.base()
+    base = ModernBertConfig()
     for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "local_attention", "max_position_embeddings", "norm_eps"):
         assert getattr(base, k) == getattr(hf, k), k
