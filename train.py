@@ -96,7 +96,7 @@ class Config:
     dtype: str = "auto"  # "auto" (bfloat16 autocast on GPU, float32 on CPU), "float32", "bfloat16"
     compile: str = "auto"  # "auto": on for CUDA, off on CPU (where inductor compiles for minutes); True or False
     attn_backend: str = "auto"  # "auto", "flash", "varlen", "sdpa"
-    peak_tflops: float = 0.0  # the GPU's dense bf16 peak for MFU; 0: known from its name (model.PEAK_FLOPS)
+    peak_tflops: float = 0.0  # the GPU's dense bf16 peak for MFU; 0: known from its name (support/flops.py)
     # logging, evaluation, checkpoints
     log_interval: int = 10
     eval_interval: int = 500  # also at the end of each phase

@@ -1,4 +1,4 @@
-"""The FLOP count behind MFU (model.training_flops) against PyTorch's own counter, FlopCounterMode, which
+"""The FLOP count behind MFU (support/flops.training_flops) against PyTorch's own counter, FlopCounterMode, which
 counts the matmuls a real forward + backward dispatches (mm, addmm, bmm: 2 FLOPs per multiply-add).
 
 The accounting that differs, on purpose: training_flops counts only the (query, key) pairs the mask keeps
