@@ -221,14 +221,8 @@ def _write_shards(docs_fn, tokenizer, stage, val_docs, workers, sources, chunk_d
     holds the corpus in memory; empty texts are skipped and counted. The val documents are drawn at
     random (seed 0) from the whole input. Chunks are written in input order whatever the number of
     workers, so the output is deterministic."""
-    file = _copy_tokenizer(tokenizer, stage)
-    spec = file or tokenizer  # an encoding name (gpt2) has no file
-    tok = load_tokenizer(spec)
-    n_texts = n_docs = 0
-    for doc in docs_fn():
-        n_texts, n_docs = n_texts + 1, n_docs + bool(doc)
-    if n_texts > n_docs:
-        print(f"prepare: skipped {n_texts - n_docs:,} empty or null texts of {n_texts:,}")
+    spec, dtype, about = _stage_tokenizer(tokenizer, stage)
+    n_docs = _count_documents(docs_fn, "prepare")
     if n_docs == 0:
         raise SystemExit("prepare: the input holds no documents (empty files?)")
     if n_docs <= val_docs:
@@ -245,7 +239,6 @@ def _write_shards(docs_fn, tokenizer, stage, val_docs, workers, sources, chunk_d
                 bufs[split] = []
         yield from ((split, buf) for split, buf in bufs.items() if buf)
 
-    dtype = np.uint16 if tok.vocab_size <= 2 ** 16 else np.uint32
     counts = {"train": [0, 0], "val": [0, 0]}  # documents, tokens
     files = {split: open(os.path.join(stage, f"{split}.bin"), "wb") for split in counts}
     try:
@@ -259,10 +252,33 @@ def _write_shards(docs_fn, tokenizer, stage, val_docs, workers, sources, chunk_d
     finally:
         for f in files.values():
             f.close()
-    meta = dict(tokenizer=os.path.basename(file) if file else spec, tokenizer_sha256=sha256(file) if file else None,
-                vocab_size=tok.vocab_size, dtype=np.dtype(dtype).name, **tok.special_ids,
-                train_docs=counts["train"][0], train_tokens=counts["train"][1],
-                val_docs=counts["val"][0], val_tokens=counts["val"][1], sources=list(sources))
+    return _write_meta(stage, dict(**about, train_docs=counts["train"][0], train_tokens=counts["train"][1],
+                                   val_docs=counts["val"][0], val_tokens=counts["val"][1], sources=list(sources)))
+
+
+def _stage_tokenizer(tokenizer, stage):
+    """The tokenizer copied into stage -> (what the workers load: the copy, or an encoding name such as gpt2, which
+    has no file; the shards' dtype; meta.json's keys about the tokenizer)."""
+    file = _copy_tokenizer(tokenizer, stage)
+    spec = file or tokenizer
+    tok = load_tokenizer(spec)
+    dtype = np.uint16 if tok.vocab_size <= 2 ** 16 else np.uint32
+    return spec, dtype, dict(tokenizer=os.path.basename(file) if file else spec,
+                             tokenizer_sha256=sha256(file) if file else None, vocab_size=tok.vocab_size,
+                             dtype=np.dtype(dtype).name, **tok.special_ids)
+
+
+def _count_documents(docs_fn, where):
+    """The documents docs_fn() yields, the empty or null texts among them skipped (and counted, in a line)."""
+    n_texts = n_docs = 0
+    for doc in docs_fn():
+        n_texts, n_docs = n_texts + 1, n_docs + bool(doc)
+    if n_texts > n_docs:
+        print(f"{where}: skipped {n_texts - n_docs:,} empty or null texts of {n_texts:,}")
+    return n_docs
+
+
+def _write_meta(stage, meta):
     with open(os.path.join(stage, "meta.json"), "w") as f:
         json.dump(meta, f, indent=2)
     return meta
@@ -316,9 +332,8 @@ def prepare_mixture(docs_fns, weights, tokenizer, out, tokens=None, val_docs=100
     "mixture": the seed, the tokens asked for, and per source its documents, tokens, share and repeat factor.
     Staged and published like prepare; the scratch file lives in the staging folder."""
     sources = list(sources) or [f"source {i}" for i in range(len(docs_fns))]
+    check_mixture(weights, len(docs_fns), val_docs)
     weights = np.asarray(weights, dtype=np.float64)
-    if len(weights) != len(docs_fns) or not (np.isfinite(weights).all() and (weights > 0).all()):
-        raise ValueError(f"weights {weights.tolist()}: one positive weight per source ({len(docs_fns)})")
     return _staged(out, lambda stage: _write_mixture(docs_fns, weights / weights.sum(), tokenizer, stage, tokens,
                                                      val_docs, workers, seed, sources, chunk_docs))
 
@@ -326,23 +341,13 @@ def prepare_mixture(docs_fns, weights, tokenizer, out, tokens=None, val_docs=100
 def _write_mixture(docs_fns, weights, tokenizer, stage, tokens, val_docs, workers, seed, sources, chunk_docs):
     """The work of prepare_mixture, into stage: count (every source is checked before any tokenizing),
     tokenize once, split off validation, plan the shares, write both splits interleaved."""
-    file = _copy_tokenizer(tokenizer, stage)
-    spec = file or tokenizer
-    tok = load_tokenizer(spec)
-    n_docs = []
-    for name, docs_fn in zip(sources, docs_fns):
-        n_texts = n = 0
-        for doc in docs_fn():
-            n_texts, n = n_texts + 1, n + bool(doc)
-        if n_texts > n:
-            print(f"prepare: {name}: skipped {n_texts - n:,} empty or null texts of {n_texts:,}")
-        n_docs.append(n)
+    spec, dtype, about = _stage_tokenizer(tokenizer, stage)
+    n_docs = [_count_documents(docs_fn, f"prepare: {name}") for name, docs_fn in zip(sources, docs_fns)]
     n_val = split_val_docs(val_docs, weights)
     for name, n, v in zip(sources, n_docs, n_val):
         if n <= v:
             raise SystemExit(f"prepare: {name} has {n} document(s), too few to give one to training beside its "
                              f"{v} validation document(s) (--val_docs {val_docs}, split by weight)")
-    dtype = np.uint16 if tok.vocab_size <= 2 ** 16 else np.uint32
     scratch = os.path.join(stage, "sources.tmp")
     lengths = _tokenize_sources(docs_fns, spec, scratch, dtype, workers, chunk_docs, sum(n_docs))
     offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))])  # document d: tokens offsets[d]:offsets[d+1]
@@ -371,21 +376,25 @@ def _write_mixture(docs_fns, weights, tokenizer, stage, tokens, val_docs, worker
                          documents_used=copies * len(d) + len(sample), tokens_used=used,
                          share=round(used / n_train[1], 6), repeat=round(used / available, 6),
                          val_docs=len(v), val_tokens=int(doc_tokens[v].sum())))
-    meta = dict(tokenizer=os.path.basename(file) if file else spec, tokenizer_sha256=sha256(file) if file else None,
-                vocab_size=tok.vocab_size, dtype=np.dtype(dtype).name, **tok.special_ids,
-                train_docs=n_train[0], train_tokens=n_train[1], val_docs=n_val_written[0],
-                val_tokens=n_val_written[1], sources=list(sources),
-                mixture=dict(seed=seed, tokens=tokens, sources=rows))
-    with open(os.path.join(stage, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=2)
-    return meta
+    return _write_meta(stage, dict(**about, train_docs=n_train[0], train_tokens=n_train[1], val_docs=n_val_written[0],
+                                   val_tokens=n_val_written[1], sources=list(sources),
+                                   mixture=dict(seed=seed, tokens=tokens, sources=rows)))
+
+
+def check_mixture(weights, n_sources, val_docs):
+    """One positive weight per source, and a validation document or more from each, or one line saying what not."""
+    if len(weights) != n_sources:
+        raise SystemExit(f"--weights has {len(weights)} value(s) for {n_sources} --input file(s): give one weight "
+                         "per file")
+    if not all(math.isfinite(w) and w > 0 for w in weights):
+        raise SystemExit(f"--weights {' '.join(f'{w:g}' for w in weights)}: every weight must be a positive number")
+    if val_docs < n_sources:
+        raise SystemExit(f"--val_docs {val_docs}: a mixture draws at least one validation document from each of "
+                         f"its {n_sources} sources")
 
 
 def split_val_docs(val_docs, weights):
-    """val_docs split over the sources by weight, at least one each (largest remainders)."""
-    if val_docs < len(weights):
-        raise SystemExit(f"--val_docs {val_docs}: a mixture draws at least one validation document from each of "
-                         f"its {len(weights)} sources")
+    """val_docs split over the sources by weight, at least one each (largest remainders; check_mixture: enough)."""
     quota = np.asarray(weights) * (val_docs - len(weights))
     n = 1 + np.floor(quota).astype(np.int64)
     n[np.argsort(np.floor(quota) - quota, kind="stable")[:val_docs - int(n.sum())]] += 1
@@ -707,15 +716,7 @@ def check_args(args):
     if args.weights is not None:
         if not args.input:
             raise SystemExit("--weights mixes --input files; --demo is one corpus")
-        if len(args.weights) != len(args.input):
-            raise SystemExit(f"--weights has {len(args.weights)} value(s) for {len(args.input)} --input "
-                             "file(s): give one weight per file")
-        if not all(math.isfinite(w) and w > 0 for w in args.weights):
-            raise SystemExit(f"--weights {' '.join(f'{w:g}' for w in args.weights)}: every weight must be a "
-                             "positive number")
-        if args.val_docs < len(args.input):
-            raise SystemExit(f"--val_docs {args.val_docs}: a mixture draws at least one validation document "
-                             f"from each of its {len(args.input)} sources")
+        check_mixture(args.weights, len(args.input), args.val_docs)  # before a tokenizer is trained
     check_out_dir(args.out)
     spec = args.tokenizer
     if spec.startswith("bpe:"):
