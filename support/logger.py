@@ -97,9 +97,10 @@ def announce(c, model, schedule, process, system, resumed_at):
     if process.rank != 0:
         return
     os.makedirs(c.out_dir, exist_ok=True)
+    config = run_config(c)
     with open(os.path.join(c.out_dir, "config.json"), "w") as f:
-        json.dump(run_config(c), f, indent=2)
-    print(json.dumps(run_config(c), indent=2))
+        json.dump(config, f, indent=2)
+    print(json.dumps(config, indent=2))
     per_step = c.global_batch_size * c.seq_len
     resuming = "" if resumed_at is None else f"; resuming at step {resumed_at}"
     print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.config.num_hidden_layers} layers; "
