@@ -29,6 +29,7 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -43,6 +44,7 @@ from safetensors import SafetensorError
 
 from support.card import write_card
 from support.distributed import on_rank0
+from support.lock import hold
 from support.tokenizer import TOKENIZER_FILES, write_hf_config
 
 MANIFEST = "manifest.json"
@@ -124,9 +126,10 @@ def weights_only(path):
         return False
 
 
-def checkpoint_problem(path, checksums=True):
+def checkpoint_problem(path, checksums=True, train_state=True):
     """What is wrong with the checkpoint directory `path`, or None if every file its manifest lists is
-    there with its size and (if checksums) its sha256."""
+    there with its size and (if checksums) its sha256. train_state False: the weights alone may be asked for, and
+    a checkpoint shared without its train_state.pt (as README says to) is not damaged."""
     if not os.path.isdir(path):
         return "no such directory"
     try:
@@ -138,6 +141,8 @@ def checkpoint_problem(path, checksums=True):
     for name, want in manifest.items():
         file = os.path.join(path, name)
         if not os.path.isfile(file):
+            if name == TRAIN_STATE and not train_state:
+                continue
             return f"{name} is missing"
         if os.path.getsize(file) != want["bytes"]:
             return f"{name} has {os.path.getsize(file)} bytes, the manifest says {want['bytes']} (truncated?)"
@@ -208,6 +213,17 @@ def drop_train_state(path):
     fsync(path)
 
 
+def load_train_state(path):
+    """train_state.pt as tensors and plain data (torch.load's weights_only): a pickle that would build any other
+    object, which is how a pickle runs code, is refused with one line naming the file."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise SystemExit(f"{path}: refused: it holds objects other than tensors and plain data, and loading them would "
+                         "run code (train.py never writes such a file). Take the checkpoint from a source you trust, or "
+                         "delete this file to keep only its weights (then it is no resume point)") from None
+
+
 def trim_metrics(path, step):
     """Keep the records of metrics.jsonl up to `step`, the resume point: a killed run may have logged
     past its last checkpoint, or died in the middle of a line."""
@@ -254,10 +270,12 @@ class Checkpointer:
     """Chooses the checkpoint to resume from, writes checkpoints when the loop or a signal or the clock
     says so, keeps the newest max_ckpts (and weights at every keep_every steps), and stops the run on a
     signal. Every rank makes the same calls: rank 0 decides and writes, every rank gets the outcome (errors
-    included) and checks that it sees it. `schedule` names the phase each checkpoint is in."""
+    included) and checks that it sees it. `schedule` names the phase each checkpoint is in. It holds out_dir
+    from the start (support/lock.py): a second run on it is refused before any work."""
 
     def __init__(self, c, process, schedule):
         self.c, self.process, self.schedule = c, process, schedule
+        self.hold = hold(c.out_dir, process, "out_dir")  # rank 0's; says "stopping" once a signal stops the run
         self.saved, self.saved_at = None, time.monotonic()  # where the state at the current step already is
         self.seconds = 0.0  # spent writing checkpoints: not training time
         self.caught = 0  # the signal that reached this rank, if any
@@ -265,9 +283,15 @@ class Checkpointer:
 
     def watch_signals(self):
         """From now on a signal only raises a flag: the ranks agree on it at the next step boundary, write a
-        checkpoint there (or use the one just written) and stop. A second signal changes nothing."""
+        checkpoint there (or use the one just written) and stop. A second signal changes nothing. Meanwhile out_dir's
+        lock says "stopping": a requeued job that finds it held waits for this run's checkpoint."""
+        def caught(signum, frame):
+            if not self.caught and self.hold:
+                self.hold.stopping()
+            self.caught = signum
+
         for s in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(s, lambda signum, frame: setattr(self, "caught", signum))
+            signal.signal(s, caught)
 
     def resume(self, continue_from=None):
         """The checkpoint this run starts from: the newest valid one in out_dir, else `continue_from` if it
@@ -306,7 +330,7 @@ class Checkpointer:
                   f"step {first_step})", file=sys.stderr)
         state = TrainState(loader=loader.state_dict(), loss=torch.zeros((), device=device))
         if path is not None:
-            saved = torch.load(os.path.join(path, "train_state.pt"), map_location="cpu", weights_only=False)
+            saved = load_train_state(os.path.join(path, TRAIN_STATE))
             optimizer.load_state_dict(saved["optimizer"])
             loader.load_state_dict(saved["loader"])  # a global position: any world size continues from it
             ranks = saved["ranks"]  # one entry per rank of the run that wrote it
@@ -334,6 +358,8 @@ class Checkpointer:
         True when a signal came: the checkpoint is written and the run must stop (exit_code says how). After
         the `last` step nothing stops: the run ends there anyway, with its final checkpoint."""
         stopping, late = self.agree()
+        if stopping and self.hold and not self.caught:  # the signal reached another rank
+            self.hold.stopping()
         path = os.path.join(self.c.out_dir, f"ckpt-{state.step}")
         if (due or stopping or late) and path != self.saved:
             self.save(path, model, optimizer, state)

@@ -186,7 +186,7 @@ def check_init_from(path, meta=None, data_dir=None, seq_len=None):
     if not os.path.isdir(path):
         raise SystemExit(f"init_from={path!r} is neither 'scratch' nor a checkpoint directory "
                          "(edit the path at the top of the config)")
-    problem = checkpoint_problem(path) if os.path.isfile(os.path.join(path, MANIFEST)) else None
+    problem = checkpoint_problem(path, train_state=False) if os.path.isfile(os.path.join(path, MANIFEST)) else None
     if problem:
         raise SystemExit(f"init_from={path} is damaged: {problem}. Copy it again, or use another checkpoint.")
     config = checkpoint_config(path, f"init_from={path}")
