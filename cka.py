@@ -37,6 +37,7 @@ from support import distributed
 from support.checkpoint import PROGRESS, sha256, step_checkpoints, step_of
 from support.checks import checkpoint_config
 from support.config import check_out_dir
+from support.lock import hold
 from data import read_documents
 from model import ModernBertForMaskedLM, cu_seqlens_of, mean_pool
 from support.suite import mean_std, parse_seeds
@@ -257,6 +258,7 @@ def study(args):
     paths = list(dict.fromkeys(p for pair in pairs.values() for p in pair))
     tok = tokenizer_of(paths, args.tokenizer)
     sample = sample_texts(args, tok, process)
+    hold(args.out, process)  # one run writes --out at a time
     features, n_layers = {}, None  # path -> list over layers of {text index: rows}
     for p in paths:
         features[p] = representations(p, sample, tok, args, process, n_layers)
@@ -332,6 +334,7 @@ def trajectory(args):
     tok = tokenizer_of([kept[run][step] for name, runs in comparisons.items() for step in common[name]
                         for run in runs], args.tokenizer)
     sample = sample_texts(args, tok, process)
+    hold(args.out, process)  # one run writes --out at a time
     todo = sum(len({kept[run][step] for name, runs in comparisons.items() if step in common[name] for run in runs})
                for step in steps)
     bar = tqdm(total=todo, desc="checkpoints", unit="ckpt", disable=process.rank != 0 or None)

@@ -48,6 +48,7 @@ from support import baselines, distributed, suite
 from support.checks import checkpoint_config, user_error
 from support.config import check_out_dir
 from support.kernels import pick_backend
+from support.lock import hold
 from support.tokenizer import check_vocab, load_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -516,6 +517,7 @@ def run_suite(args, process, autocast, dtype):
             problems.append(f"task {t['name']!r}: {e}")
     if problems:
         raise SystemExit(f"{args.suite}: nothing was trained; first fix:\n  " + "\n  ".join(problems))
+    hold(args.out, process)  # one suite writes --out at a time; a killed one's successor goes on where it stopped
 
     # The runs, in order. A run's options are what finetune() sees (the task's protocol, the model, the
     # dtype, max_len and max_tokens resolved) less where it runs and writes: they identify its file, so
@@ -647,6 +649,7 @@ def run_task(args, process, autocast, dtype):
     args.max_len = full_context(args.max_len, about["max_len"], "--max_len")
     args.max_tokens = args.max_tokens or suite.max_tokens(device)
     raw, labels = read_task(args.data, args.task)
+    hold(args.out, process)  # one run writes --out at a time
     splits = encode_splits(raw, tok, args.task, labels, args.max_len)
     if rank == 0:
         print(f"{args.task}: {len(labels)} labels; train {len(raw['train'])}, validation {len(raw['validation'])}, "

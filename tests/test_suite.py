@@ -209,12 +209,18 @@ def test_suite_table_equals_eval_per_task(shared_suite):
 
 @needs_shared
 def test_killed_suite_resumes_without_repeating_a_run(shared_suite, tmp_path):
+    """A second suite on the same --out is refused while the first runs; once the first is killed, the same
+    command goes on where it stopped."""
     tmp, out = shared_suite, tmp_path / "out"
     p = subprocess.Popen([sys.executable, *run_suite_cmd(tmp, out)], cwd=ROOT, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.time() + 120
     while not list(out.glob("runs/*/*/*/seed*.json")) and p.poll() is None and time.time() < deadline:
         time.sleep(0.05)
+    os.kill(p.pid, signal.SIGSTOP)  # paused, not finished, while the same suite is started again: refused
+    second = run(run_suite_cmd(tmp, out), check=False)
+    assert second.returncode == 1 and second.stderr.strip().splitlines()[-1].startswith(
+        f"--out={out} is in use by pid {p.pid} on "), second.stderr[-2000:]
     os.kill(p.pid, signal.SIGKILL)  # as hard as a kill gets: no handler, no clean-up
     p.wait()
     first = {f: f.stat().st_mtime_ns for f in out.glob("runs/*/*/*/seed*.json")}
