@@ -458,3 +458,69 @@ def test_our_modernbert_path_equals_transformers_modernbert(models, tmp_path, ta
     assert loss.item() == pytest.approx(ref.loss.item(), rel=1e-5)
     assert padded_loss.item() == pytest.approx(ref.loss.item(), rel=1e-5)
     assert grad_gap < 1e-4
+
+
+class Stop(Exception):
+    """Raised by the optimizer's step: the gradients it would apply stay on the parameters."""
+
+
+@pytest.mark.parametrize("task", ["cls", "multilabel", "ner"])
+def test_finetune_step_has_the_gradients_of_transformers_modernbert_loss(models, tmp_path, monkeypatch, task):
+    """eval.finetune's first optimizer step (float32, CPU, dropout 0; the train split in one batch cut into
+    micro batches) holds the loss and gradients of transformers' ModernBertFor*Classification loaded from the
+    same directory, with its own mean loss on its padded batch: over the examples (cls), examples x 3 labels,
+    several per example (multilabel), the labelled first sub-tokens of sentences of various lengths whose words
+    have several sub-tokens (ner). Gradients, not weights: AdamW's first update, about lr x sign(g), hides a loss
+    scaled by a constant."""
+    tok, _ = eval.check_model(str(models / "modernbert"), None, CPU, FLOAT32)
+    examples, labels = examples_of(task)
+    splits = eval.encode_splits({"train": examples, "validation": examples, "test": examples}, tok, task, labels, 64)
+    items = splits["train"]["items"]
+    assert len({len(x) for x, _ in items}) > 3
+    if task == "multilabel":
+        assert max(sum(y) for _, y in items) >= 2
+    if task == "ner":  # -100 on more than [CLS] and [SEP]
+        assert sum(y.count(-100) - 2 for _, y in items) > len(items)
+    torch.manual_seed(0)
+    args = eval.argparse.Namespace(model=str(models / "modernbert"), task=task, pooling="mean", batch_size=len(items),
+                                   epochs=1, lr=1e-3, weight_decay=0.01, warmup_ratio=0.0, max_tokens=80,
+                                   select="macro_f1")
+    ours = eval.classifier(args, labels)
+    assert not any(v for k, v in vars(ours.config).items() if k.endswith("dropout"))  # train mode is deterministic
+    with torch.no_grad():  # away from the init, head included: finetune loads this head rather than drawing one
+        for p in ours.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    ours.save_pretrained(tmp_path / "ckpt")
+    args.model = str(tmp_path / "ckpt")
+
+    seen, accumulate = {}, eval.accumulate
+
+    def keep(model, mine, *a, **k):
+        seen["model"], seen["mine"], seen["loss"] = model, mine, accumulate(model, mine, *a, **k)
+        return seen["loss"]
+
+    def stop(self, *a, **k):
+        raise Stop
+
+    monkeypatch.setattr(eval, "accumulate", keep)
+    monkeypatch.setattr(torch.optim.AdamW, "step", stop)
+    with pytest.raises(Stop):
+        eval.finetune(args, 0, splits, labels, CPU, 0, 1, torch.autocast("cpu", enabled=False))
+    parts = eval.micro_batches(seen["mine"], 80)  # in finetune's order: several, of different sizes
+    assert len(seen["mine"]) == len(items) and len(parts) > 3 and len({len(p) for p in parts}) > 1
+
+    auto = transformers.AutoModelForTokenClassification if task == "ner" else \
+        transformers.AutoModelForSequenceClassification
+    hf = auto.from_pretrained(tmp_path / "ckpt")
+    ids, mask, targets = reference_batch(items, task, hf.config.pad_token_id)
+    ref = hf(input_ids=ids, attention_mask=mask, labels=targets)
+    ref.loss.backward()
+    hf_grads = dict(hf.named_parameters())
+    gaps = {k: ((p.grad - hf_grads[k].grad).abs().max() / hf_grads[k].grad.abs().max()).item()
+            for k, p in seen["model"].named_parameters()}
+    worst = max(gaps, key=gaps.get)
+    print(f"finetune step {task}: |loss - transformers'| {abs(seen['loss'] - ref.loss.item()):.2e} (loss "
+          f"{ref.loss.item():.6f}), largest gradient gap {gaps[worst]:.2e} of the tensor's largest gradient ({worst})")
+    assert len(gaps) == len(hf_grads)
+    assert seen["loss"] == pytest.approx(ref.loss.item(), rel=1e-5)
+    assert gaps[worst] < 1e-4
