@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from support import distributed
+from support import distributed, threads
 from support.checkpoint import PROGRESS, sha256, step_checkpoints, step_of
 from support.checks import checkpoint_config
 from support.config import check_out_dir
@@ -125,6 +125,7 @@ def pooled_layers(model, encoded, indices, pool, device, autocast, batch_tokens,
         cur.append(k)
     batches.append(cur)
     for batch in tqdm(batches, desc=desc, disable=None, leave=False):
+        threads.follow()
         lengths = [len(encoded[k]) for k in batch]
         tokens = torch.tensor([t for k in batch for t in encoded[k]], device=device)
         cu = cu_seqlens_of(lengths).to(device)
@@ -218,7 +219,8 @@ def representations(path, sample, tok, args, process, n_layers=None):
     if process.rank == 0 and not args.runs:  # a trajectory's progress bar says where it is
         with autocast:
             backend = model.eval().model.attention_backend(process.device)
-        print(f"{path}: {process.device}, {str(dtype).removeprefix('torch.')}, attention {backend}")
+        print(f"{path}: {process.device}, {str(dtype).removeprefix('torch.')}, attention {backend}"
+              + threads.describe())
     name = "/".join(path.rstrip("/").split("/")[-2:])
     local = pooled_layers(model, sample.ids, sample.mine, args.pool, process.device, autocast, args.batch_tokens, name)
     if process.world > 1:  # only pooled vectors travel between ranks
@@ -254,6 +256,7 @@ def region_divergence(per_seed, lo, hi):
 def study(args):
     """CKA per layer and seed for the pair and the control, and over seeds: results.json (None on ranks > 0)."""
     process = distributed.setup(args.device)
+    threads.setup(process.device)  # CPU: threads for the CPUs this process may use, fewer while other jobs load them
     pairs = {"pair": args.pair, **({"control": args.control} if args.control else {})}
     paths = list(dict.fromkeys(p for pair in pairs.values() for p in pair))
     tok = tokenizer_of(paths, args.tokenizer)
@@ -322,6 +325,7 @@ def trajectory(args):
     numbers exactly those of --pair on the same two checkpoints. Each checkpoint is encoded once, for all
     the comparisons it is in, and dropped after its step: memory holds one step's representations."""
     process = distributed.setup(args.device)
+    threads.setup(process.device)  # CPU: threads for the CPUs this process may use, fewer while other jobs load them
     comparisons = {"pair": args.runs, **({"control": args.control} if args.control else {})}
     kept = {run: run_checkpoints(run) for runs in comparisons.values() for run in runs}
     common = {}  # comparison -> the steps both its runs kept

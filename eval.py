@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from model import Flat, ModernBertForSequenceClassification, ModernBertForTokenClassification, cu_seqlens_of
-from support import baselines, distributed, suite
+from support import baselines, distributed, suite, threads
 from support.checks import checkpoint_config, user_error
 from support.config import check_out_dir
 from support.kernels import pick_backend
@@ -435,6 +435,7 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
         bar = tqdm(range(steps_per_epoch), desc=f"seed {seed} epoch {epoch + 1}/{args.epochs}",
                    disable=rank != 0 or None, leave=False)
         for s in bar:
+            threads.follow()
             batch = [train[i] for i in order[s * args.batch_size:(s + 1) * args.batch_size]]
             n = count_targets(batch, task, len(labels))  # the loss is the mean over the global batch
             mine, weight = batch[rank::world], world / max(n, 1)  # DDP averages over ranks: x world
@@ -543,7 +544,8 @@ def run_suite(args, process, autocast, dtype):
 
     if rank == 0:
         print(f"{args.suite}: {len(runs)} runs ({len(tasks)} tasks x {len(names)} models x {len(seeds)} seeds): "
-              f"{len(done)} finished earlier, {len(runs) - len(done)} to run")
+              f"{len(done)} finished earlier, {len(runs) - len(done)} to run"
+              + threads.describe("; "))
     bar = tqdm(total=len(runs), initial=len(done), desc="suite", unit="run", disable=rank != 0 or None)
     encoded, splits = None, None  # the (task name, model path) whose splits, in that model's tokens, are at hand
     for i, r in enumerate(runs):
@@ -655,7 +657,8 @@ def run_task(args, process, autocast, dtype):
         print(f"{args.task}: {len(labels)} labels; train {len(raw['train'])}, validation {len(raw['validation'])}, "
               f"test {len(raw['test'])} examples ({len(splits['train']['items'])} training sequences); "
               f"{device}, {str(dtype).removeprefix('torch.')}, {about['family']}: {about['code']}; max_len "
-              f"{args.max_len}, {args.max_tokens} tokens per micro batch")
+              f"{args.max_len}, {args.max_tokens} tokens per micro batch"
+              + threads.describe("; "))
     runs = []
     for seed in suite.parse_seeds(args.seeds):
         model, result = finetune(args, seed, splits, labels, device, rank, world, autocast)
@@ -680,6 +683,7 @@ def run_task(args, process, autocast, dtype):
 def main(argv=None):
     args = parse_args(argv)
     process = distributed.setup(args.device)
+    threads.setup(process.device)  # CPU: threads for the CPUs this process may use, fewer while other jobs load them
     autocast, dtype = distributed.autocast(process.device, args.dtype)
     (run_suite if args.suite else run_task)(args, process, autocast, dtype)
     distributed.teardown()

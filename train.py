@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data import Loader, clm_batch, mlm_batch, prefetch
 from model import ModernBertConfig, ModernBertForMaskedLM
-from support import checks, config, distributed
+from support import checks, config, distributed, threads
 from support.checkpoint import Checkpointer
 from support.flops import batch_flops
 from support.freeze import Freeze
@@ -321,6 +321,7 @@ def main(argv):
         meta = checks.check_run(c, len(run), int(os.environ.get("WORLD_SIZE", 1)))  # data, out_dir, init_from
     process = distributed.setup(c.device, c.dist_timeout_minutes)  # the same without torchrun: one process
     rank, world, device = process.rank, process.world, process.device
+    threads.setup(device)  # CPU: threads for the CPUs this process may use, fewer while other jobs load them
     accum = c.global_batch_size // (c.micro_batch_size * world)  # micro batches per step (parse_config checks)
     autocast, dtype = distributed.autocast(device, c.dtype)
     compiled = {"auto": device.type == "cuda", "true": True, "false": False}[c.compile.lower()]
@@ -337,7 +338,8 @@ def main(argv):
     with autocast:
         backend = model.model.attention_backend(device)
     announce(c, model, schedule, process, f"world {world}, accumulation {accum}; {device}, {str(dtype)[6:]}, "
-             f"attention {backend}, compile {'on' if compiled else 'off'}", state.step if start else None)
+             f"attention {backend}, compile {'on' if compiled else 'off'}"
+             + threads.describe(), state.step if start else None)
     freeze.enter(schedule.at(state.step))  # before DDP, which all-reduces what requires a gradient when built
     raw_model, model = model, wrap(model, compiled, world > 1, device)
     logger = Logger(c, process, checkpointer, run, state.step)
@@ -354,6 +356,7 @@ def main(argv):
             if freeze.enter(phase):  # frozen layers: no weight gradients to compute or all-reduce
                 model = wrap(raw_model, compiled, world > 1, device)
             batches, loader_state, flops = next(stream)
+            threads.follow()
             state.loss += forward_backward(model, batches, phase.causal, process, autocast, compiled)
             freeze.after_backward()  # freeze_mode "zero_grad": zero gradients, which AdamW still decays and moves
             optimizer.step()

@@ -1,0 +1,139 @@
+"""
+CPU threads that follow the CPUs this process can use, for train.py, eval.py and cka.py on CPU.
+
+The cause of the problem this solves: PyTorch's CPU ops run on an OpenMP team (one thread per core by default),
+which meets at a barrier at the end of every op, and the demo's small model runs thousands of short ops a step.
+A thread that arrives first spins at the barrier for ~300,000 pause instructions (libgomp's default, milliseconds
+on recent Intel cores) before it sleeps. Alone on the machine that is what makes 2 threads 1.4x faster than one;
+beside other jobs, the thread it waits for is off its core, and the spinner burns its own time slice waiting for
+it: a run beside 4 busy processes on 2 cores took 13-46x its quiet time where its fair share is 3x. Waiting
+passively (OMP_WAIT_POLICY=PASSIVE) still pays a wake-up per op; one thread has no barrier at all.
+
+So: as many threads as CPUs are free for this process, at most the usable ones (its affinity mask, capped by its
+cgroup's CPU quota), re-counted every second from what the other processes take of those CPUs (/proc/stat less
+this process's own CPU time): all of them on a quiet machine, one beside busy jobs. A thread count set by the user
+(OMP_NUM_THREADS, MKL_NUM_THREADS) is left alone. Results can change in the last bits with the thread count:
+with a fixed count (OMP_NUM_THREADS=2) a CPU run is bit-for-bit repeatable whatever the load.
+"""
+
+import math
+import os
+import resource
+import time
+
+import torch
+
+USER = [k for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if os.environ.get(k)]
+INTERVAL = 1.0  # seconds between counts: ~100 clock ticks per CPU, and a fraction of a ms to read
+
+
+def usable_cpus():
+    """The CPUs this process may run on: its affinity mask (taskset, a cpuset), capped by the cgroup CPU quota of
+    a container (docker --cpus), which the affinity mask does not show."""
+    n = len(os.sched_getaffinity(0))
+    for quota in cgroup_quotas():
+        n = min(n, max(1, math.floor(quota)))
+    return n
+
+
+def cgroup_quotas():
+    """The CPU quotas, in CPUs, of this process's cgroup and its parents (cgroup v2 cpu.max, v1 cfs_quota_us)."""
+    quotas = []
+    try:
+        with open("/proc/self/cgroup") as f:
+            entries = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return quotas
+    for _, controllers, path in entries:
+        v2 = controllers == ""
+        if not v2 and "cpu" not in controllers.split(","):
+            continue
+        root = "/sys/fs/cgroup" if v2 else f"/sys/fs/cgroup/{controllers}"
+        while True:
+            try:
+                if v2:
+                    quota, period = read(root + path, "cpu.max").split()
+                else:
+                    quota, period = read(root + path, "cpu.cfs_quota_us"), read(root + path, "cpu.cfs_period_us")
+                if quota not in ("max", "-1"):
+                    quotas.append(int(quota) / int(period))
+            except (OSError, ValueError):
+                pass
+            if path in ("/", ""):
+                break
+            path = os.path.dirname(path)
+    return quotas
+
+
+def read(directory, name):
+    with open(os.path.join(directory, name)) as f:
+        return f.read().strip()
+
+
+def busy_seconds(cpus):
+    """CPU seconds spent so far on `cpus` by anything (/proc/stat: all but idle and iowait; steal included)."""
+    total = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *ticks = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+                ticks = [int(t) for t in ticks[:8]]
+                total += sum(ticks) - ticks[3] - ticks[4]
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def running_now():
+    """The processes running or ready to run on the machine at this instant, this one included (/proc/stat)."""
+    with open("/proc/stat") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("procs_running"))
+
+
+def own_seconds():
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+# This process's state: whether the count follows the load, the usable CPUs, the last count of the CPUs' time.
+on_cpu, following, usable, last = False, False, None, None
+
+
+def setup(device):
+    """Before the first op, on CPU: as many threads as usable CPUs that no other process runs on now (torch's default
+    is the machine's cores, which a container's quota does not limit), re-counted by follow() from then on."""
+    global on_cpu, following, usable
+    on_cpu, usable = device.type == "cpu", usable_cpus()
+    following = on_cpu and not USER and os.path.exists("/proc/stat")
+    if following:  # until the first count: the CPUs that no other process is running on right now
+        torch.set_num_threads(max(1, min(usable, len(os.sched_getaffinity(0)) - running_now() + 1)))
+
+
+def describe(before=", "):
+    """The start-up line's words for the threads on CPU, after `before` (e.g. ", 2 CPU threads (2 usable, fewer
+    while ...)"); "" on a GPU."""
+    if not on_cpu:
+        return ""
+    n = torch.get_num_threads()
+    said = f"{before}{n} CPU thread{'s' * (n > 1)}"
+    if USER:
+        return f"{said} ({USER[0]}={os.environ[USER[0]]})"
+    return f"{said} ({usable} usable{', fewer while other processes load them' * following})"
+
+
+def follow():
+    """Once per step, on the thread that runs the ops (OpenMP's thread count is its caller's): every INTERVAL, as
+    many threads as CPUs the other processes left free over the last one (/proc/stat's busy time on this process's
+    CPUs less its own CPU time), at least one, at most the usable ones."""
+    global last
+    if not following:
+        return
+    now = time.monotonic()
+    if last and now - last[0] < INTERVAL:
+        return
+    cpus = os.sched_getaffinity(0)
+    sample = (now, busy_seconds(cpus), own_seconds())
+    if last:
+        others = max(0.0, (sample[1] - last[1]) - (sample[2] - last[2])) / (now - last[0])  # CPUs kept busy
+        n = max(1, min(usable, round(len(cpus) - others)))
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
+    last = sample

@@ -1,0 +1,90 @@
+"""A CPU run beside other jobs (not collected by pytest):
+
+    python tests/bench_share.py                                  # ~10 minutes on 2 cores
+    python tests/bench_share.py --busy 4 --runs 5 --variant OMP_NUM_THREADS=1 --variant OMP_WAIT_POLICY=PASSIVE
+    python tests/bench_share.py --variant OMP_NUM_THREADS=2:quiet    # the code before support/threads.py, quiet only
+
+`train.py configs/demo.py --tokens=60000` (the demo's model and batch), timed whole as a user waits for it
+(start-up included), alone ("quiet") and beside --busy processes that each spin one core ("loaded"), --runs
+times each, in turn. Each variant is the same command with environment variables added ("as is": none); one
+ending in ":quiet" runs quiet only.
+
+Fair share: a run that gets the share of the machine its threads would get among the busy ones. With C usable
+CPUs (support/threads.py: affinity and cgroup quota) and the quiet time Q of the command as is (its median), C
+threads among N + C runnable ones get C / (N + C) of the machine: fair = Q * (N + C) / C (3.0 Q for 4 busy
+processes on 2 cores). The table gives each variant's quiet and loaded times (median, min-max) and loaded / fair
+(median, worst).
+"""
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from support.threads import usable_cpus  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def timed(cmd, env, out):
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+    threads = re.search(r"\d+ CPU threads? \([^)]*\)", r.stdout)  # what the start-up line says
+    return time.perf_counter() - t0, threads[0] if threads else "-"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--busy", type=int, default=4, help="processes spinning one core each beside the loaded runs")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=60_000)
+    p.add_argument("--variant", action="append", default=[], help="NAME=VALUE[,NAME=VALUE][:quiet]: environment added")
+    args = p.parse_args()
+    variants = {"as is": {}, **{v: dict(kv.split("=", 1) for kv in v.removesuffix(":quiet").split(","))
+                                for v in args.variant}}
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    tmp = tempfile.mkdtemp(prefix="bench_share-")
+    data = os.path.join(tmp, "data")
+    subprocess.run([sys.executable, "data.py", "--demo", "domain", "--tokenizer", "bpe:4096", "--out", data],
+                   cwd=ROOT, check=True, capture_output=True)
+    cmd = lambda k: [sys.executable, "train.py", "configs/demo.py", f"--data_dir={data}",  # noqa: E731
+                     f"--out_dir={os.path.join(tmp, f'run{k}')}", f"--tokens={args.tokens}", "--log_interval=1000"]
+    times, said, k = {(v, load): [] for v in variants for load in ("quiet", "loaded")}, {}, 0
+    for r in range(args.runs):
+        for load in ("quiet", "loaded"):
+            busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)] \
+                if load == "loaded" else []
+            try:
+                for name, env in variants.items():
+                    if load == "loaded" and name.endswith(":quiet"):
+                        continue
+                    k += 1
+                    seconds, said[name] = timed(cmd(k), {**base, **env}, os.path.join(tmp, f"run{k}"))
+                    times[name, load].append(seconds)
+                    print(f"run {r + 1}/{args.runs} {load:6s} {name}: {seconds:.1f} s", flush=True)
+            finally:
+                for b in busy:
+                    b.kill()
+                    b.wait()
+    C = usable_cpus()
+    fair = statistics.median(times["as is", "quiet"]) * (args.busy + C) / C
+    print(f"\n`train.py configs/demo.py --tokens={args.tokens}`; {C} usable CPUs, {args.busy} busy processes: fair "
+          f"share {fair:.1f} s ({(args.busy + C) / C:.1f} x the quiet median as is); {args.runs} runs each\n")
+    print("| variant | start-up line | quiet s, median (min-max) | loaded s, median (min-max) | loaded / fair, median "
+          "(worst) |\n|---|---|---|---|---|")
+    for name in variants:
+        q, lo = times[name, "quiet"], times[name, "loaded"]
+        loaded = (f"{statistics.median(lo):.1f} ({min(lo):.1f}-{max(lo):.1f}) | {statistics.median(lo) / fair:.2f} "
+                  f"({max(lo) / fair:.2f})") if lo else "- | -"
+        print(f"| {name} | {said[name]} | {statistics.median(q):.1f} ({min(q):.1f}-{max(q):.1f}) | {loaded} |")
+
+
+if __name__ == "__main__":
+    main()
