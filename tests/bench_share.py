@@ -12,13 +12,16 @@ ending in ":quiet" runs quiet only.
 Fair share: a run that gets the share of the machine its threads would get among the busy ones. With C usable
 CPUs (support/threads.py: affinity and cgroup quota) and the quiet time Q of the command as is (its median), C
 threads among N + C runnable ones get C / (N + C) of the machine: fair = Q * (N + C) / C (3.0 Q for 4 busy
-processes on 2 cores). The table gives each variant's quiet and loaded times (median, min-max) and loaded / fair
-(median, worst).
+processes on 2 cores). The table gives each variant's quiet and loaded times (median, min-max), loaded / fair
+(median, worst), and the CPUs the run kept busy (its CPU time / wall time): beside 4 busy processes one thread gets
+2 / 5 = 0.40 of a CPU, the most a thread can get there; threads that meet at a barrier after every op get little
+more, whatever their number (OpenMP splits each op evenly, so the op waits for the thread that is off its core).
 """
 
 import argparse
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -31,13 +34,16 @@ from support.threads import usable_cpus  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def timed(cmd, env, out):
-    t0 = time.perf_counter()
+def timed(cmd, env):
+    """-> (wall seconds, CPUs it kept busy on average: its CPU time / wall, the threads the start-up line names)."""
+    t0, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
     if r.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
-    threads = re.search(r"\d+ CPU threads? \([^)]*\)", r.stdout)  # what the start-up line says
-    return time.perf_counter() - t0, threads[0] if threads else "-"
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    threads = re.search(r"\d+ CPU threads? \([^)]*\)", r.stdout)
+    return wall, cpu / wall, threads[0] if threads else "-"
 
 
 def main():
@@ -57,6 +63,7 @@ def main():
     cmd = lambda k: [sys.executable, "train.py", "configs/demo.py", f"--data_dir={data}",  # noqa: E731
                      f"--out_dir={os.path.join(tmp, f'run{k}')}", f"--tokens={args.tokens}", "--log_interval=1000"]
     times, said, k = {(v, load): [] for v in variants for load in ("quiet", "loaded")}, {}, 0
+    share = {key: [] for key in times}
     for r in range(args.runs):
         for load in ("quiet", "loaded"):
             busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)] \
@@ -66,8 +73,9 @@ def main():
                     if load == "loaded" and name.endswith(":quiet"):
                         continue
                     k += 1
-                    seconds, said[name] = timed(cmd(k), {**base, **env}, os.path.join(tmp, f"run{k}"))
+                    seconds, cpus, said[name, load] = timed(cmd(k), {**base, **env})
                     times[name, load].append(seconds)
+                    share[name, load].append(cpus)
                     print(f"run {r + 1}/{args.runs} {load:6s} {name}: {seconds:.1f} s", flush=True)
             finally:
                 for b in busy:
@@ -77,13 +85,16 @@ def main():
     fair = statistics.median(times["as is", "quiet"]) * (args.busy + C) / C
     print(f"\n`train.py configs/demo.py --tokens={args.tokens}`; {C} usable CPUs, {args.busy} busy processes: fair "
           f"share {fair:.1f} s ({(args.busy + C) / C:.1f} x the quiet median as is); {args.runs} runs each\n")
-    print("| variant | start-up line | quiet s, median (min-max) | loaded s, median (min-max) | loaded / fair, median "
-          "(worst) |\n|---|---|---|---|---|")
+    print("| variant | threads (start-up line, quiet / loaded) | quiet s, median (min-max) | loaded s, median "
+          "(min-max) | loaded / fair, median (worst) | CPUs kept busy, quiet / loaded |\n|---|---|---|---|---|---|")
     for name in variants:
         q, lo = times[name, "quiet"], times[name, "loaded"]
         loaded = (f"{statistics.median(lo):.1f} ({min(lo):.1f}-{max(lo):.1f}) | {statistics.median(lo) / fair:.2f} "
                   f"({max(lo) / fair:.2f})") if lo else "- | -"
-        print(f"| {name} | {said[name]} | {statistics.median(q):.1f} ({min(q):.1f}-{max(q):.1f}) | {loaded} |")
+        threads = " / ".join(said[name, load] for load in ("quiet", "loaded") if (name, load) in said)
+        busy = " / ".join(f"{statistics.median(share[name, load]):.2f}" for load in ("quiet", "loaded")
+                          if share[name, load])
+        print(f"| {name} | {threads} | {statistics.median(q):.1f} ({min(q):.1f}-{max(q):.1f}) | {loaded} | {busy} |")
 
 
 if __name__ == "__main__":
