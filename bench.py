@@ -347,6 +347,9 @@ def parse_args(argv=None):
     p.add_argument("--hf_backend", default="auto", help="transformers' attn_implementation (auto: its best here)")
     p.add_argument("--lengths_from", help="a text file whose documents' token lengths make the variable batch")
     p.add_argument("--tokenizer", help="tokenizer.json for --lengths_from and the data section")
+    p.add_argument("--cases", nargs="+", default=["variable", "packed"], choices=["variable", "packed"],
+                   help="section 1's batches (tests/gpu_check.py runs one case and objective per process)")
+    p.add_argument("--objectives", nargs="+", default=["mlm", "clm"], choices=["mlm", "clm"])
     p.add_argument("--skip", nargs="*", default=[], choices=["step", "attention", "loss", "data"])
     p.add_argument("--out", default="bench.json")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -398,8 +401,8 @@ def main(argv=None):
                 lengths_file = os.path.join(ckpt, "lengths.npy")
                 np.save(lengths_file, np.array(lengths_from))
             rows = []
-            for case in ("variable", "packed"):
-                for objective in ("mlm", "clm"):
+            for case in args.cases:
+                for objective in args.objectives:
                     measured = {}
                     for impl, backend, compiled in impls:
                         spec = dict(task="step", impl=impl.split()[0], backend=backend, ckpt=ckpt, device=str(device),
@@ -467,8 +470,9 @@ def main(argv=None):
             for w in (1, 2):
                 rows.append({"what": f"prepare {w} workers / raw tiktoken",
                              "value": f"{d[f'prepare_{w}_workers_tokens_per_s'] / d['raw_tiktoken_tokens_per_s']:.2f}"})
-        if "step" in results:
-            ours = next(r for r in results["step"] if (r["case"], r["objective"], r["impl"]) == ("packed", "mlm", "ours"))
+        ours = next((r for r in results.get("step", []) if (r["case"], r["objective"], r["impl"]) == (
+            "packed", "mlm", "ours")), None)
+        if ours:
             step_ms = 1000 * ours["raw"]["seconds"]
             rows.append({"what": "loader time / training step (packed MLM)",
                          "value": f"{d['loader_ms_per_batch'] / step_ms:.2%}"})
