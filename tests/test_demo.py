@@ -68,6 +68,26 @@ def test_demo_pipeline_quick(checkout):
         assert f"({png})" in report
 
 
+def test_readme_table_has_the_digits_the_demo_prints_and_its_time(checkout):
+    """The README's table shows what report.md prints, to its digits: losses to 3 decimals (the fourth moves
+    between CPUs' kernels), F1 and CKA to 2; the README and demo.py give the same time."""
+    work, r = checkout
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = (work / "out" / "demo" / "report.md").read_text()
+    printed = re.findall(r"^\| (?:clm|mlm|mlm_twin) \| --objective=\S+(?: --seed=42)? \| (\S+) \| (\S+) \|$", report,
+                         re.M)
+    shown = re.findall(r"^\| (?:CLM detour|MLM|MLM seed twin \(control\)) \| (\S+) \| (\S+) \|([^|]*)\|([^|]*)\|$",
+                       README, re.M)
+    assert len(printed) == len(shown) == 3
+    decimals = lambda numbers: {len(x.split(".")[1]) for x in re.findall(r"\d+\.\d+", " ".join(numbers))}  # noqa: E731
+    assert decimals(x for row in printed for x in row) == decimals(x for row in shown for x in row[:2]) == {3}
+    f1 = re.findall(r"^\| (?:clm|mlm) \| (\d+\.\d+ ± \d+\.\d+) \|", report, re.M)
+    assert len(f1) == 2 and decimals(f1) == decimals(row[2] for row in shown) == {2}
+    assert decimals(row[3] for row in shown) == {2}  # CKA (%), as report.md's region table
+    minutes = re.search(r"The run takes (\d+-\d+) minutes on 2 free CPU cores", README)
+    assert minutes and f"# {minutes[1]} minutes on 2 free CPU cores" in open(os.path.join(ROOT, "demo.py")).read()
+
+
 def test_readme_commands_after_the_demo_run_on_its_outputs(checkout):
     """The commands of the README's demo section, as written, in the checkout where the demo ran."""
     work, demo = checkout
@@ -106,4 +126,4 @@ def test_every_other_readme_command_names_files_that_exist_and_arguments_its_scr
         if script == "train.py":
             train.parse_config([a if not a.startswith("configs/") else os.path.join(ROOT, a) for a in args])
         else:
-            importlib.import_module(script[:-3]).parse_args([a for a in args if a != "--"])
+            importlib.import_module(script[:-3].replace("/", ".")).parse_args([a for a in args if a != "--"])
