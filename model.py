@@ -148,7 +148,7 @@ def attention(q, k, v, packing, layer_type, dropout_p):
                                               window_size=window)
     if packing.backend == "varlen":
         return kernels.varlen_attn(q, k, v, cu, cu_k, S, S, window_size=window)
-    return packing.sdpa(q, k, v, layer_type, dropout_p)  # on a re-padded (B, S) view: CPU, float32, fallback
+    return packing.sdpa(q, k, v, layer_type, dropout_p)  # per sequence or on a (B, S) view: CPU, float32, fallback
 
 
 # -----------------------------------------------------------------------------

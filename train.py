@@ -321,10 +321,10 @@ def main(argv):
         meta = checks.check_run(c, len(run), int(os.environ.get("WORLD_SIZE", 1)))  # data, out_dir, init_from
     process = distributed.setup(c.device, c.dist_timeout_minutes)  # the same without torchrun: one process
     rank, world, device = process.rank, process.world, process.device
-    threads.setup(device)  # CPU: threads for the CPUs this process may use, fewer while other jobs load them
     accum = c.global_batch_size // (c.micro_batch_size * world)  # micro batches per step (parse_config checks)
     autocast, dtype = distributed.autocast(device, c.dtype)
     compiled = {"auto": device.type == "cuda", "true": True, "false": False}[c.compile.lower()]
+    threads.setup(device, compiled)  # CPU: threads for the CPUs this process may use, fewer while other jobs load them
 
     # The loop's state: from the checkpoint this run resumes (out_dir's newest, or init_from's), else fresh.
     checkpointer = Checkpointer(c, process, schedule)

@@ -9,6 +9,7 @@ model.
 
 import json
 import os
+import pickle
 from dataclasses import asdict, fields
 
 import torch
@@ -92,6 +93,9 @@ def load_state(path):
                                                                                   weights_only=True)
     except (SafetensorError, RuntimeError) as e:  # what a truncated file raises, without its name
         raise ValueError(f"cannot load {file} ({e}): is the file complete? Copy it again.") from None
+    except pickle.UnpicklingError:  # weights_only: a pickle that would build anything but tensors
+        raise ValueError(f"{file}: refused: it holds objects other than tensors, and loading them would run code; "
+                         "take the model from a source you trust, as model.safetensors") from None
 
 
 def load_weights(model, path):

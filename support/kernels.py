@@ -4,7 +4,7 @@ The attention kernels behind model.attention(), fastest first, and which one a f
 - flash-attn's `flash_attn_varlen_func` (pip install flash-attn --no-build-isolation): CUDA, float16/bfloat16;
 - PyTorch's own `torch.nn.attention.varlen.varlen_attn` (2.10+, with `window_size`): CUDA, float16/bfloat16,
   no attention-probability dropout;
-- SDPA, everywhere and in any dtype, on a re-padded (B, S) view with a boolean mask (SDPAView below).
+- SDPA, everywhere and in any dtype, per sequence or on a (B, S) view (SDPAView below).
 
 "auto" takes the first that runs here; the config's attn_backend, or MODERNBERT_ATTN, forces one.
 """
@@ -69,24 +69,30 @@ def pick_backend(requested, device, dtype, dropout_p):
 
 
 class SDPAView:
-    """SDPA over the sequences of an unpadded batch: q, k, v viewed as (B, nh, S, hd) (zero-padded by a scatter
-    when the sequences differ in length; packed windows are only reshaped), with one boolean mask per layer
-    type. Only attention is re-padded: every other op stays on the flat tokens. A (T, T) block-diagonal mask
-    would instead make CPU attention quadratic in the whole batch's token count."""
+    """SDPA over the sequences of an unpadded batch, in one of three ways. Sequences of one length (packed windows)
+    are one (B, nh, S, hd) batch, only reshaped. Sequences of different lengths attend each alone on CPU, so that
+    attention costs sum(L^2) rather than B * S^2 (with lengths as uneven as documents', many times less); on a GPU,
+    or under torch.compile (where a loop over the lengths would recompile for every batch), on a (B, S) view
+    zero-padded by a scatter, with a padding mask. Every other op stays on the flat tokens. A (T, T) block-diagonal
+    mask would instead make CPU attention quadratic in the whole batch's token count."""
 
     def __init__(self, cu_seqlens, max_seqlen, positions, windows):
         lengths = cu_seqlens.diff()  # (B,)
         B, S, T, dev = lengths.numel(), max_seqlen, positions.numel(), cu_seqlens.device
-        self.B, self.S, self.padded = B, S, T != B * S
+        self.B, self.S = B, S
+        each = dev.type == "cpu" and not torch.compiler.is_compiling()  # a GPU would launch B kernels per layer
+        self.mode = "batch" if T == B * S else "each" if each else "padded"
         idx = torch.arange(S, device=dev)
         offset = idx[None, :] - idx[:, None]  # (S, S): key position - query position
-        if self.padded:
+        if self.mode == "each":
+            self.bounds = cu_seqlens.tolist()
+        if self.mode == "padded":
             seq = torch.repeat_interleave(torch.arange(B, device=dev), lengths, output_size=T)  # (T,)
             self.index = seq * S + positions  # (T,) each token's row in the (B * S) view
             real = idx[None, :] < lengths[:, None]  # (B, S)
         self.masks = {}  # layer type -> (boolean mask or None, is_causal)
         for layer_type, (left, right) in windows.items():
-            if left < 0 and not self.padded:  # full attention: no mask, so that SDPA picks its fast kernels
+            if left < 0 and self.mode != "padded":  # full attention: no mask, so that SDPA picks its fast kernels
                 self.masks[layer_type] = (None, right == 0)
                 continue
             ok = torch.ones(S, S, dtype=torch.bool, device=dev)
@@ -94,21 +100,29 @@ class SDPAView:
                 ok &= offset >= -left
             if right >= 0:
                 ok &= offset <= right
-            if self.padded:  # keys must be real tokens; a pad query sees every key (no NaN), its output is dropped
+            if self.mode == "padded":  # keys must be real tokens; a pad query sees every key (no NaN), then dropped
                 ok = ((ok & real[:, None, :]) | ~real[:, :, None])[:, None]  # (B, 1, S, S)
             self.masks[layer_type] = (ok, False)
 
     def __call__(self, q, k, v, layer_type, dropout_p):
         """(T, nh, hd) q, k, v -> (T, nh, hd)."""
         T, nh, hd = q.shape
+        mask, is_causal = self.masks[layer_type]
+        if self.mode == "each":
+            def attend(start, end):  # one sequence: (L, nh, hd) -> (1, nh, L, hd) -> (L, nh, hd)
+                L = end - start
+                out = F.scaled_dot_product_attention(*(x[start:end].transpose(0, 1)[None] for x in (q, k, v)),
+                                                     attn_mask=None if mask is None else mask[:L, :L],
+                                                     dropout_p=dropout_p, is_causal=is_causal)
+                return out[0].transpose(0, 1)
+            return torch.cat([attend(a, b) for a, b in zip(self.bounds[:-1], self.bounds[1:])])
 
         def view(x):  # (T, nh, hd) -> (B, nh, S, hd)
-            if self.padded:
+            if self.mode == "padded":
                 x = x.new_zeros(self.B * self.S, nh, hd).index_copy(0, self.index, x)
             return x.view(self.B, self.S, nh, hd).transpose(1, 2)
 
-        mask, is_causal = self.masks[layer_type]
         out = F.scaled_dot_product_attention(view(q), view(k), view(v), attn_mask=mask, dropout_p=dropout_p,
                                              is_causal=is_causal)
         out = out.transpose(1, 2).reshape(self.B * self.S, nh, hd)
-        return out[self.index] if self.padded else out
+        return out[self.index] if self.mode == "padded" else out

@@ -5,16 +5,19 @@ SIGKILL, the OOM killer): the same command run again after a crash needs no manu
 holds it (host, pid, command, since when), whether it is stopping, and a heartbeat, so that a second run is
 refused at once in one line naming the holder, and a requeued job tells a live holder from a dying or lost one:
   - stopping (train.py caught SIGTERM and is writing its last checkpoint): wait for it, then resume from it;
-  - silent (no heartbeat for STALE seconds: its node is lost or frozen): wait for the filesystem to drop its lock;
+  - silent (its heartbeat has not moved for STALE seconds, timed on this side: its node is lost or frozen): wait
+    for the filesystem to drop its lock;
 each wait at most WAIT seconds, said when it starts. Under torchrun rank 0 holds the directory for the job and
-every rank gets the same answer.
+every rank gets the same answer. A process holds a directory once, until it exits, however often it asks.
 
 What this needs of the filesystem: flock shared by every node that runs against it. Local disks: yes. NFS (Linux
-clients turn flock into POSIX locks, which the server arbitrates): yes; a lost client's lock lasts until the
-server's lease expires (NFSv4: 90 s by default, within the wait) or, on NFSv3, until that node reboots: the
-refusal then says to remove DIR/.lock. Lustre: mounted with `-o flock`; with `-o localflock` only processes on
-one node see each other's lock; with neither, flock fails and the run warns that nothing guards its directory,
-then goes on unguarded.
+clients turn flock into POSIX locks, which the server arbitrates): yes, unless mounted `nolock` or
+`local_lock=flock|all` (then each node sees only its own locks); a lost client's lock lasts until the server's
+lease expires (NFSv4: 90 s by default, within the wait) or, on NFSv3, until that node reboots: the refusal then
+says to remove DIR/.lock. Lustre: mounted with `-o flock`; with `-o localflock` only one node's processes see each
+other's lock; with neither, flock fails and the run warns that nothing guards its directory, then goes on
+unguarded. BeeGFS: with tuneUseGlobalFileLocks. POSIX locks belong to a process, not to an open file: this
+process must never open and close DIR/.lock elsewhere, which on NFS would drop its lock.
 """
 
 import errno
@@ -30,26 +33,39 @@ from support.distributed import on_rank0
 
 LOCK = ".lock"
 BEAT = 30.0  # seconds between heartbeats
-STALE = 120.0  # a holder silent this long is taken for lost (four beats missed; clocks of a cluster agree to far less)
+STALE = 120.0  # a heartbeat that has not moved for this long, on the reader's clock, is a lost holder's
 WAIT = 600.0  # the longest wait for a stopping or lost holder: a Large checkpoint on a slow filesystem, or a lease
+RECORD = 1024  # bytes: the record, padded with spaces and rewritten in place, so that a reader never finds it empty
+held = {}  # directory (real path) -> this process's Hold
 
 
 class Hold:
     """This process's hold on a directory: the open, locked .lock file, rewritten with each heartbeat."""
 
     def __init__(self, fd):
-        self.fd, self.writing = fd, threading.Lock()  # the heartbeat thread and stopping() both rewrite the file
+        # The heartbeat thread and stopping() both write, stopping() also from a signal handler on a main thread that
+        # may be writing already: a reentrant lock.
+        self.fd, self.writing, self.failed = fd, threading.RLock(), False
         command = " ".join(sys.argv)
-        self.info = dict(host=socket.gethostname(), pid=os.getpid(), command=command[:80] + "..." * (len(command) > 80),
-                         since=time.strftime("%Y-%m-%d %H:%M:%S"), state="running")
+        self.info = dict(host=socket.gethostname()[:100], pid=os.getpid(),
+                         command=command[:80] + "..." * (len(command) > 80),
+                         since=time.strftime("%Y-%m-%d %H:%M:%S %Z"), state="running")
         self.write()
         threading.Thread(target=self.beat, daemon=True).start()
 
     def write(self):
-        with self.writing:
-            os.ftruncate(self.fd, 0)
-            os.pwrite(self.fd, json.dumps({**self.info, "beat": time.time()}).encode(), 0)
-            os.fsync(self.fd)  # so that another node reads it (NFS: close-to-open)
+        """Rewrite the record in place. A failed write (a full disk, a stale NFS handle) is said once and tried
+        again at the next beat: the run goes on."""
+        record = json.dumps({**self.info, "beat": time.time()}).ljust(RECORD).encode()
+        try:
+            with self.writing:
+                os.pwrite(self.fd, record, 0)
+                os.fsync(self.fd)  # so that another node reads it (NFS: close-to-open)
+        except OSError as e:
+            if not self.failed:
+                print(f"warning: cannot write the lock file of the output directory ({e}); the run goes on",
+                      file=sys.stderr)
+            self.failed = True
 
     def beat(self):
         while True:
@@ -63,7 +79,7 @@ class Hold:
 
 
 def holder(path):
-    """What the lock file at `path` says of its holder ({} while it is being rewritten)."""
+    """What the lock file at `path` says of its holder ({} if it says nothing readable)."""
     try:
         with open(path) as f:
             return json.loads(f.read() or "{}")
@@ -74,16 +90,26 @@ def holder(path):
 def take(directory, what):
     """-> a Hold on `directory` (made if missing), or None where the filesystem has no locks (with a warning); a
     SystemExit naming the holder if another run holds it."""
+    key = os.path.realpath(directory)
+    if key in held:
+        return held[key]
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, LOCK)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    started, waiting = time.time(), None  # why this run waits, once it does
-    while True:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # the umask decides: a group's shared directory stays so
+    except PermissionError as e:
+        raise SystemExit(f"{what}={directory}: cannot open {path} ({e.strerror}): another user's run left it; ask "
+                         f"them to make it group-writable, or choose another {what}") from None
+    gone = (f"If that process is gone (a lost node whose lock outlived it, as on NFSv3), remove {path} and re-run; "
+            f"else wait for it, or choose another {what}.")
+    started, said, seen = time.monotonic(), None, {}  # seen: on this clock, when the record was first unreadable,
+    while True:  # its last heartbeat and when that last moved
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if waiting:
-                print(f"{what}={directory}: its holder is gone after {time.time() - started:.0f} s; going on")
-            return Hold(fd)
+            if said:
+                print(f"{what}={directory}: its holder is gone after {time.monotonic() - started:.0f} s; going on")
+            held[key] = Hold(fd)
+            return held[key]
         except BlockingIOError:
             pass
         except OSError as e:
@@ -93,33 +119,42 @@ def take(directory, what):
             print(f"warning: {what}={directory}: its filesystem has no file locks ({e.strerror}), so nothing stops a "
                   "second run from writing there too (Lustre: mount with -o flock)", file=sys.stderr)
             return None
-        info = holder(path)  # {} for an instant while the holder rewrites it
-        if not info and time.time() - started > 5:
-            raise SystemExit(f"{what}={directory} is in use by another process ({path} does not say which): one run "
-                             f"writes a directory at a time. Wait for it to end, or choose another {what}.")
-        if info:
+        now, info = time.monotonic(), holder(path)
+        if not info:  # a holder that died before writing its record
+            if now - seen.setdefault("unreadable", now) > 5:
+                raise SystemExit(f"{what}={directory} is held by a process that {path} does not name. {gone}")
+        else:
+            seen.pop("unreadable", None)
+            if info["beat"] != seen.get("beat"):  # its first sight, or a move
+                seen["moves"], seen["beat"], seen["moved"] = seen.get("moves", -1) + 1, info["beat"], now
             who = f"pid {info['pid']} on {info['host']} (`{info['command']}`, since {info['since']})"
-            silent = time.time() - info["beat"]
-            why = ("stopping: it is writing its last checkpoint" if info["state"] == "stopping" else
-                   f"silent for {silent:.0f} s: its node may be lost" if silent > STALE else None)
-            if why is None:
+            age = time.time() - info["beat"]  # by its clock against ours: a first guess only
+            if info["state"] == "stopping":
+                state, why = "stopping", "stopping: it is writing its last checkpoint"
+            elif age < STALE or seen["moves"]:
                 raise SystemExit(f"{what}={directory} is in use by {who}: one run writes a directory at a time. Wait "
-                                 f"for it to end (or stop it: kill -TERM {info['pid']} on {info['host']}), or choose "
-                                 f"another {what}.")
-            if waiting is None:
-                waiting = why
+                                 f"for it to end (or stop it: kill -TERM {info['pid']} on {info['host']}, or scancel "
+                                 f"its job), or choose another {what}.")
+            elif now - seen["moved"] > STALE:
+                state, why = "silent", f"silent for {now - seen['moved']:.0f} s: its node may be lost"
+            else:
+                state, why = "watched", f"its heartbeat {age:.0f} s old by its clock (lost, or its clock is not ours)"
+            if said != state:
+                said = state
                 print(f"{what}={directory} is held by {who}, {why}; waiting up to {WAIT / 60:.0f} minutes for it",
                       file=sys.stderr, flush=True)
-            elif time.time() - started > WAIT:
-                raise SystemExit(f"{what}={directory} is still held by {who}, {why}, after {WAIT / 60:.0f} minutes. "
-                                 f"If that process is gone (a lost node whose lock outlived it, as on NFSv3), remove "
-                                 f"{path} and re-run; else wait for it, or choose another {what}.")
+            if now - started > WAIT:
+                raise SystemExit(f"{what}={directory} is still held by {who} after {WAIT / 60:.0f} minutes. {gone}")
         time.sleep(1.0)
 
 
 def hold(directory, process, what="--out"):
     """Hold `directory` for this run, before any work: rank 0 takes it, every rank gets the outcome (a refusal is
     one line on rank 0). -> the Hold on rank 0 (None elsewhere, or where the filesystem has no locks)."""
-    held = []
-    on_rank0(lambda: held.append(take(directory, what)), process)
-    return held[0] if held else None
+    mine = []
+
+    def take_on_rank0():  # returns nothing: only the outcome goes to the other ranks, the Hold stays here
+        mine.append(take(directory, what))
+
+    on_rank0(take_on_rank0, process)
+    return mine[0] if mine else None

@@ -12,8 +12,8 @@ passively (OMP_WAIT_POLICY=PASSIVE) still pays a wake-up per op; one thread has 
 So: as many threads as CPUs are free for this process, at most the usable ones (its affinity mask, capped by its
 cgroup's CPU quota), re-counted every second from what the other processes take of those CPUs (/proc/stat less
 this process's own CPU time): all of them on a quiet machine, one beside busy jobs. A thread count set by the user
-(OMP_NUM_THREADS, MKL_NUM_THREADS) is left alone. Results can change in the last bits with the thread count:
-with a fixed count (OMP_NUM_THREADS=2) a CPU run is bit-for-bit repeatable whatever the load.
+is left alone. Results can change in the last bits with the thread count: with a fixed count (OMP_NUM_THREADS=2)
+a CPU run is bit-for-bit repeatable whatever the load.
 """
 
 import math
@@ -94,17 +94,30 @@ def own_seconds():
 
 
 # This process's state: whether the count follows the load, the usable CPUs, the last count of the CPUs' time.
-on_cpu, following, usable, last = False, False, None, None
+DEFAULT = torch.get_num_threads()  # torch's own count (the machine's physical cores: no hyperthreads), or the caller's
+on_cpu, following, usable, fixed_by, ours, last = False, False, None, None, None, None
 
 
-def setup(device):
+def setup(device, compiled=False):
     """Before the first op, on CPU: as many threads as usable CPUs that no other process runs on now (torch's default
-    is the machine's cores, which a container's quota does not limit), re-counted by follow() from then on."""
-    global on_cpu, following, usable
-    on_cpu, usable = device.type == "cpu", usable_cpus()
-    following = on_cpu and not USER and os.path.exists("/proc/stat")
-    if following:  # until the first count: the CPUs that no other process is running on right now
-        torch.set_num_threads(max(1, min(usable, len(os.sched_getaffinity(0)) - running_now() + 1)))
+    is the machine's cores, which a container's quota does not limit), re-counted by follow() from then on. Left
+    alone: a count the user set (OMP_NUM_THREADS, MKL_NUM_THREADS, or torch.set_num_threads before this call).
+    Compiled code keeps the count it was compiled with (inductor writes it into its loops): all usable ones."""
+    global on_cpu, following, usable, fixed_by
+    on_cpu, usable = device.type == "cpu", min(usable_cpus(), DEFAULT)
+    fixed_by = (f"{USER[0]}={os.environ[USER[0]]}" if USER else "torch.set_num_threads"
+                if torch.get_num_threads() not in (DEFAULT, ours) else "torch.compile" if compiled else None)
+    following = on_cpu and not fixed_by and os.path.exists("/proc/stat")
+    if on_cpu and fixed_by in (None, "torch.compile"):
+        free = len(os.sched_getaffinity(0)) - running_now() + 1 if following else usable  # others running right now
+        use(max(1, min(usable, free)))
+
+
+def use(n):
+    global ours
+    ours = n
+    if n != torch.get_num_threads():
+        torch.set_num_threads(n)
 
 
 def describe(before=", "):
@@ -114,9 +127,9 @@ def describe(before=", "):
         return ""
     n = torch.get_num_threads()
     said = f"{before}{n} CPU thread{'s' * (n > 1)}"
-    if USER:
-        return f"{said} ({USER[0]}={os.environ[USER[0]]})"
-    return f"{said} ({usable} usable{', fewer while other processes load them' * following})"
+    if fixed_by and fixed_by != "torch.compile":
+        return f"{said} ({fixed_by})"
+    return f"{said} ({usable} usable{', fewer while other processes load them' if following else ', fixed: compiled'})"
 
 
 def follow():
@@ -133,7 +146,5 @@ def follow():
     sample = (now, busy_seconds(cpus), own_seconds())
     if last:
         others = max(0.0, (sample[1] - last[1]) - (sample[2] - last[2])) / (now - last[0])  # CPUs kept busy
-        n = max(1, min(usable, round(len(cpus) - others)))
-        if n != torch.get_num_threads():
-            torch.set_num_threads(n)
+        use(max(1, min(usable, round(len(cpus) - others))))
     last = sample

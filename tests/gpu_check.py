@@ -317,12 +317,15 @@ def run_figures(out_dir, log, s, bench):
     rows = []
     for phase in phases(s["phase_steps"]):
         mine = [r for r in records if r["phase"] == phase["name"] and "loss" in r]
+        if not mine:
+            continue
+        steady = mine[1:] or mine  # the first step of a phase may compile
         step_s = [tokens_per_step / r["tokens_per_s"] for r in mine]
-        mfu = [r["mfu"] for r in mine[1:] if "mfu" in r]
+        mfu = [r["mfu"] for r in steady if "mfu" in r]
         rows.append(dict(phase=phase["name"], objective=phase["objective"] + (
             f" {phase['mask_prob']:.0%}" if phase["objective"] == "mlm" else ""), steps=len(mine),
-            first_step_s=round(step_s[0], 3), steady_step_s=round(statistics.median(step_s[1:]), 3),
-            tokens_per_s=round(statistics.median(r["tokens_per_s"] for r in mine[1:])),
+            first_step_s=round(step_s[0], 3), steady_step_s=round(statistics.median(step_s[1:] or step_s), 3),
+            tokens_per_s=round(statistics.median(r["tokens_per_s"] for r in steady)),
             mfu=f"{100 * statistics.median(mfu):.1f}%" if mfu else "-", bench_mfu=bench_mfu[phase["objective"]]))
     hooks = said(log)
     compiled = next((h for h in hooks if h["what"] == "compile"), {})

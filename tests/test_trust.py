@@ -13,6 +13,8 @@ import time
 import pytest
 import torch
 
+from model import ModernBertConfig, ModernBertForMaskedLM
+from support import lock
 from support.checkpoint import MANIFEST, TRAIN_STATE, sha256
 from test_train import ROOT, data_dir, metrics, run_train, train_cmd  # noqa: F401 (data_dir is a fixture)
 
@@ -69,19 +71,37 @@ def test_a_train_state_that_would_run_code_is_refused_or_ignored(data_dir, tmp_p
     assert not marker.exists()
 
 
+def test_a_pytorch_model_bin_that_would_run_code_is_refused(tmp_path):
+    """The other weights file a Hugging Face directory may carry, loaded as tensors only: one line, nothing runs."""
+    marker = tmp_path / "it_ran"
+    model = ModernBertForMaskedLM(ModernBertConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                                   num_hidden_layers=1, num_attention_heads=2, pad_token_id=0,
+                                                   cls_token_id=1, sep_token_id=2, bos_token_id=1, eos_token_id=2))
+    model.save_pretrained(tmp_path / "ckpt")
+    os.remove(tmp_path / "ckpt" / "model.safetensors")
+    torch.save({**model.state_dict(), "extra": RunsCode(str(marker))}, tmp_path / "ckpt" / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="pytorch_model.bin: refused: it holds objects other than tensors"):
+        ModernBertForMaskedLM.from_pretrained(tmp_path / "ckpt")
+    assert not marker.exists()
+
+
 # -----------------------------------------------------------------------------
 # One run per out_dir
 
 
-def start(out, data_dir, *args):
-    """train.py in the background, once it holds out_dir (its lock file names it)."""
-    proc = subprocess.Popen(train_cmd(out, data_dir, *args), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while not (out / ".lock").is_file() or not (out / ".lock").read_text():
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()
-        time.sleep(0.05)
+def start(out, data_dir, log, *args):
+    """train.py in the background, its output in `log`, once it holds out_dir (its lock file names it)."""
+    proc = subprocess.Popen(train_cmd(out, data_dir, *args), cwd=ROOT, env=ENV, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT)
+    wait_for(lambda: (out / ".lock").is_file() and (out / ".lock").read_text().strip(), proc, log)
     return proc
+
+
+def wait_for(condition, proc, log, seconds=120):
+    deadline = time.time() + seconds
+    while not condition():
+        assert proc.poll() is None and time.time() < deadline, open(log).read()[-3000:]
+        time.sleep(0.05)
 
 
 LONG = [f"--tokens={400 * 8 * 64}", "--ckpt_interval=20", "--eval_interval=100"]  # 500 steps: tens of seconds
@@ -89,91 +109,113 @@ LONG = [f"--tokens={400 * 8 * 64}", "--ckpt_interval=20", "--eval_interval=100"]
 
 def test_a_second_run_on_one_out_dir_is_refused_and_a_killed_one_resumes(data_dir, tmp_path):
     out = tmp_path / "run"
-    first = start(out, data_dir, *LONG)
-    t0 = time.time()
+    first = start(out, data_dir, tmp_path / "first.log", *LONG)
+    first.send_signal(signal.SIGSTOP)  # paused, not finished, while the same command starts again
     second = run_train(out, data_dir, *LONG, check=False)
-    refused_after = time.time() - t0
-    assert first.poll() is None, "the first run ended before the second started"
+    first.send_signal(signal.SIGCONT)
     line = second.stderr.strip().splitlines()[-1]
     assert second.returncode == 1 and line.startswith(f"out_dir={out} is in use by pid {first.pid} on "), line
-    assert "choose another out_dir" in line and refused_after < 30
+    assert "choose another out_dir" in line and "step" not in second.stdout  # refused before any work
     assert first.wait() == 0  # undisturbed
     steps = [m["step"] for m in metrics(out)]
     assert steps == sorted(set(steps)) and steps[-1] == 500  # each step logged once
-    print(f"second run refused in {refused_after:.1f} s: {line[:120]}...")
+    print(f"second run refused: {line[:120]}...")
 
     # SIGKILL the holder: the kernel drops its lock, and the same command resumes with no manual step.
-    killed = tmp_path / "killed"
-    proc = start(killed, data_dir, *LONG)
-    while not (killed / "ckpt-20").is_dir():
-        time.sleep(0.05)
+    killed, log = tmp_path / "killed", tmp_path / "killed.log"
+    proc = start(killed, data_dir, log, *LONG)
+    wait_for(lambda: (killed / "ckpt-20").is_dir(), proc, log)
     proc.kill()
-    proc.communicate()
+    proc.wait()
     r = run_train(killed, data_dir, *LONG)
     assert "resuming at step" in r.stdout and [m["step"] for m in metrics(killed)] == steps
 
 
-def hold_in_another_process(out, state, seconds, beat_age=0.0):
-    """A process that holds `out` as a train.py run would, says `state`, with a heartbeat `beat_age` seconds old,
-    and lets go after `seconds`."""
+def hold_in_another_process(out, state="running", beat_age=0.0, beat=3600):
+    """A process that holds `out` as a train.py run would, says `state`, its heartbeat `beat_age` seconds old by
+    its clock (one `beat` seconds apart), until a line on its stdin."""
     code = f"""
-import json, os, time
+import sys, time
 from support import lock
-lock.BEAT = 3600  # no heartbeat: the one written below stays
+lock.BEAT = {beat}
 h = lock.take({str(out)!r}, "out_dir")
-if {state!r} == "stopping":
-    h.stopping()
-os.ftruncate(h.fd, 0)
-os.pwrite(h.fd, json.dumps({{**h.info, "beat": time.time() - {beat_age}}}).encode(), 0)
+h.info["state"] = {state!r}
+import json, os
+def write():
+    os.pwrite(h.fd, json.dumps({{**h.info, "beat": time.time() - {beat_age}}}).ljust(lock.RECORD).encode(), 0)
+h.write = write
+write()
 print("held", flush=True)
-time.sleep({seconds})
+sys.stdin.readline()
 """
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=ENV, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline() == "held\n"
     return proc
 
 
-@pytest.mark.parametrize("state, beat_age, why", [("stopping", 0, "stopping: it is writing its last checkpoint"),
-                                                  ("running", 1000, r"silent for 10\d\d s: its node may be lost")])
+def let_go(proc):
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    proc.wait()
+
+
+@pytest.mark.parametrize("state, beat_age, why", [
+    ("stopping", 0, "stopping: it is writing its last checkpoint"),
+    ("running", 1000, r"its heartbeat 10\d\d s old by its clock \(lost, or its clock is not ours\)")])
 def test_a_requeued_run_waits_for_a_stopping_or_silent_holder(data_dir, tmp_path, state, beat_age, why):
-    """A holder that is writing its last checkpoint after SIGTERM, or has been silent for minutes (a lost node
-    whose lock the filesystem has not dropped yet), is waited for; then the run resumes."""
-    out = tmp_path / "run"
+    """A holder that is writing its last checkpoint after SIGTERM, or whose heartbeat is old (a lost node whose lock
+    the filesystem has not dropped yet) is waited for; once it lets go, the run resumes."""
+    out, log = tmp_path / "run", tmp_path / "requeued.log"
     run_train(out, data_dir, "--run_phases=main", "--ckpt_interval=8")
-    holder = hold_in_another_process(out, state, 4, beat_age)
-    r = run_train(out, data_dir)
-    holder.wait()
-    assert re.search(f"out_dir={out} is held by pid {holder.pid} on .*, {why}; waiting up to 10 minutes", r.stderr), \
-        r.stderr
-    assert "its holder is gone after" in r.stdout and "resuming at step 16" in r.stdout
+    holder = hold_in_another_process(out, state, beat_age)
+    run = subprocess.Popen(train_cmd(out, data_dir), cwd=ROOT, env=ENV, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    pattern = f"out_dir={out} is held by pid {holder.pid} on .*, {why}; waiting up to 10 minutes for it"
+    wait_for(lambda: re.search(pattern, open(log).read()), run, log)
+    let_go(holder)
+    assert run.wait() == 0, open(log).read()[-3000:]
+    said = open(log).read()
+    assert "its holder is gone after" in said and "resuming at step 16" in said
+
+
+def test_a_silent_holder_is_told_from_one_whose_clock_differs(tmp_path, monkeypatch):
+    """An old heartbeat by the holder's clock: one that moves is a live holder whose clock differs (refused), one
+    that stays put for STALE seconds on ours is a lost one (waited for, then refused with what to do)."""
+    monkeypatch.setattr(lock, "STALE", 3.0)
+    monkeypatch.setattr(lock, "WAIT", 6.0)
+    holder = hold_in_another_process(tmp_path / "skewed", beat_age=1000, beat=1)
+    t0 = time.time()
+    with pytest.raises(SystemExit, match=f"is in use by pid {holder.pid}"):
+        lock.take(str(tmp_path / "skewed"), "out_dir")
+    assert time.time() - t0 < 5
+    let_go(holder)
+    holder = hold_in_another_process(tmp_path / "lost", beat_age=1000)
+    with pytest.raises(SystemExit, match=r"is still held by .* after 0 minutes\. If that process is gone .* remove "):
+        lock.take(str(tmp_path / "lost"), "out_dir")
+    let_go(holder)
 
 
 def test_a_signalled_run_says_it_is_stopping(data_dir, tmp_path):
     """train.py's lock file says "stopping" from the SIGTERM on (a requeued job waits for it), and the run writes
     its checkpoint and exits 143 as before."""
-    out = tmp_path / "run"
-    proc = start(out, data_dir, *LONG)
-    while not metrics_exist(out):
-        time.sleep(0.05)
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    proc = start(out, data_dir, log, *LONG)
+    wait_for(lambda: (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size, proc, log)
     proc.send_signal(signal.SIGTERM)
-    deadline = time.time() + 30
-    while json.loads((out / ".lock").read_text() or "{}").get("state") != "stopping":
+    deadline = time.time() + 60
+    while lock.holder(str(out / ".lock")).get("state") != "stopping":
         assert time.time() < deadline
         time.sleep(0.01)
     assert proc.wait() == 143
 
 
-def metrics_exist(out):
-    return (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size > 0
-
-
 def test_under_torchrun_a_second_job_is_refused_by_rank_0(data_dir, tmp_path):
     out = tmp_path / "run"
-    first = start(out, data_dir, *LONG)
+    first = start(out, data_dir, tmp_path / "first.log", *LONG)
     first.send_signal(signal.SIGSTOP)  # paused, not finished, while the job starts
     r = subprocess.run(train_cmd(out, data_dir, *LONG, nproc=2, port=29541), cwd=ROOT, env=ENV, capture_output=True,
                        text=True)
     first.kill()
-    first.communicate()
+    first.wait()
     said = [line for line in r.stderr.splitlines() if "is in use by" in line]
     assert r.returncode != 0 and len(said) == 1 and said[0].startswith(f"out_dir={out} is in use by pid {first.pid}")
