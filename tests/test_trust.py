@@ -40,6 +40,18 @@ def plant(ckpt, marker):
     (ckpt / MANIFEST).write_text(json.dumps(manifest))
 
 
+def analyses(ckpt, tmp_path):
+    """cka.py and eval.py command lines (less --out) on the checkpoint `ckpt`, with tiny inputs in tmp_path."""
+    texts, task = tmp_path / "texts.jsonl", tmp_path / "task"
+    texts.write_text("".join(json.dumps({"text": f"the gene binds a cell number {i}."}) + "\n" for i in range(8)))
+    task.mkdir()
+    for split in ("train", "validation", "test"):
+        (task / f"{split}.jsonl").write_text("".join(json.dumps({"text": f"the {w} binds", "label": w}) + "\n"
+                                                     for w in ("cell", "gene") * 4))
+    return [["cka.py", "--pair", ckpt, ckpt, "--texts", str(texts), "--n", "8", "--seeds", "1"],
+            ["eval.py", "--model", ckpt, "--task", "cls", "--data", str(task), "--seeds", "1", "--epochs", "1"]]
+
+
 def test_a_train_state_that_would_run_code_is_refused_or_ignored(data_dir, tmp_path):
     run_train(tmp_path / "run", data_dir, "--run_phases=main", "--ckpt_interval=4")  # 16 steps: ckpt-4 ... ckpt-16
     marker = tmp_path / "it_ran"
@@ -56,15 +68,7 @@ def test_a_train_state_that_would_run_code_is_refused_or_ignored(data_dir, tmp_p
     # Weights from it (a new run), its CKA and its fine-tuning never read the train state.
     ckpt = str(tmp_path / "run" / "ckpt-16")
     run_train(tmp_path / "new", data_dir, f"--init_from={ckpt}", "--run_phases=main", f"--tokens={2 * 8 * 64}")
-    texts = tmp_path / "texts.jsonl"
-    texts.write_text("".join(json.dumps({"text": f"the gene binds a cell number {i}."}) + "\n" for i in range(8)))
-    task = tmp_path / "task"
-    task.mkdir()
-    for split in ("train", "validation", "test"):
-        (task / f"{split}.jsonl").write_text("".join(json.dumps({"text": f"the {w} binds", "label": w}) + "\n"
-                                                     for w in ("cell", "gene") * 4))
-    for script in (["cka.py", "--pair", ckpt, ckpt, "--texts", str(texts), "--n", "8", "--seeds", "1"],
-                   ["eval.py", "--model", ckpt, "--task", "cls", "--data", str(task), "--seeds", "1", "--epochs", "1"]):
+    for script in analyses(ckpt, tmp_path):
         r = subprocess.run([sys.executable, *script, "--out", str(tmp_path / script[0]), "--device", "cpu"],
                            cwd=ROOT, env=ENV, capture_output=True, text=True)
         assert r.returncode == 0, r.stderr[-2000:]
@@ -192,6 +196,19 @@ def test_a_silent_holder_is_told_from_one_whose_clock_differs(tmp_path, monkeypa
     holder = hold_in_another_process(tmp_path / "lost", beat_age=1000)
     with pytest.raises(SystemExit, match=r"is still held by .* after 0 minutes\. If that process is gone .* remove "):
         lock.take(str(tmp_path / "lost"), "out_dir")
+    let_go(holder)
+
+
+def test_cka_and_eval_refuse_an_out_they_do_not_hold(data_dir, tmp_path):
+    """cka.py --out and eval.py --out held by another run: refused in one line, before any model runs."""
+    run_train(tmp_path / "run", data_dir, "--run_phases=main", f"--tokens={2 * 8 * 64}")
+    ckpt = str(tmp_path / "run" / "final")
+    holder = hold_in_another_process(tmp_path / "out")
+    for script in analyses(ckpt, tmp_path):
+        r = subprocess.run([sys.executable, *script, "--out", str(tmp_path / "out"), "--device", "cpu"], cwd=ROOT,
+                           env=ENV, capture_output=True, text=True)
+        assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(
+            f"--out={tmp_path / 'out'} is in use by pid {holder.pid}"), r.stderr[-2000:]
     let_go(holder)
 
 
