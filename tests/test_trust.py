@@ -2,6 +2,7 @@
 script, and one run writes an out_dir at a time (support/lock.py): a second is refused at once, a killed holder
 leaves nothing to clean up, a stopping or silent one is waited for."""
 
+import errno
 import json
 import os
 import re
@@ -210,6 +211,16 @@ def test_cka_and_eval_refuse_an_out_they_do_not_hold(data_dir, tmp_path):
         assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(
             f"--out={tmp_path / 'out'} is in use by pid {holder.pid}"), r.stderr[-2000:]
     let_go(holder)
+
+
+def test_a_filesystem_without_locks_is_said_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    """Lustre without -o flock refuses flock (ENOSYS): a warning names the fix, and nothing is held."""
+    def no_locks(fd, op):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(lock.fcntl, "flock", no_locks)
+    assert lock.take(str(tmp_path / "out"), "out_dir") is None
+    assert "its filesystem has no file locks (Function not implemented)" in capsys.readouterr().err
 
 
 def test_a_signalled_run_says_it_is_stopping(data_dir, tmp_path):
