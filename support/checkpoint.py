@@ -300,8 +300,6 @@ class Checkpointer:
             for tmp in glob.glob(os.path.join(self.c.out_dir, ".tmp-*")):  # a save that a kill interrupted
                 shutil.rmtree(tmp, ignore_errors=True)
             latest = latest_valid_checkpoint(self.c.out_dir)
-            if latest is not None:
-                check_same_run(self.c)
             return os.path.basename(latest) if latest else None
 
         name = on_rank0(choose, self.process)

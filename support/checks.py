@@ -16,7 +16,7 @@ from dataclasses import fields
 
 from model import ModernBertConfig
 from support import hf, shards
-from support.checkpoint import MANIFEST, checkpoint_problem, sha256
+from support.checkpoint import MANIFEST, check_same_run, checkpoint_problem, sha256
 from support.config import check_out_dir
 from support.tokenizer import check_vocab
 
@@ -168,6 +168,8 @@ def check_run(c, steps, world):
               "in a new order", file=sys.stderr)
     check_out_dir(c.out_dir, "out_dir")
     resuming = glob.glob(os.path.join(c.out_dir, "ckpt-*"))  # then init_from is not read
+    if resuming:
+        check_same_run(c)  # before the run holds out_dir: a refused command leaves nothing behind
     if c.init_from != "scratch" and not resuming:
         check_init_from(c.init_from, meta, c.data_dir, c.seq_len)
     for path in resuming:  # the run's model (any checkpoint of it): a seq_len changed on resume must fit it too

@@ -3,11 +3,11 @@ counts the matmuls a real forward + backward dispatches (mm, addmm, bmm: 2 FLOPs
 
 The accounting that differs, on purpose: training_flops counts only the (query, key) pairs the mask keeps
 (each sequence's real length, the local window clipped at the sequence's ends, the causal half), the work
-a varlen kernel does. SDPA on CPU attends over a zero-padded (B, S, S) view with a dense boolean mask: it
-computes all B x S^2 pairs in every layer and masks afterwards, 12 x H FLOPs per pair over forward and
-backward (QK^T and PV, 2 x 2 x H each, and twice that for their gradients). So, exactly:
+a varlen kernel does. SDPA on CPU attends each sequence alone, with a dense boolean mask in the local layers:
+it computes all n^2 pairs of a sequence of n tokens in every layer and masks afterwards, 12 x H FLOPs per pair
+over forward and backward (QK^T and PV, 2 x 2 x H each, and twice that for their gradients). So, exactly:
 
-    FlopCounterMode = training_flops + 12 x H x (L x B x S^2 - the pairs the masks keep)
+    FlopCounterMode = training_flops + 12 x H x (L x sum(n^2) - the pairs the masks keep)
 
 with the kept pairs counted here from explicit masks, not with model.attention_pairs. SDPA runs on its math
 backend, whose bmm the counter sees (no FLOP formula is registered for the fused CPU kernel).
@@ -43,7 +43,7 @@ def test_training_flops_against_flop_counter(causal):
                               num_attention_heads=4, local_attention=8, **SPECIAL)  # layers: global, local, local
     model = ModernBertForMaskedLM(config)
     lengths = [24, 17, 9, 3]  # sequences longer and shorter than the window (+-4)
-    T, B, S = sum(lengths), len(lengths), max(lengths)
+    T, S = sum(lengths), max(lengths)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(3, config.vocab_size, (T,), generator=g)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
@@ -56,7 +56,7 @@ def test_training_flops_against_flop_counter(causal):
         model(tokens, causal=causal, cu_seqlens=cu, max_seqlen=S, rows=rows, targets=targets).backward()
     counted = counter.get_total_flops()
     ours = training_flops(config, lengths, causal, rows.numel())
-    masked_out = config.num_hidden_layers * B * S * S - kept_pairs(config, lengths, causal)
+    masked_out = config.num_hidden_layers * sum(n * n for n in lengths) - kept_pairs(config, lengths, causal)
     print(f"causal={causal}: training_flops / FlopCounterMode = {ours / counted:.6f} raw, "
           f"{(ours + 12 * config.hidden_size * masked_out) / counted:.6f} with the pairs SDPA masks out")
     assert ours + 12 * config.hidden_size * masked_out == counted
