@@ -3,6 +3,7 @@
     python tests/bench_share.py                                  # ~10 minutes on 2 cores
     python tests/bench_share.py --busy 4 --runs 5 --variant OMP_NUM_THREADS=1 --variant OMP_WAIT_POLICY=PASSIVE
     python tests/bench_share.py --variant OMP_NUM_THREADS=2:quiet    # the code before support/threads.py, quiet only
+    python tests/bench_share.py --apart --variant OMP_NUM_THREADS=2  # the busy processes as another user's jobs
 
 `train.py configs/demo.py --tokens=60000` (the demo's model and batch), timed whole as a user waits for it
 (start-up included), alone ("quiet") and beside --busy processes that each spin one core ("loaded"), --runs
@@ -16,12 +17,20 @@ processes on 2 cores). The table gives each variant's quiet and loaded times (me
 (median, worst), and the CPUs the run kept busy (its CPU time / wall time): beside 4 busy processes one thread gets
 2 / 5 = 0.40 of a CPU, the most a thread can get there; threads that meet at a barrier after every op get little
 more, whatever their number (OpenMP splits each op evenly, so the op waits for the thread that is off its core).
+
+Where the busy processes run matters. By default they share the run's session, as jobs started from one shell do.
+Linux's autogroup scheduler (on where /proc/sys/kernel/sched_autogroup_enabled is 1, as on most desktops and login
+nodes) shares the CPUs between sessions first, then between the threads of each session. With --apart the busy
+processes run in a session of their own, as another user's jobs (another ssh login) do: under autogroup the two
+sessions then share the machine, and fair = Q * C / max(C - N, C / 2) (2.0 Q for 4 busy processes on 2 cores).
+(torchrun starts each worker in a session of its own, so its workers get a session's share each.)
 """
 
 import argparse
 import os
 import re
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -32,6 +41,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from support.threads import usable_cpus  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# N processes that spin one core each: this one and the N - 1 it forks, in one process group (killed as one)
+SPIN = "import os\nfor _ in range({}):\n    if os.fork() == 0:\n        break\nwhile True:\n    pass"
+
+
+def autogroup():
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            return "on" if f.read().strip() == "1" else "off"
+    except OSError:
+        return "absent"
 
 
 def timed(cmd, env):
@@ -51,6 +72,7 @@ def main():
     p.add_argument("--busy", type=int, default=4, help="processes spinning one core each beside the loaded runs")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--tokens", type=int, default=60_000)
+    p.add_argument("--apart", action="store_true", help="the busy processes in a session of their own (see above)")
     p.add_argument("--variant", action="append", default=[], help="NAME=VALUE[,NAME=VALUE][:quiet]: environment added")
     args = p.parse_args()
     variants = {"as is": {}, **{v: dict(kv.split("=", 1) for kv in v.removesuffix(":quiet").split(","))
@@ -66,8 +88,9 @@ def main():
     share = {key: [] for key in times}
     for r in range(args.runs):
         for load in ("quiet", "loaded"):
-            busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)] \
-                if load == "loaded" else []
+            busy = subprocess.Popen([sys.executable, "-c", SPIN.format(args.busy - 1)],
+                                    **({"start_new_session": True} if args.apart else {"process_group": 0})) \
+                if load == "loaded" else None
             try:
                 for name, env in variants.items():
                     if load == "loaded" and name.endswith(":quiet"):
@@ -78,13 +101,16 @@ def main():
                     share[name, load].append(cpus)
                     print(f"run {r + 1}/{args.runs} {load:6s} {name}: {seconds:.1f} s", flush=True)
             finally:
-                for b in busy:
-                    b.kill()
-                    b.wait()
+                if busy:
+                    os.killpg(busy.pid, signal.SIGKILL)
+                    busy.wait()
     C = usable_cpus()
-    fair = statistics.median(times["as is", "quiet"]) * (args.busy + C) / C
-    print(f"\n`train.py configs/demo.py --tokens={args.tokens}`; {C} usable CPUs, {args.busy} busy processes: fair "
-          f"share {fair:.1f} s ({(args.busy + C) / C:.1f} x the quiet median as is); {args.runs} runs each\n")
+    sessions = args.apart and autogroup() == "on"
+    times_q = C / max(C - args.busy, C / 2) if sessions else (args.busy + C) / C
+    fair = statistics.median(times["as is", "quiet"]) * times_q
+    print(f"\n`train.py configs/demo.py --tokens={args.tokens}`; {C} usable CPUs, {args.busy} busy processes "
+          f"{'in a session of their own' if args.apart else 'in its session'} (autogroup {autogroup()}): fair "
+          f"share {fair:.1f} s ({times_q:.1f} x the quiet median as is); {args.runs} runs each\n")
     print("| variant | threads (start-up line, quiet / loaded) | quiet s, median (min-max) | loaded s, median "
           "(min-max) | loaded / fair, median (worst) | CPUs kept busy, quiet / loaded |\n|---|---|---|---|---|---|")
     for name in variants:
