@@ -256,7 +256,7 @@ def region_divergence(per_seed, lo, hi):
 def study(args):
     """CKA per layer and seed for the pair and the control, and over seeds: results.json (None on ranks > 0)."""
     process = distributed.setup(args.device)
-    threads.setup(process.device)  # CPU: threads for the CPUs this process may use, fewer while other jobs load them
+    threads.setup(process.device)
     pairs = {"pair": args.pair, **({"control": args.control} if args.control else {})}
     paths = list(dict.fromkeys(p for pair in pairs.values() for p in pair))
     tok = tokenizer_of(paths, args.tokenizer)
@@ -325,7 +325,7 @@ def trajectory(args):
     numbers exactly those of --pair on the same two checkpoints. Each checkpoint is encoded once, for all
     the comparisons it is in, and dropped after its step: memory holds one step's representations."""
     process = distributed.setup(args.device)
-    threads.setup(process.device)  # CPU: threads for the CPUs this process may use, fewer while other jobs load them
+    threads.setup(process.device)
     comparisons = {"pair": args.runs, **({"control": args.control} if args.control else {})}
     kept = {run: run_checkpoints(run) for runs in comparisons.values() for run in runs}
     common = {}  # comparison -> the steps both its runs kept

@@ -683,7 +683,7 @@ def run_task(args, process, autocast, dtype):
 def main(argv=None):
     args = parse_args(argv)
     process = distributed.setup(args.device)
-    threads.setup(process.device)  # CPU: threads for the CPUs this process may use, fewer while other jobs load them
+    threads.setup(process.device)
     autocast, dtype = distributed.autocast(process.device, args.dtype)
     (run_suite if args.suite else run_task)(args, process, autocast, dtype)
     distributed.teardown()
