@@ -3,6 +3,7 @@ mixed precision."""
 
 import contextlib
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+QUIET = 5.0  # seconds a rank > 0 waits before it exits for a mistake rank 0 reports (see quiet_exit)
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,16 @@ def said_once():
         yield
     except SystemExit as e:
         if int(os.environ.get("RANK", 0)) > 0 and isinstance(e.code, str):
-            raise SystemExit(1) from None
+            quiet_exit()
         raise
+
+
+def quiet_exit():
+    """A rank > 0 stops for a mistake that rank 0 says: after rank 0 has had time to say it. torchrun stops
+    every process as soon as one exits, so a rank that exited first could cut rank 0 short of its one line;
+    once rank 0 exits, torchrun ends this wait too."""
+    time.sleep(QUIET)
+    raise SystemExit(1) from None
 
 
 def on_rank0(fn, process):
@@ -70,7 +80,9 @@ def on_rank0(fn, process):
         dist.broadcast_object_list(box)
         result = box[0]
     if isinstance(result, SystemExit):
-        raise result if process.rank == 0 else SystemExit(1)
+        if process.rank > 0:
+            quiet_exit()
+        raise result
     return result
 
 
