@@ -135,9 +135,10 @@ def correctness(ctx, deadline):
     junit, log = os.path.join(ctx.logs, "a_junit.xml"), os.path.join(ctx.logs, "a_pytest.log")
     if os.path.exists(junit):
         os.remove(junit)
-    # -vv: one line per test as it ends (pytest.ini's -q takes one v), read back if the time limit cuts pytest
-    # short; the junit file, written at the end, has each skip's reason and the differences the tests print.
-    code, _ = run([PY, "-m", "pytest", "tests/test_gpu.py", "-vv", "-rA", "-p", "no:cacheprovider",
+    # One process, without pytest.ini's options (-n: pytest-xdist, which a GPU machine may lack); -vv: one line per
+    # test as it ends, read back if the time limit cuts pytest short; the junit file, written at the end, has each
+    # skip's reason and the differences the tests print.
+    code, _ = run([PY, "-m", "pytest", "tests/test_gpu.py", "-o", "addopts=", "-vv", "-rA", "-p", "no:cacheprovider",
                    "-o", "junit_logging=system-out", f"--junitxml={junit}"], log, deadline)
     tests = junit_tests(junit) if code is not None and os.path.exists(junit) else verbose_tests(log)
     result = {**judge_tests(tests, ctx.env, timed_out=code is None), "tests": tests}

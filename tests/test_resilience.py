@@ -204,7 +204,7 @@ def test_nodes_without_a_shared_out_dir_stop_with_a_clear_error(data_dir, base_c
     # Each rank gets its own out_dir, as two nodes with node-local disks would.
     (tmp_path / "node_local.py").write_text(f"import os\nout_dir = {str(tmp_path)!r} + '/node' + os.environ['RANK']\n")
     cmd = train_cmd(tmp_path, data_dir, f"--init_from={base_ckpt}", "--ckpt_interval=4",
-                    str(tmp_path / "node_local.py"), nproc=2, port=29545)
+                    str(tmp_path / "node_local.py"), nproc=2)
     code, out, err = finish(start(cmd), check=False)
     assert code != 0 and (tmp_path / "node0" / "ckpt-4").is_dir()
     assert f"rank 1 on {socket.gethostname()} (no such directory)" in err and "shared by all nodes" in err, err[-3000:]
@@ -345,11 +345,11 @@ def test_kill9_and_a_truncated_checkpoint_resume_from_the_one_before(data_dir, b
 
 def test_torchrun_ranks_stop_together_and_resume_exactly(data_dir, base_ckpt, tmp_path, start):
     args = [f"--init_from={base_ckpt}", "--micro_batch_size=2", *ARGS, f"--tokens={24 * 8 * 64}"]  # dropout 0.1
-    finish(start(train_cmd(tmp_path / "whole", data_dir, *args, nproc=2, port=29541)))
+    finish(start(train_cmd(tmp_path / "whole", data_dir, *args, nproc=2)))
     out = tmp_path / "stopped"
 
     # SIGTERM to rank 1 alone: rank 0 learns it through the step's all-reduce and stops at the same step.
-    proc = start(train_cmd(out, data_dir, *args, nproc=2, port=29542))
+    proc = start(train_cmd(out, data_dir, *args, nproc=2))
     wait_for(lambda: logged(out) >= 4, proc, "step 4")
     code, stdout, err, seconds_one = stop(proc, worker_pids(proc)[1])
     first = stopped_at(stdout, "a signal to another rank")  # what rank 0 says
@@ -358,14 +358,14 @@ def test_torchrun_ranks_stop_together_and_resume_exactly(data_dir, base_ckpt, tm
     assert len(ranks) == 2 and not torch.equal(ranks[0]["rng"]["cpu"], ranks[1]["rng"]["cpu"])
 
     # SIGTERM to torchrun, which forwards it to both workers.
-    proc = start(train_cmd(out, data_dir, *args, nproc=2, port=29543))
+    proc = start(train_cmd(out, data_dir, *args, nproc=2))
     wait_for(lambda: logged(out) >= first + 4, proc, f"step {first + 4}")
     code, stdout, err, seconds_all = stop(proc)
     second = stopped_at(stdout, "SIGTERM")
     assert code != 0 and ckpt_steps(out)[-1] == second > first
     assert seconds_one < 20 and seconds_all < 20, "an exit that hangs until torchrun kills it (after 30 s)"
 
-    finish(start(train_cmd(out, data_dir, *args, nproc=2, port=29544)))
+    finish(start(train_cmd(out, data_dir, *args, nproc=2)))
     whole, resumed = losses(metrics(tmp_path / "whole")), losses(metrics(out))
     assert resumed == whole
     print(f"torchrun: stopped at step {first} (SIGTERM to rank 1, exit after {seconds_one:.2f} s) and {second} "
@@ -402,20 +402,20 @@ def test_ranks_wait_for_a_slow_checkpoint_write(data_dir, base_ckpt, tmp_path, s
     args = [f"--init_from={base_ckpt}", "--micro_batch_size=2", f"--tokens={4 * 8 * 64}", "--run_phases=main",
             "--ckpt_interval=2", "--eval_interval=4"]
 
-    def cmd(out, *extra, port):
-        plain = train_cmd(tmp_path / out, data_dir, *args, *extra, nproc=2, port=port)
+    def cmd(out, *extra):
+        plain = train_cmd(tmp_path / out, data_dir, *args, *extra, nproc=2)
         at = plain.index(os.path.join(ROOT, "train.py"))
         return plain[:at] + [str(wrapper)] + plain[at:]
 
     # A 2-second timeout (what a short default would do): rank 1 gives up waiting while rank 0 writes ckpt-2.
-    code, out, err = finish(start(cmd("short", "--dist_timeout_minutes=0.0333", port=29546)), check=False)
+    code, out, err = finish(start(cmd("short", "--dist_timeout_minutes=0.0333")), check=False)
     assert code != 0 and not (tmp_path / "short" / "final").exists()
     said = re.search(r".*(Timed out|timed out|Timeout).*", err)
     assert said, err[-3000:]
     print(f"timeout 2 s, first checkpoint write 6 s slower: {said[0].strip()[:200]}")
     # The default timeout: rank 1 waits the 6 s, and the run goes on to its end.
     started = time.time()
-    code, out, err = finish(start(cmd("default", port=29547)))
+    code, out, err = finish(start(cmd("default")))
     assert "done:" in out and [m["step"] for m in metrics(tmp_path / "default")] == [1, 2, 3, 4]
     assert time.time() - started > 6
 
@@ -431,8 +431,7 @@ def test_a_small_validation_split_stops_the_run_before_any_step(data_dir, base_c
     windows = os.path.getsize(os.path.join(small_val, "val.bin")) // 2 // 64  # uint16 tokens
     assert windows < 4 * 2, "3 documents must make fewer windows than micro_batch_size x world"
     started = time.time()
-    code, out, err = finish(start(train_cmd(tmp_path / "out", small_val, f"--init_from={base_ckpt}", nproc=2,
-                                            port=29548)), check=False)
+    code, out, err = finish(start(train_cmd(tmp_path / "out", small_val, f"--init_from={base_ckpt}", nproc=2)), check=False)
     assert code != 0 and time.time() - started < 60
     said = [line for line in err.splitlines() if "val.bin makes" in line]
     assert said and f"val.bin makes {windows} windows of seq_len=64" in said[0], err[-3000:]

@@ -11,14 +11,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-from test_train import ROOT, base_ckpt, data_dir, metrics, train_cmd  # noqa: F401 (fixtures)
+from test_train import ROOT, base_ckpt, data_dir, free_port, metrics, train_cmd  # noqa: F401 (fixtures)
 
 TOOLS = ("slurmctld", "slurmd", "sbatch", "munged", "munge")
 missing = [d for d in TOOLS if not shutil.which(d, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")]
@@ -29,12 +28,6 @@ SBIN = "/usr/sbin"
 # 40 main + 10 decay steps of 8 x 64 tokens on 2 processes (micro batch 2: 2 micro batches per rank), dropout on.
 ARGS = ["--micro_batch_size=2", f"--tokens={40 * 8 * 64}", "--log_interval=2", "--ckpt_interval=10",
         "--eval_interval=20"]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 SLURM_CONF = """\
@@ -149,7 +142,7 @@ def test_slurm_job_is_preempted_requeued_and_resumes_exactly(slurm, data_dir, ba
     env = slurm
     args = train_cmd(tmp_path / "x", data_dir, f"--init_from={base_ckpt}", *ARGS)[2:]  # train.py's --key=value
     whole = tmp_path / "whole"
-    subprocess.run(train_cmd(whole, data_dir, f"--init_from={base_ckpt}", *ARGS, nproc=2, port=free_port()),
+    subprocess.run(train_cmd(whole, data_dir, f"--init_from={base_ckpt}", *ARGS, nproc=2),
                    check=True, capture_output=True, cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"})
 
     out, log = tmp_path / "slurm_run", tmp_path / "job.out"

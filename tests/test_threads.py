@@ -66,6 +66,7 @@ def test_threads_follow_a_cgroup_quota():
         os.rmdir(group)
 
 
+@pytest.mark.alone
 @pytest.mark.skipif(min(len(os.sched_getaffinity(0)), torch_default()) < 2, reason="needs 2 usable CPUs")
 def test_beside_busy_processes_one_thread_then_all_again():
     x = torch.randn(256, 256)

@@ -8,6 +8,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -56,14 +57,21 @@ def base_ckpt(data_dir, tmp_path_factory):
     return path
 
 
-def train_cmd(out_dir, data_dir, *overrides, nproc=1, port=29533):
+def free_port():
+    """A port no process listens on now: torchrun's, so that tests running side by side (pytest -n) never share one."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_cmd(out_dir, data_dir, *overrides, nproc=1):
     """A tiny run: 16 main + 4 decay steps of 8 x 64 tokens, unless overridden."""
     args = [f"--data_dir={data_dir}", f"--out_dir={out_dir}", f"--model_config={TINY!r}", "--seq_len=64",
             "--global_batch_size=8", "--micro_batch_size=4", f"--tokens={16 * 8 * 64}", f"--warmup_tokens={4 * 8 * 64}",
             "--lr=3e-3", "--decay_frac=0.25", "--log_interval=1", "--eval_interval=8", "--eval_windows=16",
             "--ckpt_interval=8", "--device=cpu", *overrides]
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                     f"--nproc_per_node={nproc}", f"--master_port={port}"]
+                                                     f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
     return launcher + [os.path.join(ROOT, "train.py"), *args]
 
 

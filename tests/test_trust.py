@@ -241,7 +241,7 @@ def test_under_torchrun_a_second_job_is_refused_by_rank_0(data_dir, tmp_path):
     out = tmp_path / "run"
     first = start(out, data_dir, tmp_path / "first.log", *LONG)
     first.send_signal(signal.SIGSTOP)  # paused, not finished, while the job starts
-    r = subprocess.run(train_cmd(out, data_dir, *LONG, nproc=2, port=29541), cwd=ROOT, env=ENV, capture_output=True,
+    r = subprocess.run(train_cmd(out, data_dir, *LONG, nproc=2), cwd=ROOT, env=ENV, capture_output=True,
                        text=True)
     first.kill()
     first.wait()
