@@ -5,7 +5,6 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ import torch
 from cka import linear_cka
 from model import ModernBertConfig, ModernBertForMaskedLM
 from support.tokenizer import train_bpe
-from test_train import free_port
+from test_train import launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -117,10 +116,9 @@ def setup(tmp_path_factory):
 
 
 def run_cka(tmp, out, *args, nproc=1, check=True):
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                     f"--nproc_per_node={nproc}", f"--master_port={free_port()}", "--"]
-    r = subprocess.run(launcher + [os.path.join(ROOT, "cka.py"), "--texts", str(tmp / "texts.txt"), "--n", "60",
-                                   "--seeds", "1,2", "--out", str(out), "--device", "cpu", *args],
+    cmd = launcher(nproc) + ["--"] * (nproc > 1)  # torchrun's options end before the script
+    r = subprocess.run(cmd + [os.path.join(ROOT, "cka.py"), "--texts", str(tmp / "texts.txt"), "--n", "60",
+                              "--seeds", "1,2", "--out", str(out), "--device", "cpu", *args],
                        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if check:
         assert r.returncode == 0, r.stderr[-3000:]

@@ -19,7 +19,7 @@ import cpu_kernels
 import data
 import train
 from model import ModernBertConfig
-from test_train import free_port
+from test_train import launcher
 from test_gpu_path import SPECIAL, needs_flash, randomized, tiny, train_losses  # noqa: F401 (tiny is a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,8 +87,7 @@ def test_a_run_through_each_kernel_compiles_one_graph_per_mask(tiny, tmp_path, m
 
 
 def test_ddp_of_the_compiled_model_under_torchrun(tiny, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "--no-python", sys.executable, "-c", AOT_EAGER, os.path.join(ROOT, "train.py"),
+    cmd = [*launcher(2), "--no-python", sys.executable, "-c", AOT_EAGER, os.path.join(ROOT, "train.py"),
            *run_args(tiny, tmp_path / "ddp", compile=True)]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -18,7 +18,7 @@ from eval import classification_metrics, encode_examples, multilabel_metrics, ne
 from model import (ModernBertConfig, ModernBertForMaskedLM, ModernBertForSequenceClassification,
                    ModernBertForTokenClassification)
 from support.tokenizer import load_tokenizer, train_bpe
-from test_train import free_port
+from test_train import launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NCBI = os.path.join(ROOT, "..", "shared", "data", "ncbi_disease")
@@ -291,8 +291,7 @@ def test_torchrun_with_several_micro_batches_per_rank_equals_one_process(tiny_mo
     common = ["--model", tiny_model, "--task", "cls", "--data", str(tmp_path / "task"), "--seeds", "7",
               "--epochs", "1", "--lr", "3e-3", "--save_model"]
     run_eval(*common, "--out", str(tmp_path / "one"))
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-                        os.path.join(ROOT, "eval.py"), "--device", "cpu", *common, "--max_tokens", "16",
+    r = subprocess.run([*launcher(2), os.path.join(ROOT, "eval.py"), "--device", "cpu", *common, "--max_tokens", "16",
                         "--out", str(tmp_path / "two")],
                        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]

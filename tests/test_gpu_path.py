@@ -14,7 +14,6 @@ import os
 import random
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ import cpu_kernels
 from data import prepare, read_documents
 from model import ModernBertConfig, ModernBertForMaskedLM
 from support.tokenizer import train_bpe
-from test_train import free_port
+from test_train import launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = os.path.join(ROOT, "tests", "cpu_kernels.py")
@@ -177,9 +176,7 @@ def test_bad_kernel_inputs_are_caught():
 
 def launch(script, *args, kernels="flash,varlen", nproc=1, timeout=240):
     """Run a script through the CPU kernels; -> (completed process, {kernel: (calls, dtypes)})."""
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                     f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
-    r = subprocess.run(launcher + [LAUNCHER, os.path.join(ROOT, script), *args], capture_output=True, text=True,
+    r = subprocess.run([*launcher(nproc), LAUNCHER, os.path.join(ROOT, script), *args], capture_output=True, text=True,
                        cwd=ROOT, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", "CPU_KERNELS": kernels})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     seen = {}

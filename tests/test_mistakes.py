@@ -15,7 +15,7 @@ import torch
 
 from data import prepare, read_documents
 from support.tokenizer import train_bpe
-from test_train import free_port
+from test_train import launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXTS = [f"document {i} is about {'cells ' * (i % 5)}and {'proteins ' * (i % 3)}in the liver" for i in range(120)]
@@ -275,8 +275,8 @@ def test_resume_accepts_run_settings_and_named_changes(workdir, tmp_path):
 def test_torchrun_says_a_mistake_once(workdir):
     """Every process checks the config; rank 0 alone prints what is wrong (torchrun adds its own report)."""
     before = snapshot(workdir)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", *TRAIN[1:], *TINY_RUN,
-                        "--out_dir=new_run", "--lr_typo=1"], cwd=workdir, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([*launcher(2), *TRAIN[1:], *TINY_RUN, "--out_dir=new_run", "--lr_typo=1"], cwd=workdir,
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode != 0
     assert (r.stdout + r.stderr).count("unknown config key 'lr_typo'") == 1, r.stderr[-3000:]
     assert snapshot(workdir) == before

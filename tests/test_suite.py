@@ -17,7 +17,7 @@ import torch
 
 from support import suite
 from model import ModernBertConfig, ModernBertForMaskedLM
-from test_train import free_port
+from test_train import launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "..", "shared", "data")
@@ -284,7 +284,7 @@ def test_suite_under_torchrun_skips_alike_and_equals_one_process(shared_suite, t
     shutil.copyfile(tmp / "out" / "runs" / "gad" / "a" / "final" / "seed1.json",
                     out / "runs" / "gad" / "a" / "final" / "seed1.json")
     r = run(run_suite_cmd(tmp, out, suite_file="gad_only.py", models="a"),
-            launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"))
+            launcher=launcher(2))
     assert "1 finished earlier, 1 to run" in r.stdout
     one = json.loads((tmp / "out" / "results.json").read_text())["tasks"]["gad"]["models"]["a/final"]
     two = json.loads((out / "results.json").read_text())["tasks"]["gad"]["models"]["a/final"]

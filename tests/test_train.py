@@ -64,15 +64,20 @@ def free_port():
         return s.getsockname()[1]
 
 
+def launcher(nproc):
+    """`python`, or torchrun with nproc processes on a port of its own."""
+    if nproc == 1:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
+
+
 def train_cmd(out_dir, data_dir, *overrides, nproc=1):
     """A tiny run: 16 main + 4 decay steps of 8 x 64 tokens, unless overridden."""
     args = [f"--data_dir={data_dir}", f"--out_dir={out_dir}", f"--model_config={TINY!r}", "--seq_len=64",
             "--global_batch_size=8", "--micro_batch_size=4", f"--tokens={16 * 8 * 64}", f"--warmup_tokens={4 * 8 * 64}",
             "--lr=3e-3", "--decay_frac=0.25", "--log_interval=1", "--eval_interval=8", "--eval_windows=16",
             "--ckpt_interval=8", "--device=cpu", *overrides]
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                     f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
-    return launcher + [os.path.join(ROOT, "train.py"), *args]
+    return launcher(nproc) + [os.path.join(ROOT, "train.py"), *args]
 
 
 def run_train(out_dir, data_dir, *overrides, check=True, env=None, nproc=1):
