@@ -116,7 +116,7 @@ def setup(tmp_path_factory):
 
 
 def run_cka(tmp, out, *args, nproc=1, check=True):
-    cmd = launcher(nproc) + ["--"] * (nproc > 1)  # torchrun's options end before the script
+    cmd = launcher(nproc) + ["--"] * (nproc > 1)  # else torchrun reads cka.py's --n as one of its own options
     r = subprocess.run(cmd + [os.path.join(ROOT, "cka.py"), "--texts", str(tmp / "texts.txt"), "--n", "60",
                               "--seeds", "1,2", "--out", str(out), "--device", "cpu", *args],
                        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})

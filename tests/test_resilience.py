@@ -431,7 +431,8 @@ def test_a_small_validation_split_stops_the_run_before_any_step(data_dir, base_c
     windows = os.path.getsize(os.path.join(small_val, "val.bin")) // 2 // 64  # uint16 tokens
     assert windows < 4 * 2, "3 documents must make fewer windows than micro_batch_size x world"
     started = time.time()
-    code, out, err = finish(start(train_cmd(tmp_path / "out", small_val, f"--init_from={base_ckpt}", nproc=2)), check=False)
+    code, out, err = finish(start(train_cmd(tmp_path / "out", small_val, f"--init_from={base_ckpt}", nproc=2)),
+                            check=False)
     assert code != 0 and time.time() - started < 60
     said = [line for line in err.splitlines() if "val.bin makes" in line]
     assert said and f"val.bin makes {windows} windows of seq_len=64" in said[0], err[-3000:]
