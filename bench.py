@@ -148,9 +148,7 @@ def measure_step(spec):
             sparse_prediction=spec["objective"] == "mlm").to(device)  # the head on masked rows only
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **({"fused": True} if device.type == "cuda" else {}))
-    step_fn = model
-    if spec["compile"]:
-        step_fn = torch.compile(model)
+    step_fn = kernels.compile_model(model) if spec["compile"] else model
     lengths_from = np.load(spec["lengths_from"]) if spec["lengths_from"] else None
     batches = [make_inputs(batch_lengths(spec["case"], spec["batch_size"], spec["seq_len"], rng, lengths_from),
                            config.vocab_size, spec["objective"], device, rng) for _ in range(3)]

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data import Loader, clm_batch, mlm_batch, prefetch
 from model import ModernBertConfig, ModernBertForMaskedLM
-from support import checks, config, distributed, threads
+from support import checks, config, distributed, kernels, threads
 from support.checkpoint import Checkpointer
 from support.flops import batch_flops
 from support.freeze import Freeze
@@ -276,7 +276,7 @@ def wrap(model, compiled, ddp, device):
     DDP wraps the compiled model, so its gradient all-reduce follows the whole backward instead of
     overlapping it: a few ms once per optimizer step, against seconds of accumulated micro batches."""
     if compiled:
-        model = torch.compile(model)
+        model = kernels.compile_model(model)
     if ddp:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     return model
