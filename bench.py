@@ -5,6 +5,7 @@ on the same config, weights, device, dtype and batch, measured in the same run.
     python bench.py                                   # CPU, a small config, a few minutes
     python bench.py --compile on                      # + ours under torch.compile (CPU: ~25 min more)
     python bench.py --size base --seq_len 8192 --batch_size 4   # GPU: ModernBERT-base, packed 8192, bf16
+    python bench.py --size base --seq_len 8192 --batch_size 4 --profile prof   # + where a step's time goes
     python bench.py --size tiny --steps 3              # what the test runs
 
 Prints one table per section and writes bench.json:
@@ -183,6 +184,16 @@ def measure_step(spec):
         flops_per_s.append(training_flops(config, x["lengths"], causal, x["targets"].numel()) / times[-1])
     n_tokens = statistics.median([int(b["mask"].sum()) for b in batches])
     peak = peak_memory(device, before)
+    if spec.get("profile"):  # one more step, under the profiler: where its time goes, kernel by kernel
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])) as prof:
+            step(batches[0])
+            sync(device)
+        sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        with open(spec["profile"], "w") as f:
+            f.write(f"{spec['impl']}{' compiled' if spec['compile'] else ''}, {spec['case']} {spec['objective']}, "
+                    f"one step of {n_tokens} tokens; step median {statistics.median(times) * 1000:.1f} ms\n")
+            f.write(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=80))
     compiles = None
     if spec["compile"]:
         from torch._dynamo.utils import counters
@@ -350,6 +361,8 @@ def parse_args(argv=None):
     p.add_argument("--objectives", nargs="+", default=["mlm", "clm"], choices=["mlm", "clm"])
     p.add_argument("--skip", nargs="*", default=[], choices=["step", "attention", "loss", "data"])
     p.add_argument("--out", default="bench.json")
+    p.add_argument("--profile", metavar="DIR", help="profile one more training step of ours (compiled where it "
+                   "is) per case and objective: DIR/profile_CASE_OBJECTIVE.txt, the top 30 kernels by time")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -391,6 +404,8 @@ def main(argv=None):
             peak_source = "a 2048^3 matmul measured here"
         impls = [("ours", "auto", False)] + ([("ours compiled", "auto", True)] if compile_ else []) + [
             ("transformers", hf_backend, False)]
+        if args.profile:
+            os.makedirs(args.profile, exist_ok=True)
         with tempfile.TemporaryDirectory() as ckpt:
             torch.manual_seed(0)
             ModernBertForMaskedLM(config).save_pretrained(ckpt)  # the same weights for all
@@ -407,6 +422,8 @@ def main(argv=None):
                                     dtype=dtype, compile=compiled, case=case, objective=objective,
                                     seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps,
                                     warmup=args.warmup, lengths_from=lengths_file)
+                        if args.profile and impl == impls[-2][0]:  # ours, compiled where it is compiled
+                            spec["profile"] = os.path.join(args.profile, f"profile_{case}_{objective}.txt")
                         measured[impl] = run_worker(spec)
                     hf = measured["transformers"]
                     for impl, r in measured.items():

@@ -16,7 +16,8 @@ def test_bench_tiny(tmp_path):
     text = tmp_path / "docs.txt"
     text.write_text("\n".join(f"document {i} " + "word " * (i % 37) for i in range(400)))
     args = ["--size", "tiny", "--seq_len", "64", "--batch_size", "2", "--steps", "2", "--warmup", "1",
-            "--loss_runs", "1", "--loss_seq_len", "32", "--loss_vocab", "1024", "--out", str(tmp_path / "bench.json")]
+            "--loss_runs", "1", "--loss_seq_len", "32", "--loss_vocab", "1024", "--out", str(tmp_path / "bench.json"),
+            "--profile", str(tmp_path / "prof")]
     tokenizer = os.path.join(SHARED, "tokenizers", "modernbert", "tokenizer.json")
     if os.path.isfile(tokenizer):  # the data section needs a real tokenizer.json
         args += ["--lengths_from", str(text), "--tokenizer", tokenizer]
@@ -29,6 +30,9 @@ def test_bench_tiny(tmp_path):
         (c, o, i) for c in ("variable", "packed") for o in ("mlm", "clm") for i in ("ours", "transformers")}
     for row in res["step"]:
         assert row["raw"]["tokens_per_s"] > 0 and row["raw"]["flops_per_s"] > 0 and row["raw"]["peak_memory"] >= 0
+    for case, objective in [(c, o) for c in ("variable", "packed") for o in ("mlm", "clm")]:  # one step each, by op
+        profile = (tmp_path / "prof" / f"profile_{case}_{objective}.txt").read_text()
+        assert profile.startswith(f"ours, {case} {objective}, one step of ") and "aten::mm" in profile
     assert any(row["backend"] == "sdpa" for row in res["attention"])
     full, chunked = res["loss_memory"]
     assert (full["loss"], chunked["loss"]) == ("full_logits", "chunked")
