@@ -184,16 +184,24 @@ def measure_step(spec):
         flops_per_s.append(training_flops(config, x["lengths"], causal, x["targets"].numel()) / times[-1])
     n_tokens = statistics.median([int(b["mask"].sum()) for b in batches])
     peak = peak_memory(device, before)
-    if spec.get("profile"):  # one more step, under the profiler: where its time goes, kernel by kernel
+    if spec.get("profile"):  # one more step, under the profiler: where its time goes
+        on_gpu = device.type == "cuda"
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
-                [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])) as prof:
+                [torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])) as prof:
             step(batches[0])
             sync(device)
-        sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        # The kernels alone on a GPU (the profiler also lists each op and launch around them), else each op's own time
+        kind = torch.autograd.DeviceType.CUDA if on_gpu else torch.autograd.DeviceType.CPU
+        us = (lambda a: a.device_time_total) if on_gpu else (lambda a: a.self_cpu_time_total)  # noqa: E731
+        rows = sorted((a for a in prof.key_averages() if a.device_type == kind), key=us, reverse=True)
+        total = sum(map(us, rows))
         with open(spec["profile"], "w") as f:
             f.write(f"{spec['impl']}{' compiled' if spec['compile'] else ''}, {spec['case']} {spec['objective']}, "
-                    f"one step of {n_tokens} tokens; step median {statistics.median(times) * 1000:.1f} ms\n")
-            f.write(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=80))
+                    f"one step of {n_tokens} tokens; step median {statistics.median(times) * 1000:.1f} ms; "
+                    f"{'kernels' if on_gpu else 'ops'} {total / 1000:.1f} ms\n")
+            f.write(f"{'ms':>9} {'share':>6} {'calls':>6}  name\n")
+            f.writelines(f"{us(a) / 1000:9.2f} {100 * us(a) / total:5.1f}% {a.count:6d}  {a.key[:110]}\n"
+                         for a in rows[:30])
     compiles = None
     if spec["compile"]:
         from torch._dynamo.utils import counters
@@ -362,7 +370,7 @@ def parse_args(argv=None):
     p.add_argument("--skip", nargs="*", default=[], choices=["step", "attention", "loss", "data"])
     p.add_argument("--out", default="bench.json")
     p.add_argument("--profile", metavar="DIR", help="profile one more training step of ours (compiled where it "
-                   "is) per case and objective: DIR/profile_CASE_OBJECTIVE.txt, the top 30 kernels by time")
+                   "is) per case and objective: DIR/profile_CASE_OBJECTIVE.txt, its 30 costliest kernels (CPU: ops)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
