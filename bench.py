@@ -430,7 +430,7 @@ def main(argv=None):
                                     dtype=dtype, compile=compiled, case=case, objective=objective,
                                     seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps,
                                     warmup=args.warmup, lengths_from=lengths_file)
-                        if args.profile and impl == impls[-2][0]:  # ours, compiled where it is compiled
+                        if args.profile and impl == ("ours compiled" if compile_ else "ours"):
                             spec["profile"] = os.path.join(args.profile, f"profile_{case}_{objective}.txt")
                         measured[impl] = run_worker(spec)
                     hf = measured["transformers"]

@@ -76,9 +76,11 @@ def test_sdpa_bf16_against_float32():
     assert logit <= 0.02 and grad <= 0.03
 
 
-def graphs_over_mask_rates(device, rates=(0.3, 0.15, 0.3), windows=(4, 8192)):
-    """train.py's compiled MLM step (its wrap and forward_backward) at Base width on `windows` of random tokens,
-    masked at each rate in turn: the number of graphs torch.compile made."""
+def test_a_new_mask_rate_compiles_no_new_graph():
+    """The MLM head's row count changes every step and with the mask rate (30% -> 15% in the decay): one graph
+    for all, through train.py's wrap and forward_backward. Inductor's Triton fusion of LayerNorm backward guards on
+    the rows it fuses (rows x hidden >= 5 x 2^20) unless support.kernels.compile_model turns that off; at hidden
+    768, 30% of 4 x 8192 rows lie above, 15% below."""
     from types import SimpleNamespace
 
     from torch._dynamo.utils import counters
@@ -89,23 +91,17 @@ def graphs_over_mask_rates(device, rates=(0.3, 0.15, 0.3), windows=(4, 8192)):
 
     torch._dynamo.reset()
     counters.clear()
+    device = torch.device("cuda")
     config = ModernBertConfig(**{**CONFIG, "hidden_size": 768, "intermediate_size": 1152, "num_attention_heads": 12})
     model = train.wrap(randomized(config).to(device).train(), True, False, device)
     special = {name: i for i, name in enumerate(SPECIAL_NAMES)}
-    process, g = SimpleNamespace(device=device, world=1), torch.Generator().manual_seed(0)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
-    for step, rate in enumerate(rates):
-        tokens = torch.randint(len(special), config.vocab_size, windows, generator=g)
+    g = torch.Generator().manual_seed(0)
+    for step, rate in enumerate((0.3, 0.15, 0.3)):
+        tokens = torch.randint(len(special), config.vocab_size, (4, 8192), generator=g)
         batch = data.mlm_batch(tokens, rate, special, config.vocab_size, seed=[0, step])
-        train.forward_backward(model, [batch], False, process, autocast, compiled=True)
-    return counters["stats"]["unique_graphs"]
-
-
-def test_a_new_mask_rate_compiles_no_new_graph():
-    """The MLM head's row count changes every step and with the mask rate (30% -> 15% in the decay): one graph
-    for all. Inductor's Triton fusion of LayerNorm backward guards on the rows it fuses (rows x hidden >= 5 x 2^20)
-    unless support.kernels.compile_model turns that off; at hidden 768, 30% of 4 x 8192 rows lie above, 15% below."""
-    graphs = graphs_over_mask_rates(torch.device("cuda"))
+        train.forward_backward(model, [batch], False, SimpleNamespace(device=device, world=1),
+                               torch.autocast("cuda", dtype=torch.bfloat16), compiled=True)
+    graphs = counters["stats"]["unique_graphs"]
     print(f"MLM at 30%, 15%, 30% of 4 x 8192 tokens, compiled: {graphs} graph(s)")
     assert graphs == 1
 
@@ -154,4 +150,3 @@ def test_resume_is_bit_exact_on_cuda_with_dropout(tiny, tmp_path):  # noqa: F811
     whole, again = train_losses(tmp_path / "whole"), train_losses(resumed)
     print(f"resume on CUDA: {len(whole)} logged steps, identical: {whole == again}")
     assert whole == again
-
