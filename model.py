@@ -161,18 +161,13 @@ def compute_dtype(device_type, default):
 
 
 def rope_cos_sin(positions, head_dim, theta):
-    """cos and signed sin tables, (T, head_dim), for apply_rope: built once per forward.
-
-    The angles are computed in float32 (bf16 positions would be off by whole tokens), then the tables
-    are cast once to the dtype q and k have (autocast's, else float32): so the rotation, in every
-    layer, runs in that dtype instead of making float32 copies of q and k and casting back.
-    """
+    """cos and signed sin, (2, P, head_dim) float32, for apply_rope at `positions`: the angles in float32 (bf16
+    positions would be off by whole tokens)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    angles = positions.float()[:, None] * inv_freq[None, :]  # (T, hd/2)
+    angles = positions.float()[:, None] * inv_freq[None, :]  # (P, hd/2)
     cos, sin = angles.cos(), angles.sin()
-    dtype = compute_dtype(positions.device.type, torch.float32)
     # rotate_half(x) = cat(-x2, x1) = roll(x, hd/2) * [-1 .. -1, 1 .. 1]: that sign goes into sin.
-    return torch.cat([cos, cos], dim=-1).to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)  # (T, hd) each
+    return torch.stack([torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)])  # (2, P, hd)
 
 
 def apply_rope(x, cos, sin):
@@ -257,6 +252,11 @@ class ModernBertModel(nn.Module):
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
         self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=False)
+        # RoPE's tables for every position, built once. Built in the forward, a compiled model recomputed them
+        # (pow, cos, sin) for each element of q and k in every layer: 5% of a compiled step (H200, Base, 4 x 8192).
+        positions = torch.arange(config.max_position_embeddings)
+        for kind, theta in (("global", config.global_rope_theta), ("local", config.local_rope_theta)):
+            self.register_buffer(f"rope_{kind}", rope_cos_sin(positions, config.head_dim, theta), persistent=False)
 
     def attention_backend(self, device):
         """The kernel a forward on `device` uses now: by the dtype that reaches it (autocast's, else the weights')."""
@@ -270,8 +270,11 @@ class ModernBertModel(nn.Module):
         c = self.config
         backend = self.attention_backend(tokens.device)
         packing = Packing(tokens.shape[0], cu_seqlens, max_seqlen, causal, c.local_attention // 2, backend)
-        rope = {"global": rope_cos_sin(packing.positions, c.head_dim, c.global_rope_theta),
-                "local": rope_cos_sin(packing.positions, c.head_dim, c.local_rope_theta)}
+        # The rows of this batch's positions, cast once to the dtype q and k have (autocast's, else float32): the
+        # rotation then runs in that dtype in every layer, with no float32 copy of q and k.
+        dtype = compute_dtype(tokens.device.type, torch.float32)
+        rope = {kind: tuple(getattr(self, f"rope_{kind}")[:, packing.positions].to(dtype))  # cos, sin: (T, hd) each
+                for kind in ("global", "local")}
         x = self.embeddings(tokens)
         layers = []
         for block in self.layers:

@@ -154,7 +154,12 @@ def test_rope_in_bf16_matches_the_float32_rotation(name, monkeypatch):
         exact = model(ids, mask)[keep]
         with torch.autocast("cpu", dtype=torch.bfloat16):
             ours = model(ids, mask)[keep].float()
-            monkeypatch.setattr(model_py, "rope_cos_sin", float32_rope_cos_sin)
+            # the textbook tables, not cast to bf16, into the float32 rotation
+            positions, c = torch.arange(model.config.max_position_embeddings), model.config
+            for kind, theta in (("global", c.global_rope_theta), ("local", c.local_rope_theta)):
+                monkeypatch.setattr(model.model, f"rope_{kind}",
+                                    torch.stack(float32_rope_cos_sin(positions, c.head_dim, theta)))
+            monkeypatch.setattr(model_py, "compute_dtype", lambda device_type, default: default)
             monkeypatch.setattr(model_py, "apply_rope", float32_apply_rope)
             before = model(ids, mask)[keep].float()
     scale = exact.abs().max()
@@ -164,12 +169,20 @@ def test_rope_in_bf16_matches_the_float32_rotation(name, monkeypatch):
     assert (ours - exact).abs().mean() <= 1.25 * (before - exact).abs().mean()
 
 
-def test_rope_makes_no_float32_copy_of_q_and_k():
-    """Under autocast the tables come in bf16 and the rotation creates no float32 tensor."""
+def test_rope_makes_no_float32_copy_of_q_and_k(monkeypatch):
+    """Under autocast the forward hands apply_rope bf16 tables, and the rotation creates no float32 tensor."""
+    model = ModernBertForMaskedLM(small_config("long_seqs")).eval()
+    rotate, given = model_py.apply_rope, []
+    monkeypatch.setattr(model_py, "apply_rope", lambda x, cos, sin: given.append((x.dtype, cos.dtype, sin.dtype,
+                                                                                  cos.shape)) or rotate(x, cos, sin))
+    ids, mask = padded_batch(model.config.vocab_size, [30, 7], seed=3)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids, mask)
+    bf16 = torch.bfloat16
+    assert given == [(bf16, bf16, bf16, (37, model.config.head_dim))] * model.config.num_hidden_layers
     positions = torch.arange(64)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        cos, sin = rope_cos_sin(positions, 16, 10000.0)
-    assert cos.dtype == sin.dtype == torch.bfloat16 and cos.shape == (64, 16)
+    cos, sin = rope_cos_sin(positions, 16, 10000.0).to(torch.bfloat16)
+    assert cos.shape == (64, 16)
     x = torch.randn(64, 2, 3, 16, dtype=torch.bfloat16)  # (T, q/k, nh, hd)
 
     seen = set()
