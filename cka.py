@@ -153,10 +153,14 @@ def _token_sample(length, text_index):
 # The study
 
 
-def tokenizer_of(paths, override):
-    """The one tokenizer every checkpoint shares: refuse if their tokenizer.json files differ."""
+def tokenizer_of(paths, override, max_len):
+    """The one tokenizer every checkpoint shares: refuse if their tokenizer.json files differ, or if one is not a
+    ModernBERT checkpoint with max_len positions."""
     for p in paths:
-        checkpoint_config(p, p)
+        positions = checkpoint_config(p, p).max_position_embeddings
+        if max_len > positions:
+            raise SystemExit(f"--max_len {max_len} is beyond {p}'s {positions} positions: pass --max_len {positions} "
+                             "or less")
     if override:
         try:
             return load_tokenizer(override)
@@ -259,7 +263,7 @@ def study(args):
     threads.setup(process.device)
     pairs = {"pair": args.pair, **({"control": args.control} if args.control else {})}
     paths = list(dict.fromkeys(p for pair in pairs.values() for p in pair))
-    tok = tokenizer_of(paths, args.tokenizer)
+    tok = tokenizer_of(paths, args.tokenizer, args.max_len)
     sample = sample_texts(args, tok, process)
     hold(args.out, process)  # one run writes --out at a time
     features, n_layers = {}, None  # path -> list over layers of {text index: rows}
@@ -336,7 +340,7 @@ def trajectory(args):
                              f"{sorted(kept[b])}): train both with the same ckpt_interval or keep_every")
     steps = sorted(set().union(*common.values()))
     tok = tokenizer_of([kept[run][step] for name, runs in comparisons.items() for step in common[name]
-                        for run in runs], args.tokenizer)
+                        for run in runs], args.tokenizer, args.max_len)
     sample = sample_texts(args, tok, process)
     hold(args.out, process)  # one run writes --out at a time
     todo = sum(len({kept[run][step] for name, runs in comparisons.items() if step in common[name] for run in runs})

@@ -262,6 +262,16 @@ def test_backward_is_finite(lengths, causal):
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
 
 
+def test_a_sequence_past_the_positions_is_refused():
+    """RoPE's tables end at max_position_embeddings: the last position runs, one more is a clear error."""
+    model = ModernBertForMaskedLM(small_config("long_seqs", max_position_embeddings=16)).eval()
+    ids = torch.randint(3, 512, (2, 17))
+    with torch.no_grad():
+        assert torch.isfinite(model(ids[:, :16])).all()
+        with pytest.raises(ValueError, match="a sequence of 17 tokens is beyond max_position_embeddings=16"):
+            model(ids)
+
+
 def test_decoder_is_tied_to_embeddings():
     model = ModernBertForMaskedLM(small_config("odd_vocab"))
     assert model.decoder.weight is model.model.embeddings.tok_embeddings.weight
