@@ -1,8 +1,8 @@
 """
 The GPU check: what a session with a lent GPU runs first, as one command that writes one folder.
 
-    python tests/gpu_check.py --out results/gpu_check          # one H100/H200: about 14 minutes
-    python tests/gpu_check.py --parts a c d --out /tmp/acd     # in two calls of under 10 minutes: 9 minutes,
+    python tests/gpu_check.py --out results/gpu_check          # one H100/H200: about 15 minutes
+    python tests/gpu_check.py --parts a c d --out /tmp/acd     # in two calls of under 10 minutes: 9.5 minutes,
     python tests/gpu_check.py --parts b --out /tmp/b           # then 5
     python tests/gpu_check.py --tiny --out /tmp/gpu_check      # the same code path on CPU, tiny sizes (~2 minutes)
     python tests/gpu_check.py --parts c --budget c=400 --out /tmp/c    # one part again, with more time
@@ -17,17 +17,18 @@ Four parts, in this order:
   c. train.py as users run it, through its CLI: Base from scratch on the installed Python's docstrings (data.py,
      a BPE trained here: nothing downloaded) with ModernBERT's vocabulary size, seq_len 8192, 2 micro batches of
      4 per step, three phases of 4 steps (CLM -> MLM 30% -> MLM 15% decay), compiled, TORCH_LOGS=recompiles,
-     graph_breaks. Steady step time and MFU per phase, compile time, graphs, recompiles, graph breaks, the time of
-     a checkpoint and of an evaluation; then the resume: the phase-2-end checkpoint copied to a new out_dir,
-     train.py run there and stopped by SIGTERM mid phase 3 (exit 143), the same command again, and its losses
-     against the uninterrupted run's (bit-identical on CPU, within bf16 noise on a GPU).
+     graph_breaks. Whether it learns (its val MLM loss falls), steady step time and MFU per phase, compile time,
+     graphs, recompiles, graph breaks, the time of a checkpoint and of an evaluation; then the resume: the
+     phase-2-end checkpoint copied to a new out_dir, train.py run there and stopped by SIGTERM mid phase 3
+     (exit 143), the same command again, and its losses against the uninterrupted run's (bit-identical on CPU,
+     within bf16 noise on a GPU).
   d. memory: the largest micro_batch_size whose training step fits at seq_len 8192, Base and Large, MLM and CLM
      (eager; one process per size, OOM caught per probe).
 --tiny runs every part at tiny sizes (the bench's tiny model, seq_len 64) so that the suite runs this file on CPU
 (tests/test_gpu_check.py): on a GPU the only new thing is the GPU.
 
 Time limits. Each part has a budget (BUDGETS, or --budget); time a part leaves unused goes to the next, so the
-whole check ends within their sum (825 s) plus the report. Every command runs in its own process group and the
+whole check ends within their sum (865 s) plus the report. Every command runs in its own process group and the
 whole group (bench's workers, pytest's train.py runs, inductor's compile workers) is killed at its part's
 deadline; the part records what finished and the next part runs. The budgets come from the first GPU run (see
 BUDGETS); report.json has each part's real seconds.
@@ -62,15 +63,16 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DAT
 
 # Seconds per part, from the first GPU run (H200, torch 2.11, 2026-11-26, results/h200-2026-11-26): inductor
 # compiles a Base graph in 50-60 s there, and compiling is most of every part but d.
-#   a: the 9 kernel comparisons took under 30 s; then one Base-width MLM step compiled (~40 s) and 6 tiny
-#      train.py runs, 4 compiled (30+ s each with a cold cache);
+#   a: 189 s (second run): the 9 kernel comparisons under 30 s, one Base-width MLM step compiled 32 s, 4 tiny
+#      train.py runs 40-50 s a pair, the resume 53 s; since then the gradient tests (5 tiny compiles) and one
+#      fewer train.py run;
 #   b: 4 bench.py processes, each ours eager, ours compiled and transformers on Base at 4 x 8192: 102 s for
 #      packed CLM, as much for packed MLM; the variable-length pairs last, as their figures matter least;
 #   c: data 11 s, the whole run 207 s (159 s of it compiling 3 graphs, 2 once the decay stopped recompiling),
 #      then 2 resumed runs, each compiling on inductor's cache;
 #   d: 42 s for Base and Large, both objectives.
 # Together more than one call to a lent GPU may take (10 minutes): there, run `--parts a c d`, then `--parts b`.
-BUDGETS = {"a": 210, "b": 300, "c": 270, "d": 45}
+BUDGETS = {"a": 250, "b": 300, "c": 270, "d": 45}
 SIZES = {  # what each part runs: the paper's shape, or tiny on CPU
     "full": dict(bench_size="base", seq_len=8192, micro=4, accum=2, bench_steps=5, phase_steps=4, eval_windows=8,
                  model_config={"vocab_size": 50368}, probe_sizes=["base", "large"], probe_cap=64),
@@ -259,11 +261,10 @@ def training(ctx, deadline):
             f"--seq_len={s['seq_len']}", f"--micro_batch_size={s['micro']}",
             f"--global_batch_size={s['micro'] * s['accum']}", f"--phases={phases(n)!r}", "--log_interval=1",
             "--eval_interval=1000000", f"--eval_windows={s['eval_windows']}", "--ckpt_interval=1000000",
-            "--ckpt_every_minutes=0"]
+            "--ckpt_every_minutes=0", "--compile=True"]
     # On CPU inductor builds C++ for minutes: tiny runs compile with aot_eager (dynamo's tracing and guards, the
-    # same graphs, recompiles and breaks, without inductor); on CUDA train.py compiles as it always does.
+    # same graphs, recompiles and breaks, without inductor); on CUDA with inductor.
     hooks = [] if ctx.env["cuda"] else ["--aot_eager"]
-    compile_flag = [] if ctx.env["cuda"] else ["--compile=True"]
     torch_logs = {"TORCH_LOGS": "recompiles,graph_breaks"}
 
     # The whole run, uninterrupted: the figures, and the reference of the resumed run.
@@ -271,13 +272,14 @@ def training(ctx, deadline):
     for d in (whole, resumed):
         shutil.rmtree(d, ignore_errors=True)
     log = os.path.join(ctx.logs, "c_whole.log")
-    code, seconds = run([PY, THIS, "--train", *hooks, "--", *args, *compile_flag, f"--out_dir={whole}"], log, deadline,
+    code, seconds = run([PY, THIS, "--train", *hooks, "--", *args, f"--out_dir={whole}"], log, deadline,
                         torch_logs)
     if code != 0:
         what = "timed out" if code is None else f"exited {code}"
         return dict(result, ok=False, timeout=code is None, summary=f"train.py {what} (logs/c_whole.log): "
                     f"{last_line(log)[:200]}")
-    result.update(whole_run_seconds=round(seconds, 1), **run_figures(whole, log, s, ctx.results.get("b", {})))
+    result.update(whole_run_seconds=round(seconds, 1), **run_figures(whole, log, s, ctx.results.get("b", {})),
+                  learning=learning_figures(metrics(whole)))
 
     # The resume: from the checkpoint at the end of phase 2 (copied by hard links), SIGTERM mid phase 3, again.
     start, stop = 2 * n, 2 * n + n // 2
@@ -285,16 +287,17 @@ def training(ctx, deadline):
     shutil.copytree(os.path.join(whole, f"ckpt-{start}"), os.path.join(resumed, f"ckpt-{start}"),
                     copy_function=hard_link)
     shutil.copy(os.path.join(whole, "metrics.jsonl"), resumed)  # train.py cuts it back to the step it resumes
-    command = [PY, THIS, "--train", *hooks, "--", *args, *compile_flag, f"--out_dir={resumed}"]
+    command = [PY, THIS, "--train", *hooks, "--", *args, f"--out_dir={resumed}"]
     first, second = os.path.join(ctx.logs, "c_resume_1.log"), os.path.join(ctx.logs, "c_resume_2.log")
     code1, _ = run(command[:3] + [f"--sigterm_at={stop}"] + command[3:], first, deadline, torch_logs)
     code2 = run(command, second, deadline, torch_logs)[0] if code1 == 143 else "not run"
     result["resume"] = resume_figures(whole, resumed, start, stop, first, second, code1, code2, ctx.env["cuda"])
-    result["ok"] = result["resume"]["ok"] and result["graph_breaks"] in (0, None)
+    result["ok"] = result["learning"]["ok"] and result["resume"]["ok"] and result["graph_breaks"] in (0, None)
     result["timeout"] = None in (code1, code2)
     per_phase = "; ".join(f"{p['phase']} {p['steady_step_s']} s" for p in result["phases"])
-    result["summary"] = (f"steady step {per_phase}; {result['graphs']} graphs, {result['recompiles']} recompiles, "
-                         f"{result['graph_breaks']} graph breaks; resume: {result['resume']['summary']}")
+    result["summary"] = (f"{result['learning']['summary']}; steady step {per_phase}; {result['graphs']} graphs, "
+                         f"{result['recompiles']} recompiles, {result['graph_breaks']} graph breaks; "
+                         f"resume: {result['resume']['summary']}")
     return result
 
 
@@ -343,6 +346,22 @@ def run_figures(out_dir, log, s, bench):
                 checkpoints=[dict(name=h["path"], seconds=round(h["seconds"], 2)) for h in checkpoints],
                 evaluation_seconds=[round(x, 2) for x in evaluations],
                 peak_memory=re.findall(r"peak memory ([\d.]+ GiB)", text)[-1:])
+
+
+LEARNS = 0.002  # the least relative fall of the val MLM loss over the run: the tiny CPU run's is 0.7%
+
+
+def learning_figures(records):
+    """The run learns: its last evaluation's val MLM loss below its first's by LEARNS or more. Steps that leave
+    the weights where they are still time well and resume bit-identically, so the other figures cannot say."""
+    vals = [r["val_mlm_loss"] for r in records if "val_mlm_loss" in r]
+    if len(vals) < 2:
+        return dict(ok=False, fell=None, summary=f"{len(vals)} evaluation(s): cannot tell whether the run learns")
+    fell = 1 - vals[-1] / vals[0]
+    ok = fell >= LEARNS
+    return dict(ok=ok, first=vals[0], last=vals[-1], fell=fell,
+                summary=f"val MLM loss {vals[0]:.4f} -> {vals[-1]:.4f} ({-fell:+.2%}): "
+                        f"{'it learns' if ok else 'it does NOT learn'} (a fall of {LEARNS:.1%} or more wanted)")
 
 
 def resume_figures(whole, resumed, start, stop, first, second, code1, code2, cuda):
@@ -576,6 +595,10 @@ def goals(results):
             want = 1.3 if r["case"] == "variable" else 1.0
             rows.append(dict(goal=f"tokens/s >= {want}x transformers, {r['case']} {r['objective']}",
                              measured=r["vs_transformers"], met=pct(r["vs_transformers"]) >= want))
+    if "learning" in c:
+        fell = c["learning"]["fell"]
+        rows.append(dict(goal=f"train.py's run learns: its val MLM loss falls {LEARNS:.1%} or more",
+                         measured="-" if fell is None else f"{fell:.2%}", met=c["learning"]["ok"]))
     if "graph_breaks" in c:
         rows.append(dict(goal="0 graph breaks in train.py", measured=c["graph_breaks"], met=c["graph_breaks"] == 0))
         rows.append(dict(goal="one graph per mask, at most one recompile besides the mask's",
@@ -637,6 +660,7 @@ def write_report(out, results):
                      ("checkpoints (s)", ", ".join(f"{x['name']} {x['seconds']}" for x in part["checkpoints"])),
                      ("evaluations (s)", ", ".join(map(str, part["evaluation_seconds"]))),
                      ("peak memory", ", ".join(part["peak_memory"]) or "-"),
+                     ("learning", part["learning"]["summary"]),
                      ("resume", part.get("resume", {}).get("summary", "not run"))]
             lines += ["", *md_table([dict(what=k, value=v) for k, v in facts], ["what", "value"])]
         if key == "d" and part.get("rows"):

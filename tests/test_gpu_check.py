@@ -40,6 +40,7 @@ def test_the_check_runs_every_part_on_cpu(tmp_path):
     assert c["recompile_reasons"] == ["causal == True"]
     assert [x["name"] for x in c["checkpoints"]] == ["ckpt-4", "ckpt-8", "ckpt-12", "final"]
     assert len(c["evaluation_seconds"]) == 3
+    assert c["learning"]["ok"] and c["learning"]["fell"] > gpu_check.LEARNS
     resume = c["resume"]
     assert resume["ok"] and resume["identical"] and resume["resumed_at"] == [8, 10] and resume["exit_on_sigterm"] == 143
     assert resume["steps_compared"] == [9, 10, 11, 12]
@@ -113,3 +114,18 @@ def test_the_goals_read_bench_rows_and_train_mfu():
         ("0 graph breaks in train.py", True), ("one graph per mask, at most one recompile besides the mask's", True),
         ("the phase switch compiles once: the decay's first step as its others (< 2x)", True)] + [
         (f"train.py MFU within 10% of bench's, {name}", True) for name in ("clm", "mlm", "decay")]
+
+
+def test_a_run_whose_val_loss_stays_put_does_not_learn():
+    """The H200 runs of 2026-11-26 (compiled, 12 steps of Base at 65k tokens): their steps timed well and resumed
+    bit-identically, but their val MLM loss did not move; the tiny CPU run's falls by 0.7%."""
+    def records(vals):
+        return [dict(step=1, loss=11.0)] + [dict(step=s, loss=10.9, val_mlm_loss=v) for s, v in zip((4, 8, 12), vals)]
+
+    flat = gpu_check.learning_figures(records([10.9121, 10.9122, 10.9121]))
+    assert flat["ok"] is False and "does NOT learn" in flat["summary"]
+    assert gpu_check.learning_figures(records([8.3170, 8.2791, 8.2569]))["ok"]
+    assert gpu_check.learning_figures(records([8.3170]))["ok"] is False  # one evaluation cannot tell
+    rows = gpu_check.goals(dict(parts=dict(c=dict(learning=flat))))
+    assert [(r["goal"], r["met"]) for r in rows] == [("train.py's run learns: its val MLM loss falls 0.2% or more",
+                                                      False)]
