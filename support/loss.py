@@ -57,7 +57,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             mm_dtype = logits.dtype
             logits = logits.float()  # the softmax in float32, as F.cross_entropy(logits.float()) would
             lse = logits.logsumexp(dim=-1)  # (c,)
-            loss += ((lse - logits.gather(1, yc[:, None]).squeeze(1)) * valid).sum()
+            # Out of place: the tensor forward returns must not be one it updated in place, or torch 2.11's
+            # dynamo hands backward a zero gradient for it (pytorch#180642): every gradient zero, compiled.
+            loss = loss + ((lse - logits.gather(1, yc[:, None]).squeeze(1)) * valid).sum()
             if want_grad:
                 grad = logits.sub_(lse[:, None]).exp_()  # (c, V) softmax, written over the logits
                 grad.scatter_add_(1, yc[:, None], -valid[:, None].float())  # - onehot

@@ -1,8 +1,9 @@
 """torch.compile as train.py uses it on GPU, checked on CPU: how many graphs a run compiles (dynamo's
 counters, with the aot_eager backend: the same tracing and guards as inductor, without its C++ build), with
 SDPA and through each kernel's real wrapper (tests/cpu_kernels.py), no graph break, compiled = eager with
-inductor, and the two pieces around it: the chunked loss does no gradient work under no_grad, and the
-prefetch thread keeps the batch stream as it is."""
+inductor, and the two pieces around it: the chunked loss does no gradient work under no_grad and returns a tensor
+it never updated in place (which torch 2.11 compiles to zero gradients), and the prefetch thread keeps the batch
+stream as it is."""
 
 import os
 import re
@@ -123,6 +124,17 @@ def test_inductor_step_equals_eager():
     assert not re.search(r"\b(cos|sin)\(", "\n".join(code))
     for n, gr in ref_grads.items():
         assert (grads[n] - gr).abs().max() <= 1e-5 * gr.abs().max() + 1e-7, n
+
+
+def test_the_chunked_loss_returns_a_tensor_never_updated_in_place():
+    """torch 2.11's dynamo gives a zero gradient to an autograd.Function's output that its forward updated in place
+    (pytorch#180642): compiled, every gradient of a step was zero, and an H200 run never trained. Under torch 2.11
+    test_inductor_step_equals_eager fails on such a loss; under later versions only this test sees it."""
+    from support.loss import chunked_cross_entropy
+
+    x, weight, bias = torch.randn(50, 16, requires_grad=True), torch.randn(64, 16, requires_grad=True), torch.zeros(64)
+    loss = chunked_cross_entropy(x, weight, bias, torch.randint(0, 64, (50,)), chunk_rows=16)  # 4 chunks
+    assert loss._version == 0
 
 
 @pytest.mark.parametrize("causal", [False, True])
