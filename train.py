@@ -94,8 +94,7 @@ class Config:
     # system
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
     dtype: str = "auto"  # "auto" (bfloat16 autocast on GPU, float32 on CPU), "float32", "bfloat16"
-    compile: str = "false"  # True, False, or "auto" (on for CUDA). Off: on an H200 (torch 2.11) compiled steps left
-    # the weights where they were (results/h200-2026-11-26); tests/test_gpu.py's gradient tests say when they train
+    compile: str = "auto"  # "auto": on for CUDA, off on CPU (where inductor compiles for minutes); True or False
     attn_backend: str = "auto"  # "auto", "flash", "varlen", "sdpa"
     peak_tflops: float = 0.0  # the GPU's dense bf16 peak for MFU; 0: known from its name (support/flops.py)
     # logging, evaluation, checkpoints
