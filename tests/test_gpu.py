@@ -1,6 +1,7 @@
 """On a CUDA GPU: every attention backend available against SDPA, a training step's gradients eager and
-compiled against float32, train.py with each backend, and exact resume with dropout on. Skipped without CUDA (tests/test_gpu_path.py runs the same paths on
-CPU through the real wrappers on emulated kernels, tests/cpu_kernels.py).
+compiled against float32, train.py with each backend, and exact resume with dropout on. Skipped without CUDA
+(tests/test_gpu_path.py runs the same paths on CPU through the real wrappers on emulated kernels,
+tests/cpu_kernels.py).
 
     python -m pytest tests/test_gpu.py -q -s     # -s prints the measured differences
 """
@@ -77,6 +78,16 @@ def test_sdpa_bf16_against_float32():
     assert logit <= 0.02 and grad <= 0.03
 
 
+def mlm_batch(config):
+    """4 x 256 random tokens, 30% masked, as train.py builds a batch."""
+    import data
+    from support.tokenizer import SPECIAL_NAMES
+
+    special = {name: i for i, name in enumerate(SPECIAL_NAMES)}
+    tokens = torch.randint(len(special), config.vocab_size, (4, 256), generator=torch.Generator().manual_seed(0))
+    return data.mlm_batch(tokens, 0.3, special, config.vocab_size, seed=[0, 0])
+
+
 # How train.py's step may run on a GPU: torch.compile backend (None: eager), inductor settings, and whether the
 # loss is computed in the model's graph (train.forward_backward) or outside it, by F.cross_entropy on the logits.
 STEP_VARIANTS = {
@@ -90,25 +101,19 @@ STEP_VARIANTS = {
 
 def test_train_step_gradients_against_float32():
     """train.forward_backward's gradients under bf16 autocast, as each variant computes them, against one eager
-    float32 step with F.cross_entropy on the logits (support/loss.py not involved). On an H200 (torch 2.11)
-    compiled runs of train.py did not learn at all: the variants say whether the fault is eager, dynamo or
-    AOTAutograd (aot_eager), inductor's code, its mix-order reductions, or the chunked loss in the graph."""
+    float32 step with F.cross_entropy on the logits (support/loss.py not involved). Under torch 2.11 every
+    gradient of a compiled step was zero (pytorch#180642, see support/loss.py): the variants say whether such a
+    fault is eager's, dynamo's or AOTAutograd's (aot_eager), inductor's code, its mix-order reductions, or the
+    chunked loss's in the graph."""
     from types import SimpleNamespace
 
     import torch._inductor.config as inductor
     import torch.nn.functional as F
 
-    import data
     import train
-    from support.tokenizer import SPECIAL_NAMES
 
-    device = torch.device("cuda")
-    process = SimpleNamespace(device=device, world=1)
-    config = ModernBertConfig(**CONFIG)
-    special = {name: i for i, name in enumerate(SPECIAL_NAMES)}
-    tokens = torch.randint(len(special), config.vocab_size, (4, 256), generator=torch.Generator().manual_seed(0))
-    batch = data.mlm_batch(tokens, 0.3, special, config.vocab_size, seed=[0, 0])
-
+    config, device = ModernBertConfig(**CONFIG), torch.device("cuda")
+    batch, process = mlm_batch(config), SimpleNamespace(device=device, world=1)
     model = randomized(config).to(device).train()
     b = batch.to(device)
 
@@ -153,16 +158,10 @@ def test_compiled_steps_move_the_weights_as_eager_steps_do():
     import copy
     from types import SimpleNamespace
 
-    import data
     import train
-    from support.tokenizer import SPECIAL_NAMES
 
-    device = torch.device("cuda")
-    process = SimpleNamespace(device=device, world=1)
-    config = ModernBertConfig(**CONFIG)
-    special = {name: i for i, name in enumerate(SPECIAL_NAMES)}
-    tokens = torch.randint(len(special), config.vocab_size, (4, 256), generator=torch.Generator().manual_seed(0))
-    batch = data.mlm_batch(tokens, 0.3, special, config.vocab_size, seed=[0, 0])
+    config, device = ModernBertConfig(**CONFIG), torch.device("cuda")
+    batch, process = mlm_batch(config), SimpleNamespace(device=device, world=1)
     start = randomized(config).to(device).train()
     runs = {}
     for compiled in (False, True):
@@ -176,7 +175,8 @@ def test_compiled_steps_move_the_weights_as_eager_steps_do():
                                                  torch.autocast("cuda", dtype=torch.bfloat16), compiled).item())
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            moved.append(max(((p - q).norm() / q.norm()).item() for p, q in zip(model.parameters(), start.parameters())))
+            moved.append(max(((p - q).norm() / q.norm()).item()
+                             for p, q in zip(model.parameters(), start.parameters())))
         runs[compiled] = losses, moved
         print(f"{'compiled' if compiled else 'eager'}: losses {[round(x, 4) for x in losses]}, largest relative "
               f"weight change after each step {[f'{x:.1e}' for x in moved]}")
