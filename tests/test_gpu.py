@@ -11,6 +11,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -78,14 +79,18 @@ def test_sdpa_bf16_against_float32():
     assert logit <= 0.02 and grad <= 0.03
 
 
-def mlm_batch(config):
-    """4 x 256 random tokens, 30% masked, as train.py builds a batch."""
+PROCESS = SimpleNamespace(device=torch.device("cuda"), world=1)  # train.forward_backward's, one process
+
+
+def mlm_batch(config, rate=0.3, length=256, seed=0):
+    """4 sequences of `length` random tokens, `rate` of them masked, as train.py builds a batch."""
     import data
     from support.tokenizer import SPECIAL_NAMES
 
     special = {name: i for i, name in enumerate(SPECIAL_NAMES)}
-    tokens = torch.randint(len(special), config.vocab_size, (4, 256), generator=torch.Generator().manual_seed(0))
-    return data.mlm_batch(tokens, 0.3, special, config.vocab_size, seed=[0, 0])
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(len(special), config.vocab_size, (4, length), generator=g)
+    return data.mlm_batch(tokens, rate, special, config.vocab_size, seed=[0, seed])
 
 
 # How train.py's step may run on a GPU: torch.compile backend (None: eager), inductor settings, and whether the
@@ -105,17 +110,15 @@ def test_train_step_gradients_against_float32():
     gradient of a compiled step was zero (pytorch#180642, see support/loss.py): the variants say whether such a
     fault is eager's, dynamo's or AOTAutograd's (aot_eager), inductor's code, its mix-order reductions, or the
     chunked loss's in the graph."""
-    from types import SimpleNamespace
-
     import torch._inductor.config as inductor
     import torch.nn.functional as F
 
     import train
 
-    config, device = ModernBertConfig(**CONFIG), torch.device("cuda")
-    batch, process = mlm_batch(config), SimpleNamespace(device=device, world=1)
-    model = randomized(config).to(device).train()
-    b = batch.to(device)
+    config = ModernBertConfig(**CONFIG)
+    batch = mlm_batch(config)
+    model = randomized(config).to(PROCESS.device).train()
+    b = batch.to(PROCESS.device)
 
     def loss_outside(m):
         logits = m(b.tokens, cu_seqlens=b.cu_seqlens, max_seqlen=b.max_seqlen, rows=b.rows)
@@ -134,7 +137,7 @@ def test_train_step_gradients_against_float32():
         autocast = torch.autocast("cuda", dtype=torch.bfloat16)
         with inductor.patch(settings):
             if in_graph:
-                loss = train.forward_backward(step_model, [batch], False, process, autocast, backend is not None)
+                loss = train.forward_backward(step_model, [batch], False, PROCESS, autocast, backend is not None)
             else:
                 with autocast:
                     loss = loss_outside(step_model)
@@ -156,22 +159,21 @@ def test_compiled_steps_move_the_weights_as_eager_steps_do():
     from the same weights: the loss falls alike and the weights move alike (a compiled step whose update never
     reaches the weights, or whose gradients vanish, shows here even where one step's gradients look right)."""
     import copy
-    from types import SimpleNamespace
 
     import train
 
-    config, device = ModernBertConfig(**CONFIG), torch.device("cuda")
-    batch, process = mlm_batch(config), SimpleNamespace(device=device, world=1)
-    start = randomized(config).to(device).train()
+    config = ModernBertConfig(**CONFIG)
+    batch = mlm_batch(config)
+    start = randomized(config).to(PROCESS.device).train()
     runs = {}
     for compiled in (False, True):
         model = copy.deepcopy(start)
-        optimizer = train.make_optimizer(model, train.Config(lr=1e-3), device)
+        optimizer = train.make_optimizer(model, train.Config(lr=1e-3), PROCESS.device)
         torch._dynamo.reset()
         step_model = kernels.compile_model(model) if compiled else model
         losses, moved = [], []
         for _ in range(3):
-            losses.append(train.forward_backward(step_model, [batch], False, process,
+            losses.append(train.forward_backward(step_model, [batch], False, PROCESS,
                                                  torch.autocast("cuda", dtype=torch.bfloat16), compiled).item())
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -190,26 +192,18 @@ def test_a_new_mask_rate_compiles_no_new_graph():
     for all, through train.py's wrap and forward_backward. Inductor's Triton fusion of LayerNorm backward guards on
     the rows it fuses (rows x hidden >= 5 x 2^20) unless support.kernels.compile_model turns that off; at hidden
     768, 30% of 4 x 8192 rows lie above, 15% below."""
-    from types import SimpleNamespace
-
     from torch._dynamo.utils import counters
 
-    import data
     import train
-    from support.tokenizer import SPECIAL_NAMES
 
     torch._dynamo.reset()
     counters.clear()
-    device = torch.device("cuda")
     config = ModernBertConfig(**{**CONFIG, "hidden_size": 768, "intermediate_size": 1152, "num_attention_heads": 12})
-    model = train.wrap(randomized(config).to(device).train(), True, False, device)
-    special = {name: i for i, name in enumerate(SPECIAL_NAMES)}
-    g = torch.Generator().manual_seed(0)
+    model = train.wrap(randomized(config).to(PROCESS.device).train(), True, False, PROCESS.device)
     for step, rate in enumerate((0.3, 0.15, 0.3)):
-        tokens = torch.randint(len(special), config.vocab_size, (4, 8192), generator=g)
-        batch = data.mlm_batch(tokens, rate, special, config.vocab_size, seed=[0, step])
-        train.forward_backward(model, [batch], False, SimpleNamespace(device=device, world=1),
-                               torch.autocast("cuda", dtype=torch.bfloat16), compiled=True)
+        batch = mlm_batch(config, rate, length=8192, seed=step)
+        train.forward_backward(model, [batch], False, PROCESS, torch.autocast("cuda", dtype=torch.bfloat16),
+                               compiled=True)
     graphs = counters["stats"]["unique_graphs"]
     print(f"MLM at 30%, 15%, 30% of 4 x 8192 tokens, compiled: {graphs} graph(s)")
     assert graphs == 1
