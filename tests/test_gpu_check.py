@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import gpu_check
 
@@ -98,6 +99,18 @@ def test_a_cut_short_pytest_is_read_from_its_verbose_lines(tmp_path):
         ("test_train_steps_with_each_backend[varlen]", "timeout")]
     verdict = gpu_check.judge_tests(tests, GPU_ENV, timed_out=True)
     assert verdict["ok"] is False and verdict["summary"] == "cut short by the time limit: 1 passed, 1 failed, 1 timeout"
+
+
+def test_a_cut_short_pytest_keeps_what_its_finished_tests_printed(tmp_path):
+    """At the deadline pytest gets SIGINT and writes its junit file: the tests that finished keep their printed
+    figures, and the one it was running is a timeout."""
+    (tmp_path / "test_gpu.py").write_text("import time\n\ndef test_done():\n    print('max rel diff 1.5e-03')\n\n"
+                                          "def test_slow():\n    time.sleep(600)\n")
+    started = time.time()
+    code, tests = gpu_check.pytest_tests(str(tmp_path / "test_gpu.py"), str(tmp_path / "a_pytest.log"), started + 20)
+    assert code is None and time.time() - started < 20 + gpu_check.GRACE
+    assert [(t["test"], t["outcome"]) for t in tests] == [("test_done", "passed"), ("test_slow", "timeout")]
+    assert "max rel diff 1.5e-03" in tests[0]["detail"]
 
 
 def test_the_goals_read_bench_rows_and_train_mfu():
