@@ -31,8 +31,8 @@ Four parts, in this order:
 Time limits. Each part has a budget (BUDGETS, or --budget); time a part leaves unused goes to the next, so the
 whole check ends within their sum (1460 s) plus the report and GRACE per part cut short. Every command runs in its
 own process group and the whole group (bench's workers, pytest's train.py runs, inductor's compile workers) is
-stopped at its part's deadline; the part records what finished and the next part runs. The budgets come from the first GPU run (see
-BUDGETS); report.json has each part's real seconds.
+stopped at its part's deadline; the part records what finished and the next part runs. The budgets come from the
+GPU runs (see BUDGETS); report.json has each part's real seconds.
 
 Writes OUT/report.md (a table per part, then the issue's goals against the figures), OUT/report.json (all of it,
 bench's rows included) and OUT/logs/ (each command's output). This process never imports torch: no CUDA context
