@@ -33,7 +33,22 @@ def test_bench_tiny(tmp_path):
     for case, objective in [(c, o) for c in ("variable", "packed") for o in ("mlm", "clm")]:  # one step each, by op
         profile = (tmp_path / "prof" / f"profile_{case}_{objective}.txt").read_text()
         assert profile.startswith(f"ours, {case} {objective}, one step of ") and "aten::mm" in profile
-    assert any(row["backend"] == "sdpa" for row in res["attention"])
+    for row in res["step"]:
+        assert float(row["MFU_6N"].rstrip("%")) > 0 and row["raw"]["warmup_seconds"] > 0
+    cells = {(r["case"], r["layer"], r["causal"]): {} for r in res["attention"]}
+    for r in res["attention"]:
+        cells[r["case"], r["layer"], r["causal"]][r["backend"]] = r
+    assert len(cells) == 8  # (packed, variable) x (global, local) x (bidirectional, causal)
+    for (case, layer, _), row in cells.items():
+        assert set(row) == {"varlen", "flash", "cudnn", "sdpa-flash", "flex", "sdpa"}
+        for needs_cuda in ("varlen", "flash", "cudnn"):  # listed, skipped, saying why
+            assert "needs CUDA" in row[needs_cuda]["note"] and "fwd_ms" not in row[needs_cuda]
+        assert float(row["sdpa"]["err"]) <= 1e-5 and float(row["sdpa"]["grad_err"]) <= 1e-5
+        assert float(row["flex"]["err"]) <= 1e-5 and row["flex"]["note"] == "forward only: no backward on CPU"
+        if case == "packed" and layer == "global":  # SDPA's flash kernel: no mask, so only there
+            assert float(row["sdpa-flash"]["err"]) <= 1e-5 and float(row["sdpa-flash"]["grad_err"]) <= 1e-5
+        else:
+            assert row["sdpa-flash"]["note"].startswith("takes no mask")
     full, chunked = res["loss_memory"]
     assert (full["loss"], chunked["loss"]) == ("full_logits", "chunked")
     assert abs(full["loss_sum"] - chunked["loss_sum"]) <= 1e-4 * full["loss_sum"]  # the same loss, both ways
