@@ -58,7 +58,7 @@ class ModernBertConfig:
     classifier_pooling: str = "mean"  # "mean" over tokens or "cls"
     id2label: dict | None = None  # classifiers: {"0": "label", ...} as in config.json
     problem_type: str | None = None  # "single_label_classification" or "multi_label_classification"
-    attn_backend: str = "auto"  # flash-attn, else torch varlen_attn (CUDA), else SDPA; MODERNBERT_ATTN overrides
+    attn_backend: str = "auto"  # "auto", one backend or one per layer type (support/kernels.py); MODERNBERT_ATTN wins
 
     @property
     def num_labels(self):

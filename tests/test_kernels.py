@@ -4,8 +4,8 @@ the two views the newer backends attend through, against independent references:
 - FlexAttention's block mask of documents and windows: the eager kernel (forward only on CPU) against float64
   attention with the window written out (tests/test_gpu_path.reference), on blocks small enough that every kind of
   block (skipped, partial, full) occurs; the blocks it visits counted by hand;
-- SDPA's cuDNN kernel on the packed (B, nh, S, hd) view: run here through SDPA's CPU flash kernel, which like cuDNN's
-  takes no mask (a mask would fail "no available kernel"), against SDPA in float32.
+- SDPA's cuDNN kernel on the packed (B, nh, S, hd) view, with no mask: SDPA's CPU flash kernel stands in for cuDNN's
+  (SDPA restricted to it, as to cuDNN's on a GPU), against SDPA in float32.
 
 tests/test_gpu.py runs both kernels themselves on a GPU, with their backward.
 """
@@ -144,10 +144,10 @@ def gradients(model, logits):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_cudnn_layers_attend_the_packed_view_with_no_mask(monkeypatch, causal):
-    """"auto" switched to cuDNN for the global layers, with SDPA's CPU flash kernel standing in for cuDNN's: the
-    global layers call SDPA on the (B, nh, S, hd) view, no mask, that kernel alone; the local layers SDPA with their
-    window's mask, as before. bf16 autocast, forward and backward, against SDPA in float32. A batch of documents kept
-    apart falls back to SDPA in every layer."""
+    """With "auto" switched to cuDNN for the global layers and SDPA's CPU flash kernel standing in for cuDNN's: the
+    global layers call SDPA on the (B, nh, S, hd) view, with no mask, restricted to that kernel (the math kernel
+    off); the local layers SDPA with their window's mask, any kernel, as before. bf16 autocast, forward and
+    backward, against SDPA in float32. A batch of documents kept apart falls back to SDPA in every layer."""
     monkeypatch.setattr(kernels, "KERNEL_DEVICE", "cpu")
     monkeypatch.setitem(kernels.SDPA_KERNELS, "cudnn", [SDPBackend.FLASH_ATTENTION])
     monkeypatch.setitem(kernels.AUTO, "global", ("cudnn", "sdpa"))
