@@ -498,6 +498,7 @@ def main(argv=None):
           f"{config.num_hidden_layers} x {config.hidden_size}, vocab {config.vocab_size}; seq_len {args.seq_len}, "
           f"{args.batch_size} sequences per packed step")
     results = {"settings": {**vars(args), "device_name": str(device), "dtype": dtype, "hf_backend": hf_backend}}
+    failed = []  # section 1's workers that failed
     lengths_from = None
     if args.lengths_from:
         from data import read_documents
@@ -538,7 +539,11 @@ def main(argv=None):
                                     warmup=args.warmup, lengths_from=lengths_file)
                         if args.profile and name == profiled:
                             spec["profile"] = os.path.join(args.profile, f"profile_{case}_{objective}.txt")
-                        measured[name] = run_worker(spec)
+                        try:
+                            measured[name] = run_worker(spec)
+                        except SystemExit as e:  # the other rows still count; the exit status says it at the end
+                            print(e, file=sys.stderr)
+                            failed.append(f"{case} {objective} {name}")
                     hf = measured.get("transformers") or measured.get("transformers compiled")
                     for name, r in measured.items():
                         rows.append({"case": case, "objective": objective, "impl": name,
@@ -622,6 +627,8 @@ def main(argv=None):
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2, default=str)
     print(f"\nwrote {args.out}")
+    if failed:
+        raise SystemExit(f"benchmark workers failed (their errors above): {', '.join(failed)}")
 
 
 if __name__ == "__main__":

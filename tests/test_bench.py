@@ -35,9 +35,9 @@ def test_bench_tiny(tmp_path):
         assert profile.startswith(f"ours, {case} {objective}, one step of ") and "aten::mm" in profile
     for row in res["step"]:
         assert float(row["MFU_6N"].rstrip("%")) > 0 and row["raw"]["warmup_seconds"] > 0
-    cells = {(r["case"], r["layer"], r["causal"]): {} for r in res["attention"]}
-    for r in res["attention"]:
-        cells[r["case"], r["layer"], r["causal"]][r["backend"]] = r
+    cells = {(a["case"], a["layer"], a["causal"]): {} for a in res["attention"]}
+    for a in res["attention"]:
+        cells[a["case"], a["layer"], a["causal"]][a["backend"]] = a
     assert len(cells) == 8  # (packed, variable) x (global, local) x (bidirectional, causal)
     for (case, layer, _), row in cells.items():
         assert set(row) == {"varlen", "flash", "cudnn", "sdpa-flash", "flex", "sdpa"}
@@ -54,3 +54,18 @@ def test_bench_tiny(tmp_path):
     assert abs(full["loss_sum"] - chunked["loss_sum"]) <= 1e-4 * full["loss_sum"]  # the same loss, both ways
     if os.path.isfile(tokenizer):
         assert "4. Data" in r.stdout and res["data"]["prepare_1_workers_tokens_per_s"] > 0
+
+
+def test_a_failed_worker_loses_no_other_row(tmp_path):
+    """Two attention backends for ours in one run (--attn_backends), one of which cannot run here: its row is
+    reported failed, with the worker's reason, the other measured and written, and the exit status is 1."""
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--size", "tiny", "--seq_len", "64",
+                        "--batch_size", "2", "--steps", "1", "--warmup", "1", "--cases", "packed", "--objectives",
+                        "mlm", "--impls", "ours", "--attn_backends", "sdpa", "global=cudnn,local=sdpa", "--skip",
+                        "attention", "loss", "data", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 1 and "'cudnn' (SDPA's cuDNN kernel) needs CUDA" in r.stderr
+    assert "failed (their errors above): packed mlm ours [global=cudnn,local=sdpa]" in r.stderr
+    rows = json.loads(out.read_text())["step"]
+    assert [row["impl"] for row in rows] == ["ours [sdpa]"] and rows[0]["raw"]["tokens_per_s"] > 0
