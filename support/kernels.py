@@ -61,8 +61,9 @@ def compile_model(model, regional=False):
     reductions (torch 2.10+) guards by default on the sizes it fuses, the MLM head's row count among them: a new
     mask rate (30% -> 15%) recompiled the whole model (H200, torch 2.11). Non-strict, it guards on none.
     regional: compile each transformer block in place instead, the rest eager. The blocks share one code, so dynamo
-    compiles a graph per kind of block (the first, which has no attention norm; global; local), not per layer:
-    seconds instead of a minute, whatever the depth."""
+    compiles a graph per kind of block (the first, which has no attention norm; global; local) whatever the depth:
+    three blocks to compile instead of the whole model (bench.py --impls "ours regional" measures what it saves and
+    costs). On CPU, SDPA attends documents kept apart one by one inside the blocks: a graph per set of lengths."""
     import torch._inductor.config as inductor
     if hasattr(inductor.triton, "mix_order_reduction_non_strict_mode"):
         inductor.triton.mix_order_reduction_non_strict_mode = True
@@ -206,7 +207,7 @@ class FlexView:
         T = positions.numel()
         i = torch.arange(T, device=positions.device)
         first = i - positions  # (T,) the first token of each token's sequence
-        last = torch.repeat_interleave(cu_seqlens[1:], cu_seqlens.diff(), output_size=T) - 1  # (T,) and its last
+        last = torch.repeat_interleave(cu_seqlens[1:].long(), cu_seqlens.diff(), output_size=T) - 1  # (T,) its last
         self.masks = {}
         for layer_type in [t for t, b in packing.backend.items() if b == "flex"]:
             left, right = packing.windows[layer_type]
