@@ -7,19 +7,26 @@ on the same config, weights, device, dtype and batch, measured in the same run.
     python bench.py --size base --seq_len 8192 --batch_size 4   # GPU: ModernBERT-base, packed 8192, bf16
     python bench.py --size base --seq_len 8192 --batch_size 4 --profile prof   # + where a step's time goes
     python bench.py --size tiny --steps 3              # what the test runs
+    python bench.py --size base --seq_len 8192 --batch_size 4 --skip step loss data --attn_sizes base large
+                                                      # GPU: each attention kernel at train.py's shapes
+    python bench.py --size base --seq_len 8192 --batch_size 4 --impls "ours compiled" "ours regional" \
+        "transformers compiled" --attn_backends varlen global=cudnn,local=varlen   # today's kernels vs others
 
 Prints one table per section and writes bench.json:
   1. training step (forward + backward + AdamW step), tokens/s (median of --steps timed steps
      after warm-up), MFU and peak memory: ours eager, ours under torch.compile (--compile on;
-     the default on CUDA) and transformers' ModernBertForMaskedLM, same weights and batches, for
+     the default on CUDA) and transformers' ModernBertForMaskedLM, same weights and batches (--impls
+     picks among these, ours regional and transformers compiled; --attn_backends runs ours with each), for
        a) variable-length batches (lengths from --lengths_from, else log-normal), where unpadding pays,
        b) fully packed sequences, where it cannot,
      for MLM (head on the 30% masked rows; transformers with sparse_prediction) and CLM (head on
      all rows; transformers' ModernBERT has no causal mask, so it runs bidirectional there).
      MFU = support/flops.training_flops (the batch's real sequence lengths) / step time / peak, the peak
      being the GPU's datasheet figure (support/flops.peak_flops, or --peak_tflops), else (CPU) the
-     rate of a large matmul measured here;
-  2. attention alone, forward + backward, for every backend available on the device;
+     rate of a large matmul measured here; MFU_6N the same with the usual 6N + 12LHQT count;
+  2. attention alone, forward and backward, each kernel (torch's varlen_attn, flash-attn, SDPA's cuDNN and flash
+     kernels, FlexAttention, SDPA) on global and local layers, bidirectional and causal, packed and documents kept
+     apart, against SDPA in float32, with its TFLOP/s; a kernel that cannot run a case says why;
   3. the LM loss's memory: one CLM forward + backward (vocab 50368, 8 x 1024 tokens, hidden 256)
      with the loss from full float32 logits against model.py's chunked loss;
   4. data (with --lengths_from and --tokenizer): prepare throughput against raw tiktoken, loader time per step.
@@ -27,6 +34,7 @@ Each measurement of sections 1 and 3 runs in a fresh process, so peak memory is 
 """
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -38,10 +46,12 @@ import time
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from model import Flat, ModernBertConfig, ModernBertForMaskedLM, Packing, attention, cu_seqlens_of
 from support import kernels
-from support.flops import peak_flops, training_flops
+from support.flops import attention_pairs, convention_flops, peak_flops, training_flops
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 SMALL_IDS = dict(pad_token_id=0, cls_token_id=1, sep_token_id=2, bos_token_id=1, eos_token_id=2)  # inside small vocabs
@@ -53,6 +63,9 @@ SIZES = {
     "base": ModernBertConfig(),  # 22 x 768, vocab 50368
     "large": ModernBertConfig.large(),  # 28 x 1024
 }
+
+
+IMPLS = ("ours", "ours compiled", "ours regional", "transformers", "transformers compiled")
 
 
 def rss_now():
@@ -149,7 +162,8 @@ def measure_step(spec):
             sparse_prediction=spec["objective"] == "mlm").to(device)  # the head on masked rows only
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **({"fused": True} if device.type == "cuda" else {}))
-    step_fn = kernels.compile_model(model) if spec["compile"] else model
+    step_fn = kernels.compile_model(model, regional=spec["compile"] == "regional") if spec["compile"] else model
+    n_params = sum(p.numel() for p in model.parameters())  # the tied embedding once
     lengths_from = np.load(spec["lengths_from"]) if spec["lengths_from"] else None
     batches = [make_inputs(batch_lengths(spec["case"], spec["batch_size"], spec["seq_len"], rng, lengths_from),
                            config.vocab_size, spec["objective"], device, rng) for _ in range(3)]
@@ -167,11 +181,13 @@ def measure_step(spec):
         opt.zero_grad(set_to_none=True)
 
     # Compiled: warm up on every batch, so that the timed steps run graphs compiled already.
+    t0 = time.perf_counter()
     for i in range(max(spec["warmup"], len(batches) if spec["compile"] else 0)):
         step(batches[i % len(batches)])
     sync(device)
+    warmup_seconds = time.perf_counter() - t0
     before = reset_peak_memory(device)  # the memory of the timed steps only
-    times, flops_per_s = [], []
+    times, flops_per_s, convention_per_s = [], [], []
     for i in range(spec["steps"]):
         x = batches[i % len(batches)]
         sync(device)
@@ -182,6 +198,7 @@ def measure_step(spec):
         # The FLOPs this implementation has to do: transformers' ModernBERT runs CLM bidirectionally.
         causal = spec["objective"] == "clm" and spec["impl"] == "ours"
         flops_per_s.append(training_flops(config, x["lengths"], causal, x["targets"].numel()) / times[-1])
+        convention_per_s.append(convention_flops(config, n_params, sum(x["lengths"]), spec["seq_len"]) / times[-1])
     n_tokens = statistics.median([int(b["mask"].sum()) for b in batches])
     peak = peak_memory(device, before)
     if spec.get("profile"):  # one more step, under the profiler: where its time goes
@@ -196,7 +213,7 @@ def measure_step(spec):
         rows = sorted((a for a in prof.key_averages() if a.device_type == kind), key=us, reverse=True)
         total = sum(map(us, rows))
         with open(spec["profile"], "w") as f:
-            f.write(f"{spec['impl']}{' compiled' if spec['compile'] else ''}, {spec['case']} {spec['objective']}, "
+            f.write(f"{spec['name']}, {spec['case']} {spec['objective']}, "
                     f"one step of {n_tokens} tokens; step median {statistics.median(times) * 1000:.1f} ms; "
                     f"{'kernels' if on_gpu else 'ops'} {total / 1000:.1f} ms\n")
             f.write(f"{'ms':>9} {'share':>6} {'calls':>6}  name\n")
@@ -207,7 +224,9 @@ def measure_step(spec):
         from torch._dynamo.utils import counters
         compiles = counters["stats"]["unique_graphs"]  # every graph dynamo compiled, recompilations included
     return {"seconds": statistics.median(times), "tokens": n_tokens, "tokens_per_s": n_tokens / statistics.median(times),
-            "flops_per_s": statistics.median(flops_per_s), "peak_memory": peak, "compiles": compiles,
+            "flops_per_s": statistics.median(flops_per_s),
+            "convention_flops_per_s": statistics.median(convention_per_s),
+            "warmup_seconds": warmup_seconds, "peak_memory": peak, "compiles": compiles,
             "padded_tokens": statistics.median([b["ids"].numel() for b in batches])}
 
 
@@ -221,34 +240,108 @@ def run_worker(spec):
 
 
 # -----------------------------------------------------------------------------
-# 2. Attention alone, every backend available here
+# 2. Attention alone: each kernel on each layer type, against SDPA in float32
+
+# model.py's backends, called as a layer calls them (model.attention), and SDPA's flash kernel: the FlashAttention-2
+# that varlen_attn runs, on the packed (B, nh, S, hd) view, which takes no mask (the global layers of packed batches).
+ATTENTION_KERNELS = ("varlen", "flash", "cudnn", "sdpa-flash", "flex", "sdpa")
 
 
-def attention_backends(config, lengths, device, dtype, steps):
-    """Forward + backward ms per backend. The fused kernels take float16/bfloat16 only: asked for
-    float32, they run in bfloat16 (the row says which dtype ran)."""
-    available = [b for b in kernels.BACKENDS if b == "sdpa" or (device.type == "cuda" and {
-        "flash": kernels.flash_attn_varlen_func, "varlen": kernels.varlen_attn}[b])]
-    T, nh, hd = sum(lengths), config.num_attention_heads, config.head_dim
-    cu = cu_seqlens_of(lengths).to(device)
+def timed(fn, device):
+    """fn() and its seconds: by CUDA events on a GPU (the kernels' time), else by the clock."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        return fn(), time.perf_counter() - t0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = fn()
+    end.record()
+    end.synchronize()
+    return out, start.elapsed_time(end) / 1000
+
+
+def attention_reference(q, k, v, dout, lengths, window):
+    """SDPA in float32 on each sequence alone, the window written out as a boolean mask -> out, [dq, dk, dv]."""
+    q, k, v = (x.detach().float().requires_grad_() for x in (q, k, v))
+    (left, right), outs, start = window, [], 0
+    for n in lengths:
+        i = torch.arange(n, device=q.device)
+        offset = i[None, :] - i[:, None]  # (n, n) key position - query position
+        ok = torch.ones(n, n, dtype=torch.bool, device=q.device)
+        if left >= 0:
+            ok &= offset >= -left
+        if right >= 0:
+            ok &= offset <= right
+        x = (t[start:start + n].transpose(0, 1)[None] for t in (q, k, v))  # (1, nh, n, hd)
+        outs.append(F.scaled_dot_product_attention(*x, attn_mask=ok)[0].transpose(0, 1))
+        start += n
+    out = torch.cat(outs)
+    out.backward(dout.float())
+    return out.detach(), [x.grad for x in (q, k, v)]
+
+
+def attention_kernels(config, case, lengths, device, dtype, steps, names):
+    """Forward and backward of each kernel in `names` on each layer type (global, local) and mask (bidirectional,
+    causal), median seconds of `steps` after two warm-ups (FlexAttention compiles in the first), on q, k, v of
+    `dtype` for sequences of `lengths`; the error of its output and gradients against attention_reference; FLOP/s
+    by support/flops.py's count (the pairs the mask keeps), the backward counted as 2 x the forward and, as
+    FlashAttention's papers count it, 2.5 x. A kernel that cannot attend a cell says why."""
+    T, nh, hd, S = sum(lengths), config.num_attention_heads, config.head_dim, max(lengths)
+    packed, cu = len(set(lengths)) == 1, cu_seqlens_of(lengths).to(device)
+    g = torch.Generator(device=device).manual_seed(0)
     rows = []
-    for backend in available:
-        run_dtype = dtype if backend == "sdpa" or dtype in kernels.KERNEL_DTYPES else torch.bfloat16
-        for layer_type in ("global", "local"):
-            for causal in (False, True):
-                packing = Packing(T, cu, max(lengths), causal, config.local_attention // 2, backend)
-                q, k, v = (torch.randn(T, nh, hd, device=device, dtype=run_dtype, requires_grad=True) for _ in range(3))
-                times = []
-                for i in range(steps + 2):
-                    sync(device)
-                    t0 = time.perf_counter()
-                    attention(q, k, v, packing, layer_type, 0.0).sum().backward()
-                    sync(device)
-                    if i >= 2:
-                        times.append(time.perf_counter() - t0)
-                rows.append({"backend": backend, "dtype": str(run_dtype).removeprefix("torch."),
-                             "layer": layer_type, "causal": causal, "ms": 1000 * statistics.median(times)})
+    for layer_type in ("global", "local"):
+        for causal in (False, True):
+            q, k, v, dout = (torch.randn(T, nh, hd, device=device, generator=g).to(dtype) for _ in range(4))
+            no_kernel = dict.fromkeys(kernels.LAYER_TYPES)  # a Packing for its windows alone
+            window = Packing(T, cu, S, causal, config.local_attention // 2, no_kernel).windows[layer_type]
+            ref, ref_grads = attention_reference(q, k, v, dout, lengths, window)
+            flops = 4 * nh * hd * sum(attention_pairs(n, *window) for n in lengths)  # forward
+            for name in names:
+                row = dict(case=case, layer=layer_type, causal=causal, backend=name, dtype=str(dtype)[6:])
+                try:
+                    row.update(attention_cell(name, q, k, v, dout, ref, ref_grads, flops, lengths, causal, layer_type,
+                                              config, device, steps))
+                except Exception as e:  # a kernel that fails here is a finding of the run, not its end
+                    row["note"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:150]}"
+                rows.append(row)
     return rows
+
+
+def attention_cell(name, q, k, v, dout, ref, ref_grads, flops, lengths, causal, layer_type, config, device, steps):
+    """One kernel on one cell of attention_kernels -> its columns."""
+    packed = len(set(lengths)) == 1
+    if name == "sdpa-flash":
+        why = None if packed and layer_type == "global" else "takes no mask: no window, no documents kept apart"
+    else:
+        why = kernels.refusal(name, layer_type, device, q.dtype, 0.0, packed)
+    forward_only = False
+    if why is not None and name == "flex":  # FlexAttention on CPU: no backward
+        with torch.no_grad():
+            forward_only = kernels.refusal(name, layer_type, device, q.dtype, 0.0, packed) is None
+    if why is not None and not forward_only:
+        return {"note": why.removeprefix(f"attention backend {name!r} ")}
+    backend = "sdpa" if name == "sdpa-flash" else name
+    packing = Packing(sum(lengths), cu_seqlens_of(lengths).to(device), max(lengths), causal,
+                      config.local_attention // 2, kernels.Choice({"global": backend, "local": backend}))
+    times = []
+    for i in range(steps + 2):
+        x = [t.detach().requires_grad_(not forward_only) for t in (q, k, v)]
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if name == "sdpa-flash" else contextlib.nullcontext():
+            out, forward = timed(lambda: attention(*x, packing, layer_type, 0.0), device)
+        backward = None if forward_only else timed(lambda: out.backward(dout), device)[1]
+        times.append((forward, backward))
+    forward = statistics.median(f for f, _ in times[2:])
+    cols = {"fwd_ms": f"{1000 * forward:.3g}", "fwd_TFLOP/s": f"{flops / forward / 1e12:.3g}",
+            "err": f"{((out.float() - ref).abs().max() / ref.abs().max()).item():.1e}"}
+    if forward_only:
+        return {**cols, "note": "forward only: no backward on CPU"}
+    backward = statistics.median(b for _, b in times[2:])
+    grad_err = max(((a.grad.float() - b).norm() / b.norm()).item() for a, b in zip(x, ref_grads))
+    return {**cols, "bwd_ms": f"{1000 * backward:.3g}", "ms": f"{1000 * (forward + backward):.3g}",
+            "bwd_TFLOP/s": f"{2 * flops / backward / 1e12:.3g}",
+            "bwd_TFLOP/s_2.5x": f"{2.5 * flops / backward / 1e12:.3g}",
+            "grad_err": f"{grad_err:.1e}"}
 
 
 def matmul_flops(device, dtype, n=2048, runs=5):
@@ -338,9 +431,9 @@ def data_throughput(text_path, tokenizer_path, seq_len, batch_size, workers):
 
 
 def table(rows, columns):
-    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in columns]
+    widths = [max(len(c), *(len(str(r.get(c, "-"))) for r in rows)) for c in columns]
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(str(r[c]).ljust(w) for c, w in zip(columns, widths)) for r in rows]
+    lines += ["  ".join(str(r.get(c, "-")).ljust(w) for c, w in zip(columns, widths)) for r in rows]
     return "\n".join(lines)
 
 
@@ -367,6 +460,13 @@ def parse_args(argv=None):
     p.add_argument("--cases", nargs="+", default=["variable", "packed"], choices=["variable", "packed"],
                    help="section 1's batches (tests/gpu_check.py runs one case and objective per process)")
     p.add_argument("--objectives", nargs="+", default=["mlm", "clm"], choices=["mlm", "clm"])
+    p.add_argument("--impls", nargs="+", choices=IMPLS, help="section 1's implementations (default: ours, ours "
+                   "compiled where --compile is on, transformers); regional: each transformer block compiled, the rest "
+                   "eager"),
+    p.add_argument("--attn_backends", nargs="+", default=["auto"], help="section 1: ours with each of these "
+                   "attn_backend values, e.g. varlen (today's) global=cudnn,local=varlen")
+    p.add_argument("--attn_sizes", nargs="+", choices=list(SIZES), help="section 2's heads (default: --size's)")
+    p.add_argument("--attn_kernels", nargs="+", choices=ATTENTION_KERNELS, default=list(ATTENTION_KERNELS))
     p.add_argument("--skip", nargs="*", default=[], choices=["step", "attention", "loss", "data"])
     p.add_argument("--out", default="bench.json")
     p.add_argument("--profile", metavar="DIR", help="profile one more training step of ours (compiled where it "
@@ -398,6 +498,7 @@ def main(argv=None):
           f"{config.num_hidden_layers} x {config.hidden_size}, vocab {config.vocab_size}; seq_len {args.seq_len}, "
           f"{args.batch_size} sequences per packed step")
     results = {"settings": {**vars(args), "device_name": str(device), "dtype": dtype, "hf_backend": hf_backend}}
+    failed = []  # section 1's workers that failed
     lengths_from = None
     if args.lengths_from:
         from data import read_documents
@@ -410,8 +511,14 @@ def main(argv=None):
         if peak is None:
             peak = matmul_flops(device, torch.bfloat16 if dtype == "bfloat16" else torch.float32)
             peak_source = "a 2048^3 matmul measured here"
-        impls = [("ours", "auto", False)] + ([("ours compiled", "auto", True)] if compile_ else []) + [
-            ("transformers", hf_backend, False)]
+        impls = []  # (row name, implementation, its attention, compile: None, "whole" or "regional")
+        for name in args.impls or ["ours"] + (["ours compiled"] if compile_ else []) + ["transformers"]:
+            who, _, how = name.partition(" ")
+            mode = {"": None, "compiled": "whole", "regional": "regional"}[how]
+            backends = args.attn_backends if who == "ours" else [hf_backend]
+            impls += [(name if len(backends) == 1 else f"{name} [{b}]", who, b, mode) for b in backends]
+        ours = [i for i in impls if i[1] == "ours"]
+        profiled = next((i[0] for i in ours if i[3]), ours[0][0] if ours else None)  # compiled where it is
         if args.profile:
             os.makedirs(args.profile, exist_ok=True)
         with tempfile.TemporaryDirectory() as ckpt:
@@ -425,48 +532,63 @@ def main(argv=None):
             for case in args.cases:
                 for objective in args.objectives:
                     measured = {}
-                    for impl, backend, compiled in impls:
-                        spec = dict(task="step", impl=impl.split()[0], backend=backend, ckpt=ckpt, device=str(device),
-                                    dtype=dtype, compile=compiled, case=case, objective=objective,
+                    for name, who, backend, mode in impls:
+                        spec = dict(task="step", name=name, impl=who, backend=backend, ckpt=ckpt, device=str(device),
+                                    dtype=dtype, compile=mode, case=case, objective=objective,
                                     seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps,
                                     warmup=args.warmup, lengths_from=lengths_file)
-                        if args.profile and impl == ("ours compiled" if compile_ else "ours"):
+                        if args.profile and name == profiled:
                             spec["profile"] = os.path.join(args.profile, f"profile_{case}_{objective}.txt")
-                        measured[impl] = run_worker(spec)
-                    hf = measured["transformers"]
-                    for impl, r in measured.items():
-                        rows.append({"case": case, "objective": objective, "impl": impl,
-                                     "pad_%": f"{100 * (1 - hf['tokens'] / hf['padded_tokens']):.0f}",
+                        try:
+                            measured[name] = run_worker(spec)
+                        except SystemExit as e:  # the other rows still count; the exit status says it at the end
+                            print(e, file=sys.stderr)
+                            failed.append(f"{case} {objective} {name}")
+                    hf = measured.get("transformers") or measured.get("transformers compiled")
+                    for name, r in measured.items():
+                        rows.append({"case": case, "objective": objective, "impl": name,
+                                     "pad_%": f"{100 * (1 - r['tokens'] / r['padded_tokens']):.0f}",
                                      "tok/s": f"{r['tokens_per_s']:,.0f}",
-                                     "vs_transformers": f"{r['tokens_per_s'] / hf['tokens_per_s']:.2f}x",
+                                     "vs_transformers": f"{r['tokens_per_s'] / hf['tokens_per_s']:.2f}x" if hf else "-",
                                      "MFU": f"{100 * r['flops_per_s'] / peak:.1f}%",
+                                     "MFU_6N": f"{100 * r['convention_flops_per_s'] / peak:.1f}%",
                                      "mem_MiB": f"{r['peak_memory'] / 2 ** 20:,.0f}",
-                                     "mem_vs_transformers": f"{r['peak_memory'] / max(hf['peak_memory'], 1):.2f}",
+                                     "mem_vs_transformers": f"{r['peak_memory'] / max(hf['peak_memory'], 1):.2f}"
+                                     if hf else "-", "warmup_s": f"{r['warmup_seconds']:.1f}",
                                      "compiles": "-" if r["compiles"] is None else r["compiles"], "raw": r})
-                    print(f"  {case} {objective}: " + ", ".join(f"{impl} {r['tokens_per_s']:,.0f} tok/s"
-                                                               for impl, r in measured.items()), flush=True)
+                    print(f"  {case} {objective}: " + ", ".join(f"{name} {r['tokens_per_s']:,.0f} tok/s"
+                                                               for name, r in measured.items()), flush=True)
         print(f"\n1. Training step (forward + backward + AdamW), median of {args.steps} steps; transformers with "
               f"attn_implementation={hf_backend} (CLM: bidirectional, it has no causal mask); memory: peak "
               f"{'allocated during' if device.type == 'cuda' else 'RSS added by'} the timed steps; MFU = training_flops "
-              f"(real sequence lengths) / step time / {peak / 1e12:,.3g} TFLOP/s ({peak_source}); compiles: graphs "
-              f"torch.compile made over warm-up and timed steps")
-        print(table(rows, ["case", "objective", "impl", "pad_%", "tok/s", "vs_transformers", "MFU", "mem_MiB",
-                           "mem_vs_transformers", "compiles"]))
+              f"(real sequence lengths) / step time / {peak / 1e12:,.3g} TFLOP/s ({peak_source}); MFU_6N: the usual "
+              f"6N + 12LHQT count (support/flops.convention_flops, T = seq_len) instead; warmup_s: the warm-up steps, "
+              f"compiling included; compiles: graphs torch.compile made over warm-up and timed steps")
+        print(table(rows, ["case", "objective", "impl", "pad_%", "tok/s", "vs_transformers", "MFU", "MFU_6N", "mem_MiB",
+                           "mem_vs_transformers", "warmup_s", "compiles"]))
         results["step"] = rows
         results["peak_flops"] = {"flops": peak, "source": peak_source}
 
     if "attention" not in args.skip:
         rng = np.random.default_rng(0)
-        lengths = batch_lengths("variable", args.batch_size, args.seq_len, rng,
-                                np.array(lengths_from) if lengths_from else None)
-        rows = attention_backends(config, lengths, device, torch.bfloat16 if dtype == "bfloat16" else torch.float32,
-                                  args.steps)
-        for r in rows:
-            r["ms"] = f"{r['ms']:.2f}"
-        note = "; flash and varlen take bfloat16 only, so they ran in bfloat16" if any(
-            r["dtype"] != rows[0]["dtype"] for r in rows) else ""
-        print(f"\n2. Attention forward + backward, {len(lengths)} sequences, {sum(lengths)} tokens{note}")
-        print(table(rows, ["backend", "dtype", "layer", "causal", "ms"]))
+        cases = {"packed": batch_lengths("packed", args.batch_size, args.seq_len, rng, None),
+                 "variable": batch_lengths("variable", args.batch_size, args.seq_len, rng,
+                                           np.array(lengths_from) if lengths_from else None)}
+        rows = []
+        for size in args.attn_sizes or [args.size]:
+            for case in args.cases:
+                rows += [{"size": size, **r} for r in attention_kernels(
+                    SIZES[size], case, cases[case], device, torch.bfloat16 if dtype == "bfloat16" else torch.float32,
+                    args.steps, args.attn_kernels)]
+                print(f"  attention {size} {case}: done", flush=True)
+        print(f"\n2. Attention alone, forward and backward: packed = {args.batch_size} x {args.seq_len} tokens, "
+              f"variable = {len(cases['variable'])} documents kept apart, {sum(cases['variable'])} tokens; median of "
+              f"{args.steps} ({'CUDA events' if device.type == 'cuda' else 'wall clock'}); TFLOP/s of the pairs the "
+              "mask keeps (support/flops.py), the backward counted as 2 x the forward and as 2.5 x (FlashAttention's "
+              "papers); err: max |out - ref| / max |ref|, grad_err: the worst of |dq, dk, dv - ref| / |ref|, ref: SDPA "
+              "in float32")
+        print(table(rows, ["size", "case", "layer", "causal", "backend", "dtype", "fwd_ms", "bwd_ms", "fwd_TFLOP/s",
+                           "bwd_TFLOP/s", "bwd_TFLOP/s_2.5x", "err", "grad_err", "note"]))
         results["attention"] = rows
 
     if "loss" not in args.skip:
@@ -505,6 +627,8 @@ def main(argv=None):
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2, default=str)
     print(f"\nwrote {args.out}")
+    if failed:
+        raise SystemExit(f"benchmark workers failed (their errors above): {', '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ class ModernBertConfig:
     classifier_pooling: str = "mean"  # "mean" over tokens or "cls"
     id2label: dict | None = None  # classifiers: {"0": "label", ...} as in config.json
     problem_type: str | None = None  # "single_label_classification" or "multi_label_classification"
-    attn_backend: str = "auto"  # flash-attn, else torch varlen_attn (CUDA), else SDPA; MODERNBERT_ATTN overrides
+    attn_backend: str = "auto"  # "auto", one backend or one per layer type (support/kernels.py); MODERNBERT_ATTN wins
 
     @property
     def num_labels(self):
@@ -131,24 +131,25 @@ class Packing:
         # whole sequence, local layers half_window tokens on each side; under the causal mask, no key after the query.
         right = lambda window: 0 if causal else window  # noqa: E731
         self.windows = {"global": (-1, right(-1)), "local": (half_window, right(half_window))}
-        # The kernels take the keys' cu_seqlens apart from the queries'. One tensor passed as both would be a
-        # duplicate input of flash-attn's autograd.Function, which torch.compile cannot trace: a graph break in
-        # every layer. A copy, once per batch, costs B+1 ints.
-        self.cu_seqlens_k = cu_seqlens.clone() if backend != "sdpa" else None
-        self.sdpa = (kernels.SDPAView(cu_seqlens, max_seqlen, self.positions, self.windows) if backend == "sdpa"
-                     else None)
+        # The keys' own cu_seqlens: one tensor as both would break the compiled graph at flash-attn's autograd.Function.
+        self.cu_seqlens_k = cu_seqlens.clone() if {"flash", "varlen"} & set(backend.values()) else None
+        self.sdpa = kernels.SDPAView(self) if {"sdpa", "cudnn"} & set(backend.values()) else None
+        self.flex = kernels.FlexView(self) if "flex" in backend.values() else None
 
 
 def attention(q, k, v, packing, layer_type, dropout_p):
     """Scaled dot-product attention over the sequences of an unpadded batch in a "global" or "local" layer:
     q, k, v (T, nh, hd) -> (T, nh, hd). The kernels: support/kernels.py."""
     window, cu, cu_k, S = packing.windows[layer_type], packing.cu_seqlens, packing.cu_seqlens_k, packing.max_seqlen
-    if packing.backend == "flash":
+    backend = packing.backend[layer_type]
+    if backend == "flash":
         return kernels.flash_attn_varlen_func(q, k, v, cu, cu_k, S, S, dropout_p=dropout_p, causal=packing.causal,
                                               window_size=window)
-    if packing.backend == "varlen":
+    if backend == "varlen":
         return kernels.varlen_attn(q, k, v, cu, cu_k, S, S, window_size=window)
-    return packing.sdpa(q, k, v, layer_type, dropout_p)  # per sequence or on a (B, S) view: CPU, float32, fallback
+    if backend == "flex":
+        return packing.flex(q, k, v, layer_type)  # a block mask of documents and windows
+    return packing.sdpa(q, k, v, layer_type, dropout_p)  # SDPA or its cuDNN kernel, per sequence or on a (B, S) view
 
 
 # -----------------------------------------------------------------------------
@@ -258,11 +259,10 @@ class ModernBertModel(nn.Module):
         for kind, theta in (("global", config.global_rope_theta), ("local", config.local_rope_theta)):
             self.register_buffer(f"rope_{kind}", rope_cos_sin(positions, config.head_dim, theta), persistent=False)
 
-    def attention_backend(self, device):
-        """The kernel a forward on `device` uses now: by the dtype that reaches it (autocast's, else the weights')."""
-        dtype = compute_dtype(device.type, self.embeddings.tok_embeddings.weight.dtype)
-        c = self.config
-        return kernels.pick_backend(c.attn_backend, device, dtype, c.attention_dropout if self.training else 0.0)
+    def attention_backend(self, device, packed=True):
+        """Each layer type's kernel in a forward on `device` now: by the dtype it gets, and if the batch is packed."""
+        dtype, c = compute_dtype(device.type, self.embeddings.tok_embeddings.weight.dtype), self.config
+        return kernels.pick_backend(c.attn_backend, device, dtype, c.attention_dropout if self.training else 0, packed)
 
     def forward(self, tokens, cu_seqlens, max_seqlen, causal=False, return_layers=False):
         """tokens (T,) -> hidden states (T, H) after the final norm; with return_layers, also the L layer outputs,
@@ -271,7 +271,7 @@ class ModernBertModel(nn.Module):
         if max_seqlen > c.max_position_embeddings:
             raise ValueError(f"a sequence of {max_seqlen} tokens is beyond max_position_embeddings="
                              f"{c.max_position_embeddings}, where RoPE's tables end: cut sequences to that length")
-        backend = self.attention_backend(tokens.device)
+        backend = self.attention_backend(tokens.device, packed=tokens.shape[0] == max_seqlen * (len(cu_seqlens) - 1))
         packing = Packing(tokens.shape[0], cu_seqlens, max_seqlen, causal, c.local_attention // 2, backend)
         # The rows of this batch's positions, cast once to the dtype q and k have (autocast's, else the weights'):
         # the rotation then runs in that dtype in every layer, with no float32 copy of q and k.

@@ -95,7 +95,7 @@ class Config:
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
     dtype: str = "auto"  # "auto" (bfloat16 autocast on GPU, float32 on CPU), "float32", "bfloat16"
     compile: str = "auto"  # "auto": on for CUDA, off on CPU (where inductor compiles for minutes); True or False
-    attn_backend: str = "auto"  # "auto", "flash", "varlen", "sdpa"
+    attn_backend: str = "auto"  # "auto", a backend, or one per layer type ("global=cudnn,local=varlen"): kernels.py
     peak_tflops: float = 0.0  # the GPU's dense bf16 peak for MFU; 0: known from its name (support/flops.py)
     # logging, evaluation, checkpoints
     log_interval: int = 10

@@ -1,30 +1,46 @@
 """
-The attention kernels behind model.attention(), fastest first, and which one a forward uses:
+The attention kernels behind model.attention(), and which one each layer type ("global", "local") uses:
 
 - flash-attn's `flash_attn_varlen_func` (pip install flash-attn --no-build-isolation): CUDA, float16/bfloat16;
 - PyTorch's own `torch.nn.attention.varlen.varlen_attn` (2.10+, with `window_size`): CUDA, float16/bfloat16,
   no attention-probability dropout;
+- SDPA's cuDNN kernel (`SDPBackend.CUDNN_ATTENTION`): CUDA, float16/bfloat16, on the (B, nh, S, hd) view of a
+  packed batch with no mask (SDPAView below), so the global layers of packed batches only: under the mask that a
+  window or documents kept apart need, it would compute every (query, key) pair;
+- FlexAttention (`torch.nn.attention.flex_attention`) with a block mask of documents and windows (FlexView below):
+  CUDA, or CPU without a backward; any dtype; no attention-probability dropout;
 - SDPA, everywhere and in any dtype, per sequence or on a (B, S) view (SDPAView below).
 
-"auto" takes the first that runs here; the config's attn_backend, or MODERNBERT_ATTN, forces one.
+"auto" takes, per layer type, the first of AUTO that runs here on the batch; the config's attn_backend, or
+MODERNBERT_ATTN, forces one for all layers ("varlen") or one per layer type ("global=cudnn,local=varlen").
 """
 
+import contextlib
 import inspect
 import os
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 try:
     from flash_attn import flash_attn_varlen_func
 except ImportError:
     flash_attn_varlen_func = None
 
-BACKENDS = ("flash", "varlen", "sdpa")
+BACKENDS = ("flash", "varlen", "cudnn", "flex", "sdpa")
+LAYER_TYPES = ("global", "local")
+# "auto", per layer type: the first of these that runs here. Today's choice (on an H200, varlen_attn: FlashAttention-2
+# at its usual rates, results/h200-2026-11-26), kept until bench.py's attention section measures cudnn and flex
+# against it on a GPU. To switch a layer type, put the faster one first: ("cudnn", "flash", "varlen", "sdpa").
+AUTO = {"global": ("flash", "varlen", "sdpa"), "local": ("flash", "varlen", "sdpa")}
 # The fused kernels run on CUDA and take float16 / bfloat16 q, k, v only; a float32 forward attends with SDPA.
 # tests/cpu_kernels.py sets KERNEL_DEVICE to "cpu" to run the kernels' real wrappers there on an emulated kernel.
 KERNEL_DEVICE = "cuda"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+SDPA_KERNELS = {"cudnn": [SDPBackend.CUDNN_ATTENTION], "sdpa": None}  # the kernels SDPA may choose from (None: any)
+FLEX_BLOCK = 128  # FlexAttention's block of queries and of keys: a block mask says which (query, key) blocks to visit
 
 
 def find_varlen_attn():
@@ -40,42 +56,76 @@ def find_varlen_attn():
 varlen_attn = find_varlen_attn() if torch.cuda.is_available() else None
 
 
-def compile_model(model):
+def compile_model(model, regional=False):
     """torch.compile(model), as train.py and bench.py run it. Inductor's Triton fusion of LayerNorm backward's two
     reductions (torch 2.10+) guards by default on the sizes it fuses, the MLM head's row count among them: a new
-    mask rate (30% -> 15%) recompiled the whole model (H200, torch 2.11). Non-strict, it guards on none."""
+    mask rate (30% -> 15%) recompiled the whole model (H200, torch 2.11). Non-strict, it guards on none.
+    regional: compile each transformer block in place instead, the rest eager. The blocks share one code, so dynamo
+    compiles a graph per kind of block (the first, which has no attention norm; global; local) whatever the depth:
+    three blocks to compile instead of the whole model (bench.py --impls "ours regional" measures what it saves and
+    costs). On CPU, SDPA attends documents kept apart one by one inside the blocks: a graph per set of lengths."""
     import torch._inductor.config as inductor
     if hasattr(inductor.triton, "mix_order_reduction_non_strict_mode"):
         inductor.triton.mix_order_reduction_non_strict_mode = True
-    return torch.compile(model)
+    if not regional:
+        return torch.compile(model)
+    for block in model.model.layers:
+        block.compile()
+    return model
 
 
-def pick_backend(requested, device, dtype, dropout_p):
-    """The backend of a forward on `device` with q, k, v of `dtype`: MODERNBERT_ATTN, else `requested`, else
-    ("auto") the fastest one that runs here. A backend that cannot run here is refused, saying why."""
+class Choice(dict):
+    """The backend of each layer type, {"global": name, "local": name}: printed as one name where they agree."""
+
+    def __str__(self):
+        return self["global"] if self["global"] == self["local"] else ", ".join(f"{t} {b}" for t, b in self.items())
+
+
+def pick_backend(requested, device, dtype, dropout_p, packed=True):
+    """The backend of each layer type in a forward on `device` with q, k, v of `dtype`, on a batch that is `packed`
+    (every sequence max_seqlen long) or not: MODERNBERT_ATTN, else `requested`, one name for all layers or one per
+    layer type ("global=cudnn,local=varlen"); "auto" takes the first of AUTO that runs here. A backend that cannot
+    run here is refused, saying why."""
     name = os.environ.get("MODERNBERT_ATTN") or requested
+    parts = [part.partition("=") for part in name.split(",")]
+    asked = {t: b for t, _, b in parts} if "=" in name else dict.fromkeys(LAYER_TYPES, name)
+    if sorted(asked) != sorted(LAYER_TYPES) or not set(asked.values()) <= {"auto", *BACKENDS}:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of auto, {', '.join(BACKENDS)}, or one per "
+                         "layer type, as global=cudnn,local=varlen")
+    choice = Choice()
+    for layer_type in LAYER_TYPES:
+        options = AUTO[layer_type] if asked[layer_type] == "auto" else (asked[layer_type],)
+        why = [refusal(b, layer_type, device, dtype, dropout_p, packed) for b in options]
+        if None not in why:  # a forced backend ("auto" always ends in SDPA)
+            raise RuntimeError(why[0])
+        choice[layer_type] = options[why.index(None)]
+    return choice
+
+
+def refusal(name, layer_type, device, dtype, dropout_p, packed):
+    """Why backend `name` cannot attend a layer of `layer_type` here; None where it can."""
     here = device.type == KERNEL_DEVICE
-    if name == "auto":
-        if here and dtype in KERNEL_DTYPES and flash_attn_varlen_func is not None:
-            return "flash"
-        if here and dtype in KERNEL_DTYPES and varlen_attn is not None and dropout_p == 0.0:
-            return "varlen"
-        return "sdpa"
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of auto, {', '.join(BACKENDS)}")
     if name == "flash" and (flash_attn_varlen_func is None or not here):
-        raise RuntimeError("attention backend 'flash' needs CUDA and `pip install flash-attn --no-build-isolation`")
+        return "attention backend 'flash' needs CUDA and `pip install flash-attn --no-build-isolation`"
     if name == "varlen" and (varlen_attn is None or not here):
-        raise RuntimeError("attention backend 'varlen' needs CUDA and a PyTorch whose "
-                           "torch.nn.attention.varlen.varlen_attn has window_size (2.10+)")
-    if name != "sdpa" and dtype not in KERNEL_DTYPES:
-        raise RuntimeError(f"attention backend {name!r} takes float16 or bfloat16 q, k, v, but this forward runs "
-                           f"in {dtype}: run it under bf16 autocast (--dtype=bfloat16) or use attn_backend 'auto' or "
-                           "'sdpa'")
-    if name == "varlen" and dropout_p > 0:
-        raise RuntimeError("attention backend 'varlen' has no attention-probability dropout; "
-                           "set attention_dropout=0 (use attn_out_dropout) or pick another backend")
-    return name
+        return ("attention backend 'varlen' needs CUDA and a PyTorch whose torch.nn.attention.varlen.varlen_attn has "
+                "window_size (2.10+)")
+    if name == "cudnn" and not here:
+        return "attention backend 'cudnn' (SDPA's cuDNN kernel) needs CUDA"
+    if name == "cudnn" and (layer_type == "local" or not packed):
+        return ("attention backend 'cudnn' (SDPA's cuDNN kernel) attends the global layers of packed batches only: it "
+                "has no window, and no bounds for documents kept apart; give it those alone (global=cudnn,local=varlen)"
+                " or use 'auto'")
+    if name in ("flash", "varlen", "cudnn") and dtype not in KERNEL_DTYPES:
+        return (f"attention backend {name!r} takes float16 or bfloat16 q, k, v, but this forward runs in {dtype}: run "
+                "it under bf16 autocast (--dtype=bfloat16) or use attn_backend 'auto' or 'sdpa'")
+    if name in ("varlen", "flex") and dropout_p > 0:
+        return (f"attention backend {name!r} has no attention-probability dropout; set attention_dropout=0 (use "
+                "attn_out_dropout) or pick another backend")
+    if name == "flex" and device.type == "cpu" and torch.is_grad_enabled():
+        return ("attention backend 'flex' has no backward on CPU (torch's FlexAttention): use it on CUDA or without "
+                "gradients")
+    return None
 
 
 class SDPAView:
@@ -84,11 +134,15 @@ class SDPAView:
     attention costs sum(L^2) rather than B * S^2 (with lengths as uneven as documents', many times less); on a GPU,
     or under torch.compile (where a loop over the lengths would recompile for every batch), on a (B, S) view
     zero-padded by a scatter, with a padding mask. Every other op stays on the flat tokens. A (T, T) block-diagonal
-    mask would instead make CPU attention quadratic in the whole batch's token count."""
+    mask would instead make CPU attention quadratic in the whole batch's token count. It serves the layer types whose
+    backend is "sdpa" or "cudnn" (which pick_backend gives packed global layers only, where no mask is needed)."""
 
-    def __init__(self, cu_seqlens, max_seqlen, positions, windows):
+    def __init__(self, packing):
+        cu_seqlens, positions = packing.cu_seqlens, packing.positions
+        # The layer types that attend here -> the kernels SDPA may choose from
+        self.kernels = {t: SDPA_KERNELS[b] for t, b in packing.backend.items() if b in SDPA_KERNELS}
         lengths = cu_seqlens.diff()  # (B,)
-        B, S, T, dev = lengths.numel(), max_seqlen, positions.numel(), cu_seqlens.device
+        B, S, T, dev = lengths.numel(), packing.max_seqlen, positions.numel(), cu_seqlens.device
         self.B, self.S = B, S
         each = dev.type == "cpu" and not torch.compiler.is_compiling()  # a GPU would launch B kernels per layer
         self.mode = "batch" if T == B * S else "each" if each else "padded"
@@ -101,7 +155,8 @@ class SDPAView:
             self.index = seq * S + positions  # (T,) each token's row in the (B * S) view
             real = idx[None, :] < lengths[:, None]  # (B, S)
         self.masks = {}  # layer type -> (boolean mask or None, is_causal)
-        for layer_type, (left, right) in windows.items():
+        for layer_type in self.kernels:
+            left, right = packing.windows[layer_type]
             if left < 0 and self.mode != "padded":  # full attention: no mask, so that SDPA picks its fast kernels
                 self.masks[layer_type] = (None, right == 0)
                 continue
@@ -118,12 +173,17 @@ class SDPAView:
         """(T, nh, hd) q, k, v -> (T, nh, hd)."""
         T, nh, hd = q.shape
         mask, is_causal = self.masks[layer_type]
+        kernels = self.kernels[layer_type]
+
+        def sdpa(q, k, v, mask):  # (B, nh, S, hd) each, on the layer type's kernels
+            with sdpa_kernel(kernels) if kernels else contextlib.nullcontext():
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+
         if self.mode == "each":
             def attend(start, end):  # one sequence: (L, nh, hd) -> (1, nh, L, hd) -> (L, nh, hd)
                 L = end - start
-                out = F.scaled_dot_product_attention(*(x[start:end].transpose(0, 1)[None] for x in (q, k, v)),
-                                                     attn_mask=None if mask is None else mask[:L, :L],
-                                                     dropout_p=dropout_p, is_causal=is_causal)
+                out = sdpa(*(x[start:end].transpose(0, 1)[None] for x in (q, k, v)),
+                           None if mask is None else mask[:L, :L])
                 return out[0].transpose(0, 1)
             return torch.cat([attend(a, b) for a, b in zip(self.bounds[:-1], self.bounds[1:])])
 
@@ -132,7 +192,68 @@ class SDPAView:
                 x = x.new_zeros(self.B * self.S, nh, hd).index_copy(0, self.index, x)
             return x.view(self.B, self.S, nh, hd).transpose(1, 2)
 
-        out = F.scaled_dot_product_attention(view(q), view(k), view(v), attn_mask=mask, dropout_p=dropout_p,
-                                             is_causal=is_causal)
-        out = out.transpose(1, 2).reshape(self.B * self.S, nh, hd)
+        out = sdpa(view(q), view(k), view(v), mask).transpose(1, 2).reshape(self.B * self.S, nh, hd)
         return out[self.index] if self.mode == "padded" else out
+
+
+class FlexView:
+    """FlexAttention over an unpadded batch as one (1, nh, T, hd) sequence, with a block mask per layer type. The keys
+    a query sees are one interval, its sequence cut to the layer's window, so the mask is lo[q] <= k <= hi[q] for
+    packed windows and documents kept apart alike, and the kernel visits only the (FLEX_BLOCK x FLEX_BLOCK) blocks of
+    (query, key) pairs that some interval reaches: 2 or 3 key blocks per query block in a local layer."""
+
+    def __init__(self, packing):
+        cu_seqlens, positions = packing.cu_seqlens, packing.positions
+        T = positions.numel()
+        i = torch.arange(T, device=positions.device)
+        first = i - positions  # (T,) the first token of each token's sequence
+        last = torch.repeat_interleave(cu_seqlens[1:].long(), cu_seqlens.diff(), output_size=T) - 1  # (T,) its last
+        self.masks = {}
+        for layer_type in [t for t, b in packing.backend.items() if b == "flex"]:
+            left, right = packing.windows[layer_type]
+            lo = first if left < 0 else torch.maximum(first, i - left)
+            hi = last if right < 0 else torch.minimum(last, i + right)
+            self.masks[layer_type] = interval_block_mask(lo, hi, FLEX_BLOCK)
+
+    def __call__(self, q, k, v, layer_type):
+        """(T, nh, hd) q, k, v -> (T, nh, hd)."""
+        flex = flex_attention
+        if q.device.type == "cuda" and not torch.compiler.is_compiling():
+            flex = compiled_flex()  # called eagerly, FlexAttention would compute all T x T scores, then mask them
+        out = flex(*(x.transpose(0, 1)[None] for x in (q, k, v)), block_mask=self.masks[layer_type])  # (1, nh, T, hd)
+        return out[0].transpose(0, 1)
+
+
+def interval_block_mask(lo, hi, block):
+    """FlexAttention's BlockMask of "query q sees keys lo[q] .. hi[q]" over T tokens, lo and hi (T,), in blocks of
+    `block` queries and keys. A (query block, key block) pair is full where every query of the block sees every key
+    of the block (the kernel skips the mask there), partial where some query sees some key (the kernel masks), else
+    skipped."""
+    T = lo.numel()
+    n = -(-T // block)  # blocks, the last one possibly short
+    lo, hi = F.pad(lo, (0, n * block - T), value=T), F.pad(hi, (0, n * block - T), value=-1)  # padding sees no key
+    starts = torch.arange(0, n * block, block, device=lo.device)  # (n,) each key block's first key and last key
+    ends = (starts + block - 1).clamp(max=T - 1)
+    some = ((lo[:, None] <= ends) & (hi[:, None] >= starts)).view(n, block, n).any(1)  # (n query blocks, n key blocks)
+    every = ((lo[:, None] <= starts) & (hi[:, None] >= ends)).view(n, block, n).all(1)
+
+    def blocks(visit):  # (n, n) bool -> per query block, how many key blocks and which, those first: (1, 1, n, ...)
+        order = visit.int().argsort(dim=-1, descending=True, stable=True)
+        return visit.sum(-1, dtype=torch.int32)[None, None], order.int()[None, None]
+
+    def mask_mod(b, h, q, k):
+        return (lo[q] <= k) & (k <= hi[q])
+
+    return BlockMask.from_kv_blocks(*blocks(some & ~every), *blocks(every), BLOCK_SIZE=block, mask_mod=mask_mod,
+                                    seq_lengths=(T, T))
+
+
+def compiled_flex():
+    """torch.compile(flex_attention), made once, at its first eager use on CUDA (torch.compile imports dynamo)."""
+    global _compiled_flex
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex
+
+
+_compiled_flex = None

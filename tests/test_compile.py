@@ -1,9 +1,9 @@
 """torch.compile as train.py uses it on GPU, checked on CPU: how many graphs a run compiles (dynamo's
 counters, with the aot_eager backend: the same tracing and guards as inductor, without its C++ build), with
 SDPA and through each kernel's real wrapper (tests/cpu_kernels.py), no graph break, compiled = eager with
-inductor, and the two pieces around it: the chunked loss does no gradient work under no_grad and returns a tensor
-it never updated in place (which torch 2.11 compiles to zero gradients), and the prefetch thread keeps the batch
-stream as it is."""
+inductor, regional compilation (a graph per kind of block), and the two pieces around it: the chunked loss does
+no gradient work under no_grad and returns a tensor it never updated in place (which torch 2.11 compiles to zero
+gradients), and the prefetch thread keeps the batch stream as it is."""
 
 import os
 import re
@@ -21,6 +21,7 @@ import cpu_kernels
 import data
 import train
 from model import ModernBertConfig
+from support import kernels
 from test_train import launcher
 from test_gpu_path import SPECIAL, needs_flash, randomized, tiny, train_losses  # noqa: F401 (tiny is a fixture)
 
@@ -124,6 +125,37 @@ def test_inductor_step_equals_eager():
     assert not re.search(r"\b(cos|sin)\(", "\n".join(code))
     for n, gr in ref_grads.items():
         assert (grads[n] - gr).abs().max() <= 1e-5 * gr.abs().max() + 1e-7, n
+
+
+def test_regional_compilation_compiles_a_graph_per_kind_of_block(monkeypatch):
+    """compile_model(regional=True): each Block compiled in place, the rest eager. The blocks share one code, so the
+    7 layers compile 3 graphs, one per kind of block (layer 0, with no attention norm; global; local), and the causal
+    mask at most 3 more; no graph break; the MLM loss and every gradient as eager's (aot_eager: the same tracing as
+    inductor)."""
+    orig = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: orig(model, backend="aot_eager", **kw))
+    config = ModernBertConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=7,
+                              num_attention_heads=2, local_attention=8, **SPECIAL)
+    model, eager = randomized(config), randomized(config)
+    kernels.compile_model(model, regional=True)
+    torch._dynamo.reset()
+    counters.clear()
+    g = torch.Generator().manual_seed(0)
+    for causal, graphs in ((False, {3}), (True, {4, 5, 6})):
+        tokens = torch.randint(3, 256, (3 * 24,), generator=g)
+        cu = torch.tensor([0, 24, 48, 72], dtype=torch.int32)
+        rows = torch.randperm(72, generator=g)[:20].sort().values
+        results = []
+        for m in (model, eager):
+            m.zero_grad()
+            loss = m(tokens, causal=causal, cu_seqlens=cu, max_seqlen=24, rows=rows, targets=tokens[rows])
+            loss.backward()
+            results.append((loss.detach(), {n: p.grad for n, p in m.named_parameters()}))
+        (loss, grads), (ref, ref_grads) = results
+        assert counters["stats"]["unique_graphs"] in graphs and not counters["graph_break"]
+        assert abs(loss - ref) <= 1e-5 * abs(ref)
+        for n, gr in ref_grads.items():
+            assert (grads[n] - gr).abs().max() <= 1e-5 * gr.abs().max() + 1e-7, n
 
 
 def test_the_chunked_loss_returns_a_tensor_never_updated_in_place():

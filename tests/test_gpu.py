@@ -1,5 +1,6 @@
-"""On a CUDA GPU: every attention backend available against SDPA, a training step's gradients eager and
-compiled against float32, train.py with each backend, and exact resume with dropout on. Skipped without CUDA
+"""On a CUDA GPU: every attention backend available against SDPA (SDPA's cuDNN kernel and FlexAttention among
+them), a training step's gradients eager and compiled against float32, train.py with each backend, and exact
+resume with dropout on. Skipped without CUDA
 (tests/test_gpu_path.py runs the same paths on CPU through the real wrappers on emulated kernels,
 tests/cpu_kernels.py).
 
@@ -69,6 +70,19 @@ def test_kernel_against_sdpa(backend, causal, padded, window):
           f"grad {vs32[1]:.2e}; vs SDPA bf16 {vs16[0]:.2e} / {vs16[1]:.2e}")
     assert vs32[0] <= 0.02 and vs32[1] <= 0.03
     assert vs16[0] <= 0.02 and vs16[1] <= 0.03
+
+
+@pytest.mark.parametrize("backend, padded", [("global=cudnn,local=sdpa", False), ("flex", False), ("flex", True)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cudnn_and_flex_against_sdpa(backend, padded, causal):
+    """SDPA's cuDNN kernel (the global layers of packed batches) and FlexAttention (compiled, its block mask of
+    documents and windows), bf16, against SDPA in float32, with test_kernel_against_sdpa's tolerances."""
+    lengths = [1, 9, 300, 77] if padded else [256, 256]
+    out, grads = on_cuda(backend, causal, padded, torch.bfloat16, lengths)
+    ref, ref_grads = on_cuda("sdpa", causal, padded, torch.float32, lengths)
+    logit, grad = worst(out, grads, ref, ref_grads)
+    print(f"{backend} causal={causal} padded={padded}: vs SDPA fp32 max rel logit {logit:.2e} grad {grad:.2e}")
+    assert logit <= 0.02 and grad <= 0.03
 
 
 def test_sdpa_bf16_against_float32():
