@@ -7,11 +7,12 @@ import hashlib
 import os
 import signal
 import subprocess
-import sys
 
 import pytest
 import torch
 
+import cka
+import data
 from model import ModernBertConfig, ModernBertForMaskedLM
 from support import files, lock, suite
 from support.checkpoint import prune, save_checkpoint, tokenizer_files
@@ -19,9 +20,6 @@ from support.config import check_out_dir
 from support.metrics import trim_metrics
 from test_train import ROOT, TINY, data_dir, train_cmd  # noqa: F401 (data_dir is a fixture)
 from train import Config, make_optimizer
-
-import cka
-import data
 
 
 def sums(folder):
