@@ -86,6 +86,7 @@ def json_type(value):
 
 
 def refuse(path, what):
+    """The one line for an entry at `path` that the project will not write, rename or delete through."""
     raise SystemExit(f"{path} is {what}, not a file this project made: nothing is written, renamed or deleted there. "
                      f"Remove it and re-run (if you did not put it there, someone who can write to "
                      f"{os.path.dirname(os.path.abspath(path))} did)")
@@ -148,8 +149,8 @@ def replace_file(path, data):
 def remove(path):
     """Delete the file or directory tree `path`, if there is one; a link there is refused. Inside a tree a link is
     deleted itself, never what it points to (shutil.rmtree works through directory descriptors, so not even one
-    made during the walk is followed). A tree is removed as far as it can be, as before: what stays makes the rename
-    that follows fail, with its own line."""
+    made during the walk is followed). A tree is removed as far as it can be (rmtree's ignore_errors): what stays
+    makes the rename that follows fail, with its own line."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -192,5 +193,4 @@ def check_no_links(directory):
     would meet it, hours in."""
     if os.path.isdir(directory):
         for entry in os.scandir(directory):
-            if entry.is_symlink():
-                refuse(entry.path, kind(entry.path, os.lstat(entry.path)))
+            refuse_link(entry.path)
