@@ -37,6 +37,7 @@ from support import distributed, threads
 from support.checkpoint import PROGRESS, sha256, step_checkpoints, step_of
 from support.checks import checkpoint_config
 from support.config import check_out_dir
+from support.files import open_file, replace_file
 from support.lock import hold
 from data import read_documents
 from model import ModernBertForMaskedLM, cu_seqlens_of, mean_pool
@@ -437,7 +438,8 @@ def figure(results, path):
     ax.set_title("Layer-wise divergence (band: ± std over sampling seeds)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with open_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=120)
     plt.close(fig)
     return True
 
@@ -508,7 +510,8 @@ def trajectory_figure(results, path):
     right.set_title("by region: pair (solid) and control (dashed); dotted: end of a phase", fontsize=10)
     right.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with open_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=120)
     plt.close(fig)
     return True
 
@@ -528,10 +531,8 @@ def pyplot():
 def write(out, stem, results, table, figure_of):
     """out/STEM.json, out/STEM.md (printed too) and the figure."""
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"{stem}.json"), "w") as f:
-        json.dump(results, f, indent=2)
-    with open(os.path.join(out, f"{stem}.md"), "w") as f:
-        f.write(table)
+    replace_file(os.path.join(out, f"{stem}.json"), json.dumps(results, indent=2))
+    replace_file(os.path.join(out, f"{stem}.md"), table)
     print(table)
     png = {"results": "divergence.png", "trajectory": "trajectory.png"}[stem]
     if figure_of(results, os.path.join(out, png)):

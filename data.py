@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from support.checkpoint import sha256
 from support.config import check_out_dir
+from support.files import fresh_dir, open_file, remove
 from support.shards import load_meta, split_tokens
 from support.tokenizer import SPECIAL_NAMES, TOKENIZER_FILES, load_tokenizer, tokenizer_file, train_bpe
 
@@ -205,14 +206,12 @@ def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk
 
 def _staged(out, write):
     """write(stage) into a fresh staging folder beside out, then its files moved into out (see prepare)."""
-    stage = os.path.normpath(out) + ".prepare.tmp"
-    shutil.rmtree(stage, ignore_errors=True)  # left by a run that was killed
-    os.makedirs(stage)
+    stage = fresh_dir(os.path.normpath(out) + ".prepare.tmp")  # one that a killed run left is removed
     try:
         meta = write(stage)
         _publish(stage, out)
     finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        remove(stage)
     return meta
 
 
@@ -240,7 +239,7 @@ def _write_shards(docs_fn, tokenizer, stage, val_docs, workers, sources, chunk_d
         yield from ((split, buf) for split, buf in bufs.items() if buf)
 
     counts = {"train": [0, 0], "val": [0, 0]}  # documents, tokens
-    files = {split: open(os.path.join(stage, f"{split}.bin"), "wb") for split in counts}
+    files = {split: open_file(os.path.join(stage, f"{split}.bin"), "wb") for split in counts}
     try:
         with (tqdm(total=n_docs, desc="prepare", unit="doc", disable=None) as bar,
               contextlib.closing(_encoded(jobs(), spec, workers)) as chunks):
@@ -279,7 +278,7 @@ def _count_documents(docs_fn, where):
 
 
 def _write_meta(stage, meta):
-    with open(os.path.join(stage, "meta.json"), "w") as f:
+    with open_file(os.path.join(stage, "meta.json")) as f:
         json.dump(meta, f, indent=2)
     return meta
 
@@ -303,9 +302,8 @@ def _publish(stage, out):
     A tokenizer file of an earlier run that this one does not have is removed."""
     os.makedirs(out, exist_ok=True)
     for name in ("meta.json", *TOKENIZER_FILES):
-        if os.path.exists(os.path.join(out, name)) and (name == "meta.json" or
-                                                        not os.path.exists(os.path.join(stage, name))):
-            os.remove(os.path.join(out, name))
+        if name == "meta.json" or not os.path.exists(os.path.join(stage, name)):
+            remove(os.path.join(out, name))
     for name in sorted(os.listdir(stage), key=lambda n: n == "meta.json"):
         os.replace(os.path.join(stage, name), os.path.join(out, name))
 
@@ -417,7 +415,7 @@ def _tokenize_sources(docs_fns, spec, path, dtype, workers, chunk_docs, n_docs):
                 yield i, buf
 
     lengths = [[] for _ in docs_fns]
-    with (open(path, "wb") as f, tqdm(total=n_docs, desc="tokenize", unit="doc", disable=None) as bar,
+    with (open_file(path, "wb") as f, tqdm(total=n_docs, desc="tokenize", unit="doc", disable=None) as bar,
           contextlib.closing(_encoded(jobs(), spec, workers)) as chunks):
         for i, docs, ids, lens in chunks:
             f.write(ids.astype(dtype).tobytes())
@@ -466,7 +464,7 @@ def _write_interleaved(path, token_file, offsets, streams, rng, desc):
     ids_of = [(np.concatenate([docs, sample]), len(docs), copies) for docs, copies, sample in streams]
     taken = [0] * len(streams)  # documents of each stream written so far
     tokens = 0
-    with open(path, "wb") as f, tqdm(total=len(labels), desc=desc, unit="doc", disable=None) as bar:
+    with open_file(path, "wb") as f, tqdm(total=len(labels), desc=desc, unit="doc", disable=None) as bar:
         for b in range(0, len(labels), 1 << 16):
             block = labels[b:b + (1 << 16)]
             ids = np.empty(len(block), dtype=np.int64)

@@ -47,6 +47,7 @@ from model import Flat, ModernBertForSequenceClassification, ModernBertForTokenC
 from support import baselines, distributed, suite, threads
 from support.checks import checkpoint_config, user_error
 from support.config import check_out_dir
+from support.files import fresh_dir, replace_file
 from support.kernels import pick_backend
 from support.lock import hold
 from support.tokenizer import check_vocab, load_tokenizer
@@ -559,9 +560,9 @@ def run_suite(args, process, autocast, dtype):
         model, result = finetune(r["args"], r["seed"], splits, labels, device, rank, world, autocast)
         done[i] = result
         if rank == 0:
-            suite.store_run(r["file"], r["options"], result)
+            suite.store_run(r["file"], r["options"], result, args.out)
             if args.save_model:
-                model.save_pretrained(r["file"].removesuffix(".json"))
+                model.save_pretrained(fresh_dir(r["file"].removesuffix(".json")))
             tqdm.write(f"run {t['name']} / {r['name']} / seed {r['seed']}: test macro F1 "
                        f"{100 * result['test']['macro_f1']:.2f} ({time.time() - t0:.1f}s)")
         bar.update()
@@ -664,7 +665,7 @@ def run_task(args, process, autocast, dtype):
         model, result = finetune(args, seed, splits, labels, device, rank, world, autocast)
         runs.append(result)
         if rank == 0 and args.save_model:
-            model.save_pretrained(os.path.join(args.out, f"model-seed{seed}"))
+            model.save_pretrained(fresh_dir(os.path.join(args.out, f"model-seed{seed}")))
     if rank == 0:
         keys = [k for k, v in runs[0]["test"].items() if isinstance(v, float)]
         summary = {k: suite.mean_std([r["test"][k] for r in runs]) for k in keys}
@@ -673,11 +674,10 @@ def run_task(args, process, autocast, dtype):
         table = "\n".join(lines) + "\n"
         print(table)
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump({"settings": {**vars(args), "labels": labels, "world_size": world, "model_info": about},
-                       "summary": summary, "runs": runs}, f, indent=2)
-        with open(os.path.join(args.out, "results.md"), "w") as f:
-            f.write(table)
+        replace_file(os.path.join(args.out, "results.json"), json.dumps(
+            {"settings": {**vars(args), "labels": labels, "world_size": world, "model_info": about},
+             "summary": summary, "runs": runs}, indent=2))
+        replace_file(os.path.join(args.out, "results.md"), table)
 
 
 def main(argv=None):

@@ -9,6 +9,9 @@ import json
 import os
 import re
 
+from support.files import open_file
+from support.metrics import METRICS, records
+
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
@@ -34,16 +37,19 @@ def base_model(init_from):
 
 
 def latest_records(out_dir, step):
-    """The last record of metrics.jsonl at or before `step`, and the last one with validation losses."""
+    """The last record of metrics.jsonl at or before `step`, and the last one with validation losses; a record
+    without the numbers the card prints (a hand-edited one) is passed over."""
     last = val = None
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if os.path.isfile(path):
-        with open(path) as f:
-            for record in map(json.loads, f):
-                if record["step"] <= step:
-                    last = record
-                    val = record if "val_mlm_loss" in record else val
+    for record in records(os.path.join(out_dir, METRICS)):
+        if record["step"] <= step and numbers(record, "loss"):
+            last = record
+            has_val = numbers(record, "val_mlm_loss", "val_clm_loss", "tokens") and isinstance(record.get("phase"), str)
+            val = record if has_val else val
     return last, val
+
+
+def numbers(record, *keys):
+    return all(isinstance(record.get(k), (int, float)) and not isinstance(record[k], bool) for k in keys)
 
 
 def lr_shape(phase, lr):
@@ -125,5 +131,5 @@ def write_card(directory, c, step, tokens, model, schedule=None):
              "```", "",
              f"In the clm-detour codebase: `model.ModernBertForMaskedLM.from_pretrained({path!r})`; "
              f"`train.py --init_from={path}` continues from it.", ""]
-    with open(os.path.join(directory, "README.md"), "w", encoding="utf-8") as f:
+    with open_file(os.path.join(directory, "README.md")) as f:
         f.write("\n".join(lines))

@@ -15,8 +15,9 @@ other reason checkpoints is written weights-only at once. Resuming reads only fu
 
 Everything is written to a temporary directory, the manifest (size and sha256 of every other
 file) last, synced to disk, then renamed: a kill at any moment leaves the previous checkpoints
-as they were, and a checkpoint damaged later (a truncated copy, a bad disk) fails its manifest
-and is skipped on resume.
+as they were, and a checkpoint damaged later (a truncated copy, a bad disk, a manifest of another
+shape) fails its manifest and is skipped on resume. Nothing is written, renamed or deleted through
+a link (support/files.py), and what a checkpoint takes from the data directory is the data's own.
 
 On a cluster the Checkpointer also answers preemption (SIGTERM, SIGINT: checkpoint at the next
 step boundary, then stop), writes one on a timer, makes the ranks agree on all of it, and checks
@@ -44,7 +45,10 @@ from safetensors import SafetensorError
 
 from support.card import write_card
 from support.distributed import on_rank0
+from support.files import (MAX_JSON, fresh_dir, open_file, read_bytes, read_json, refuse, refuse_link, remove,
+                           replace_file)
 from support.lock import hold
+from support.metrics import METRICS, trim_metrics
 from support.tokenizer import TOKENIZER_FILES, write_hf_config
 
 MANIFEST = "manifest.json"
@@ -59,15 +63,15 @@ def save_checkpoint(path, model, optimizer, state, c, schedule=None):
     out_dir = os.path.dirname(path)
     tmp = os.path.join(out_dir, ".tmp-" + os.path.basename(path))
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp)
-        for name in TOKENIZER_FILES:
-            src = os.path.join(c.data_dir, name)
-            if os.path.isfile(src):
-                shutil.copyfile(src, os.path.join(tmp, name))
+        refuse_link(path)  # now, rather than at the rename, the checkpoint written
+        tokenizer = tokenizer_files(c.data_dir)
+        model.save_pretrained(fresh_dir(tmp))  # made here: what is written into it lands in it
+        for name, data in tokenizer.items():
+            with open_file(os.path.join(tmp, name), "wb") as f:
+                f.write(data)
         write_hf_config(tmp, model.config.max_position_embeddings)  # so that transformers' tools know [MASK] & co
         write_card(tmp, c, state["step"], state.get("tokens", 0), model, schedule)  # README.md: what the hub shows
-        with open(os.path.join(tmp, PROGRESS), "w") as f:
+        with open_file(os.path.join(tmp, PROGRESS)) as f:
             json.dump({k: state[k] for k in ("step", "tokens", "phase") if k in state}, f)
         if optimizer is not None:
             torch.save({**state, "optimizer": optimizer.state_dict(), "config": dataclasses.asdict(c)},
@@ -78,21 +82,43 @@ def save_checkpoint(path, model, optimizer, state, c, schedule=None):
             file = os.path.join(tmp, name)
             manifest[name] = {"bytes": os.path.getsize(file), "sha256": sha256(file)}
             fsync(file)
-        with open(os.path.join(tmp, MANIFEST), "w") as f:
+        with open_file(os.path.join(tmp, MANIFEST)) as f:
             json.dump(manifest, f, indent=1)
         fsync(os.path.join(tmp, MANIFEST))
         fsync(tmp)
-        shutil.rmtree(path, ignore_errors=True)  # "final" of a re-run, or a damaged copy of this step
+        remove(path)  # "final" of a re-run, or a damaged copy of this step
         os.replace(tmp, path)
         fsync(out_dir)
     except (OSError, RuntimeError, SafetensorError) as e:  # how open(), torch.save and safetensors report it
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove(tmp)
         moments = [t for s in (optimizer.state.values() if optimizer else []) for t in s.values() if torch.is_tensor(t)]
         need = sum(t.numel() * t.element_size() for t in [*model.parameters(), *moments])
         free = shutil.disk_usage(out_dir).free
         raise SystemExit(f"could not write checkpoint {path}: {e}. A checkpoint needs about {need / 2 ** 30:.3g} GiB "
                          f"and {out_dir} has {free / 2 ** 30:.3g} GiB free. The previous checkpoints are intact: free "
                          "some space (or lower max_ckpts, or move out_dir) and re-run the same command to resume.")
+
+
+def tokenizer_files(data_dir):
+    """{name: bytes} of the data's tokenizer files, as each checkpoint gets them, once they are the data's own:
+    tokenizer.json when its sha256 is the one meta.json records (wherever a link there leads), another file when it
+    is no link. Anything else would copy into a checkpoint, which travels, a file from elsewhere: refused."""
+    files = {}
+    try:
+        sha = read_json(os.path.join(data_dir, "meta.json")).get("tokenizer_sha256")
+        for name in TOKENIZER_FILES:
+            src = os.path.join(data_dir, name)
+            known = sha if name == "tokenizer.json" else None
+            if os.path.islink(src) and not known:
+                refuse(src, f"a symbolic link to {os.readlink(src)}, which would copy that file into every checkpoint")
+            if os.path.lexists(src):
+                files[name] = read_bytes(src, MAX_JSON)
+                if known and hashlib.sha256(files[name]).hexdigest() != known:
+                    raise SystemExit(f"{src} is not the tokenizer {data_dir} was made with (meta.json records another "
+                                     "sha256): put that one back, or re-run data.py into a fresh --out")
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{e}: the checkpoints copy the tokenizer from the data directory") from None
+    return files
 
 
 def sha256(path):
@@ -113,8 +139,17 @@ def fsync(path):
 
 
 def read_manifest(path):
-    with open(os.path.join(path, MANIFEST)) as f:
-        return json.load(f)
+    """The manifest of the checkpoint directory `path`: {file name: {"bytes": size, "sha256": hex digest}}; a
+    ValueError naming the file if it is not one (a name that is no plain file name in the directory, a field of
+    another type)."""
+    file = os.path.join(path, MANIFEST)
+    manifest = read_json(file)
+    for name, entry in manifest.items():
+        if (name in ("", ".", "..") or "/" in name or os.sep in name or not isinstance(entry, dict)
+                or type(entry.get("bytes")) is not int or entry["bytes"] < 0
+                or not re.fullmatch(r"[0-9a-f]{64}", str(entry.get("sha256")))):
+            raise ValueError(f"{file}: its entry {name!r} is not a file of the directory with its bytes and sha256")
+    return manifest
 
 
 def weights_only(path):
@@ -156,8 +191,11 @@ def step_of(path):
 
 
 def step_checkpoints(out_dir):
-    """The ckpt-STEP directories in out_dir, complete or not, oldest first."""
+    """The ckpt-STEP directories in out_dir, complete or not, oldest first. One that is a link is refused: resuming
+    it would take another run's state as this one's, pruning it would delete there."""
     found = [p for p in glob.glob(os.path.join(out_dir, "ckpt-*")) if re.fullmatch(r"ckpt-\d+", os.path.basename(p))]
+    for p in found:
+        refuse_link(p)
     return sorted(found, key=step_of)
 
 
@@ -192,7 +230,7 @@ def prune(out_dir, max_ckpts, keep_every, phase_ends=()):
         if keep_every and step_of(old) % keep_every == 0:
             drop_train_state(old)
         else:
-            shutil.rmtree(old, ignore_errors=True)
+            remove(old)
 
 
 def drop_train_state(path):
@@ -203,13 +241,9 @@ def drop_train_state(path):
         manifest = read_manifest(path)
     except (OSError, ValueError):
         return
-    if os.path.exists(os.path.join(path, TRAIN_STATE)):
-        os.remove(os.path.join(path, TRAIN_STATE))
+    remove(os.path.join(path, TRAIN_STATE))
     manifest.pop(TRAIN_STATE, None)
-    with open(os.path.join(path, MANIFEST + ".tmp"), "w") as f:
-        json.dump(manifest, f, indent=1)
-    fsync(os.path.join(path, MANIFEST + ".tmp"))
-    os.replace(os.path.join(path, MANIFEST + ".tmp"), os.path.join(path, MANIFEST))
+    replace_file(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1))
     fsync(path)
 
 
@@ -222,18 +256,6 @@ def load_train_state(path):
         raise SystemExit(f"{path}: refused: it holds objects other than tensors and plain data, and loading them would "
                          "run code (train.py never writes such a file). Take the checkpoint from a source you trust, or "
                          "delete this file to keep only its weights (then it is no resume point)") from None
-
-
-def trim_metrics(path, step):
-    """Keep the records of metrics.jsonl up to `step`, the resume point: a killed run may have logged
-    past its last checkpoint, or died in the middle of a line."""
-    if not os.path.isfile(path):
-        return
-    with open(path) as f:
-        kept = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= step]
-    with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)
 
 
 # Random streams: every rank has its own (dropout; the CPU's, and on CUDA the GPU's, which is what
@@ -275,7 +297,9 @@ class Checkpointer:
 
     def __init__(self, c, process, schedule):
         self.c, self.process, self.schedule = c, process, schedule
-        self.hold = hold(c.out_dir, process, "out_dir")  # rank 0's; says "stopping" once a signal stops the run
+        # rank 0's; says "stopping" once a signal stops the run. The same-run check runs under it: a run that held
+        # out_dir before has written all it will (its last checkpoint and config.json), and no other run starts.
+        self.hold = hold(c.out_dir, process, "out_dir", check=lambda: check_same_run(c))
         self.saved, self.saved_at = None, time.monotonic()  # where the state at the current step already is
         self.seconds = 0.0  # spent writing checkpoints: not training time
         self.caught = 0  # the signal that reached this rank, if any
@@ -298,7 +322,7 @@ class Checkpointer:
         has a train state (a phase-1 checkpoint for a run of the later phases), else None (init_from)."""
         def choose():
             for tmp in glob.glob(os.path.join(self.c.out_dir, ".tmp-*")):  # a save that a kill interrupted
-                shutil.rmtree(tmp, ignore_errors=True)
+                remove(tmp)
             latest = latest_valid_checkpoint(self.c.out_dir)
             return os.path.basename(latest) if latest else None
 
@@ -328,24 +352,31 @@ class Checkpointer:
                   f"step {first_step})", file=sys.stderr)
         state = TrainState(loader=loader.state_dict(), loss=torch.zeros((), device=device))
         if path is not None:
-            saved = load_train_state(os.path.join(path, TRAIN_STATE))
-            optimizer.load_state_dict(saved["optimizer"])
-            loader.load_state_dict(saved["loader"])  # a global position: any world size continues from it
-            ranks = saved["ranks"]  # one entry per rank of the run that wrote it
-            if len(ranks) == self.process.world:  # the same world: every rank's streams and loss sum continue
-                set_rng_state(ranks[rank]["rng"], device)
-                loss = ranks[rank]["loss_acc"]
-            else:  # rank r now gets other micro batches than the old rank r: its streams restart from the seed,
-                loss = sum(r["loss_acc"] for r in ranks) if rank == 0 else 0.0  # rank 0 carries the loss total
-            state = TrainState(step=saved["step"], tokens=saved["tokens"], loader=saved["loader"],
-                               loss=torch.tensor(loss, device=device), loss_steps=saved["loss_steps"])
+            file = os.path.join(path, TRAIN_STATE)
+            saved = load_train_state(file)
+            try:  # a file of another shape (another code's, hand-made) fails here, before anything is written
+                optimizer.load_state_dict(saved["optimizer"])
+                loader.load_state_dict(saved["loader"])  # a global position: any world size continues from it
+                ranks = saved["ranks"]  # one entry per rank of the run that wrote it
+                if len(ranks) == self.process.world:  # the same world: every rank's streams and loss sum continue
+                    set_rng_state(ranks[rank]["rng"], device)
+                    loss = ranks[rank]["loss_acc"]
+                else:  # rank r now gets other micro batches than the old rank r: its streams restart from the seed,
+                    loss = sum(r["loss_acc"] for r in ranks) if rank == 0 else 0.0  # rank 0 carries the loss total
+                state = TrainState(step=saved["step"], tokens=saved["tokens"], loader=saved["loader"],
+                                   loss=torch.tensor(loss, device=device), loss_steps=saved["loss_steps"])
+                if not all(type(n) is int for n in (state.step, state.tokens, state.loss_steps)):
+                    raise TypeError("step, tokens and loss_steps must be integers")
+            except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+                raise SystemExit(f"{file}: not a train state this code wrote ({type(e).__name__}: {e}). Restore the "
+                                 "checkpoint from a copy, or move it away to resume from the one before") from None
         if state.step < first_step:
             if state.step > 0:
                 raise SystemExit(f"run_phases={self.c.run_phases!r} starts at step {first_step}, the end of the phases "
                                  f"before it, but the checkpoint {path} is at step {state.step}")
             state.step = first_step  # weights without a train state (a Hugging Face model): start the phase fresh
         if rank == 0:
-            trim_metrics(os.path.join(self.c.out_dir, "metrics.jsonl"), state.step)
+            trim_metrics(os.path.join(self.c.out_dir, METRICS), state.step)
         self.saved_at = time.monotonic()  # the timer for ckpt_every_minutes starts with the training
         return state
 
@@ -456,12 +487,16 @@ RUN_SETTINGS = {"out_dir", "run_phases", "resume_changes", "skip_tokens", "devic
 
 
 def check_same_run(c):
-    """A run resumed from out_dir is the run its config.json describes: refuse a config that changes it."""
+    """A run resumed from out_dir (one with checkpoints) is the run its config.json describes: refuse a config that
+    changes it. Under the hold on out_dir (Checkpointer), so that the checkpoints it sees are those the run resumes."""
     path = os.path.join(c.out_dir, "config.json")
-    if not os.path.isfile(path):
+    if not step_checkpoints(c.out_dir) or not os.path.lexists(path):
         return
-    with open(path) as f:
-        old = json.load(f)
+    try:
+        old = read_json(path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{e}: it says which run {c.out_dir} holds. Put it back (each checkpoint's train_state.pt "
+                         "holds the run's config), or choose a new out_dir") from None
     new = run_config(c)
     keep = RUN_SETTINGS | {k.strip() for k in c.resume_changes.split(",")}
     changed = [k for k in new if k in old and k not in keep and old[k] != new[k]]

@@ -16,7 +16,7 @@ from dataclasses import fields
 
 from model import ModernBertConfig
 from support import hf, shards
-from support.checkpoint import MANIFEST, check_same_run, checkpoint_problem, sha256
+from support.checkpoint import MANIFEST, checkpoint_problem, sha256, tokenizer_files
 from support.config import check_out_dir
 from support.tokenizer import check_vocab
 
@@ -166,10 +166,10 @@ def check_run(c, steps, world):
         print(f"note: the schedule reads {steps * c.global_batch_size:,} windows of {c.seq_len} tokens and "
               f"train.bin holds {n:,}: the data repeats ({steps * c.global_batch_size / n:.1f} epochs), each epoch "
               "in a new order", file=sys.stderr)
+    tokenizer_files(c.data_dir)  # what each checkpoint copies: refused now, not at the first checkpoint
     check_out_dir(c.out_dir, "out_dir")
-    resuming = glob.glob(os.path.join(c.out_dir, "ckpt-*"))  # then init_from is not read
-    if resuming:
-        check_same_run(c)  # before the run holds out_dir: a refused command leaves nothing behind
+    # Resuming, init_from is not read; that this is the run out_dir holds is checked under the hold (Checkpointer).
+    resuming = glob.glob(os.path.join(c.out_dir, "ckpt-*"))
     if c.init_from != "scratch" and not resuming:
         check_init_from(c.init_from, meta, c.data_dir, c.seq_len)
     for path in resuming:  # the run's model (any checkpoint of it): a seq_len changed on resume must fit it too

@@ -10,6 +10,8 @@ import dataclasses
 import os
 import uuid
 
+from support.files import check_no_links, open_fd
+
 
 def parse(cls, argv):
     """An instance of the dataclass `cls` from config files and --key=value arguments, in order."""
@@ -65,9 +67,9 @@ def check_type(key, value, typ, where):
 
 
 def check_out_dir(path, name="--out"):
-    """The output location is a directory, or can be made one, that this user may write: checked before any
-    work, so that no result is lost at the end for a path that was wrong from the start. A probe file is
-    written and removed in the nearest folder that exists; nothing is left behind."""
+    """The output location is a directory, or can be made one, that this user may write, and holds no link (see
+    files.check_no_links): checked before any work, so that no result is lost at the end for a path that was wrong
+    from the start. A probe file is written and removed in the nearest folder that exists; nothing is left behind."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise SystemExit(f"{name}={path}: is a file, not a directory; give a directory path")
     parent = os.path.abspath(path)
@@ -77,8 +79,9 @@ def check_out_dir(path, name="--out"):
         raise SystemExit(f"{name}={path}: {parent} is a file, not a directory; choose another path")
     probe = os.path.join(parent, f".write-test-{uuid.uuid4().hex}")
     try:
-        open(probe, "w").close()
+        os.close(open_fd(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
         os.remove(probe)
     except OSError as e:
         raise SystemExit(f"{name}={path} is not writable ({e.strerror}): choose a directory this user can write"
                          f"{', on a filesystem every node shares' if name == 'out_dir' else ''}") from None
+    check_no_links(path)

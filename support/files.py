@@ -8,8 +8,10 @@ shared filesystems where others can write, so every script reads and writes them
 - writing: nothing is written, renamed or deleted through a symbolic link that the project did not make.
 """
 
+import errno
 import json
 import os
+import shutil
 import stat
 
 MAX_JSON = 1 << 28  # bytes: a tokenizer.json of a 250k vocabulary is about 20 MB; no JSON file of ours comes near
@@ -69,3 +71,126 @@ def json_type(value):
 
 # -----------------------------------------------------------------------------
 # Writing
+#
+# What a run writes lies in its output directory (out_dir, --out, a data set's folder): a path the user gave, a link
+# included, is theirs. Inside it the project makes every entry itself, so a link found there was put there by someone
+# else (a user of the shared filesystem, a copy that kept links): a write through it would change the file it points
+# to, anywhere this user (as root: anyone) may write, and a deletion through it would delete there. So a file is
+# opened without following a link at its last component (O_NOFOLLOW), and a directory of the project's is one that
+# it made (mkdir never follows a link) or found to be no link (lstat). What is refused is one line naming it (a
+# SystemExit: a caller can do nothing about it). A file with another name (a hard link) is refused where a file is
+# changed in place (appended to, a lock record); a rename replaces a name, never the file behind it.
+# Beyond these rules: a user who may rename the entries of an output directory while a run writes there (one
+# writable by others, without the sticky bit) could swap a directory for a link between a check and a write. Keep
+# output directories writable by you, or by a group you trust, alone.
+
+
+def refuse(path, what):
+    """The one line for an entry at `path` that the project will not write, rename or delete through."""
+    raise SystemExit(f"{path} is {what}, not a file this project made: nothing is written, renamed or deleted there. "
+                     f"Remove it and re-run (if you did not put it there, someone who can write to "
+                     f"{os.path.dirname(os.path.abspath(path))} did)")
+
+
+def refuse_link(path):
+    """Refuse a link at `path`: checked before work that ends in writing there."""
+    if os.path.islink(path):
+        refuse(path, f"a symbolic link to {os.readlink(path)}")
+
+
+def kind(path, st):
+    """What the entry at `path`, of lstat or fstat `st`, is, in words; None for a regular file of one name."""
+    if stat.S_ISLNK(st.st_mode):
+        return f"a symbolic link to {os.readlink(path)}"
+    if not stat.S_ISREG(st.st_mode):
+        return "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device"
+    return f"a hard link (one of the {st.st_nlink} names of a file)" if st.st_nlink > 1 else None
+
+
+def open_fd(path, flags):
+    """A descriptor of the regular file `path` of one name, opened with `flags` (os.O_*; made if missing with
+    os.O_CREAT): a link, a directory, a FIFO (opened without waiting for a reader) or a device there is refused."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)  # the umask decides the mode
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):  # a link (O_NOFOLLOW), a directory, a FIFO unread
+            refuse(path, kind(path, os.lstat(path)))
+        raise
+    what = kind(path, os.fstat(fd))
+    if what:
+        os.close(fd)
+        refuse(path, what)
+    return fd
+
+
+def open_file(path, mode="w"):
+    """The file `path` opened for writing as open(path, mode) would ("w", "wb": emptied; "a": appended to), once it
+    is a regular file of one name (see open_fd). No O_TRUNC at the open: a hard link is refused before it is
+    emptied."""
+    fd = open_fd(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in mode else 0))
+    if "w" in mode:
+        os.ftruncate(fd, 0)
+    return os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"}))
+
+
+def replace_file(path, data):
+    """Write the file `path` whole or not at all: `data` (str or bytes) into PATH.tmp, synced, then renamed over
+    `path`. A rename replaces a link rather than write through it; one there is refused all the same, as the sign
+    that someone else writes in the directory."""
+    refuse_link(path)
+    remove(path + ".tmp")  # a killed write's
+    with os.fdopen(open_fd(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def remove(path):
+    """Delete the file or directory tree `path`, if there is one; a link there is refused. Inside a tree a link is
+    deleted itself, never what it points to (shutil.rmtree works through directory descriptors, so not even one
+    made during the walk is followed). A tree is removed as far as it can be (rmtree's ignore_errors): what stays
+    makes the rename that follows fail, with its own line."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        refuse(path, kind(path, st))
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        os.unlink(path)
+
+
+def fresh_dir(path):
+    """An empty directory at `path`, made now by this process (what was there removed first, see remove), for the
+    project to fill. -> path"""
+    remove(path)
+    os.mkdir(path)
+    return path
+
+
+def make_dirs(root, path):
+    """The directories from `root` (the user's path, made if missing) down to `path` below it, each made if missing;
+    one there already must be a directory, not a link to one. -> path"""
+    os.makedirs(root, exist_ok=True)
+    here = root
+    for part in os.path.relpath(path, root).split(os.sep):
+        here = os.path.join(here, part)
+        try:
+            os.mkdir(here)
+        except FileExistsError:
+            st = os.lstat(here)
+            if not stat.S_ISDIR(st.st_mode):
+                refuse(here, kind(here, st) or "a file")
+    return path
+
+
+def check_no_links(directory):
+    """Before any work: no entry of the output directory `directory` (if it exists) is a link. The project makes
+    every entry there itself, so one that is a link was put there by someone else; said now, not at the write that
+    would meet it, hours in."""
+    if os.path.isdir(directory):
+        for entry in os.scandir(directory):
+            refuse_link(entry.path)

@@ -18,11 +18,16 @@ says to remove DIR/.lock. Lustre: mounted with `-o flock`; with `-o localflock` 
 other's lock; with neither, flock fails and the run warns that nothing guards its directory, then goes on
 unguarded. BeeGFS: with tuneUseGlobalFileLocks. POSIX locks belong to a process, not to an open file: this
 process must never open and close DIR/.lock elsewhere, which on NFS would drop its lock.
+
+The lock file is the project's own: a link there, a directory, a FIFO (a second run would wait on it forever) or a
+file with another name is refused in one line (support/files.py); one larger than its record is cut to it once
+held; a record of another shape (not JSON, other fields or types) names no holder.
 """
 
 import errno
 import fcntl
 import json
+import math
 import os
 import socket
 import sys
@@ -30,12 +35,15 @@ import threading
 import time
 
 from support.distributed import on_rank0
+from support.files import open_fd, read_json
 
 LOCK = ".lock"
 BEAT = 30.0  # seconds between heartbeats
 STALE = 120.0  # a heartbeat that has not moved for this long, on the reader's clock, is a lost holder's
 WAIT = 600.0  # the longest wait for a stopping or lost holder: a Large checkpoint on a slow filesystem, or a lease
 RECORD = 1024  # bytes: the record, padded with spaces and rewritten in place, so that a reader never finds it empty
+FIELDS = {"host": str, "pid": int, "command": str, "since": str, "state": str, "beat": (int, float)}  # the record's
+UNNAMED = 5.0  # seconds a held lock file may name no holder (its holder dies before its first record) before a refusal
 held = {}  # directory (real path) -> this process's Hold
 
 
@@ -51,6 +59,7 @@ class Hold:
                          command=command[:80] + "..." * (len(command) > 80),
                          since=time.strftime("%Y-%m-%d %H:%M:%S %Z"), state="running")
         self.write()
+        os.ftruncate(fd, RECORD)  # a lock file that was longer: the record alone
         threading.Thread(target=self.beat, daemon=True).start()
 
     def write(self):
@@ -79,24 +88,27 @@ class Hold:
 
 
 def holder(path):
-    """What the lock file at `path` says of its holder ({} if it says nothing readable)."""
+    """What the lock file at `path` says of its holder: its record, or {} if it holds none (empty, cut, longer than
+    a record, not JSON, other fields or types)."""
     try:
-        with open(path) as f:
-            return json.loads(f.read() or "{}")
+        info = read_json(path, dict, RECORD)
     except (OSError, ValueError):
         return {}
+    named = all(isinstance(info.get(k), t) and not isinstance(info[k], bool) for k, t in FIELDS.items())
+    return info if named and info["state"] in ("running", "stopping") and math.isfinite(info["beat"]) else {}
 
 
-def take(directory, what):
+def take(directory, what, check=None):
     """-> a Hold on `directory` (made if missing), or None where the filesystem has no locks (with a warning); a
-    SystemExit naming the holder if another run holds it."""
+    SystemExit naming the holder if another run holds it. check(): what must hold of the directory for this run,
+    run once it is held and before its record is written: a refusal there leaves the lock file as it was."""
     key = os.path.realpath(directory)
     if key in held:
         return held[key]
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, LOCK)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # the umask decides: a group's shared directory stays so
+        fd = open_fd(path, os.O_RDWR | os.O_CREAT)
     except PermissionError as e:
         raise SystemExit(f"{what}={directory}: cannot open {path} ({e.strerror}): another user's run left it; ask "
                          f"them to make it group-writable, or choose another {what}") from None
@@ -106,10 +118,7 @@ def take(directory, what):
     while True:  # its last heartbeat and when that last moved
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if said:
-                print(f"{what}={directory}: its holder is gone after {time.monotonic() - started:.0f} s; going on")
-            held[key] = Hold(fd)
-            return held[key]
+            break
         except BlockingIOError:
             pass
         except OSError as e:
@@ -118,10 +127,12 @@ def take(directory, what):
             os.close(fd)
             print(f"warning: {what}={directory}: its filesystem has no file locks ({e.strerror}), so nothing stops a "
                   "second run from writing there too (Lustre: mount with -o flock)", file=sys.stderr)
+            if check:
+                check()
             return None
         now, info = time.monotonic(), holder(path)
         if not info:  # a holder that died before writing its record
-            if now - seen.setdefault("unreadable", now) > 5:
+            if now - seen.setdefault("unreadable", now) > UNNAMED:
                 raise SystemExit(f"{what}={directory} is held by a process that {path} does not name. {gone}")
         else:
             seen.pop("unreadable", None)
@@ -146,15 +157,26 @@ def take(directory, what):
             if now - started > WAIT:
                 raise SystemExit(f"{what}={directory} is still held by {who} after {WAIT / 60:.0f} minutes. {gone}")
         time.sleep(1.0)
+    if said:
+        print(f"{what}={directory}: its holder is gone after {time.monotonic() - started:.0f} s; going on")
+    try:
+        if check:
+            check()
+    except SystemExit:
+        os.close(fd)  # and the lock with it
+        raise
+    held[key] = Hold(fd)
+    return held[key]
 
 
-def hold(directory, process, what="--out"):
-    """Hold `directory` for this run, before any work: rank 0 takes it, every rank gets the outcome (a refusal is
-    one line on rank 0). -> the Hold on rank 0 (None elsewhere, or where the filesystem has no locks)."""
+def hold(directory, process, what="--out", check=None):
+    """Hold `directory` for this run, before any work: rank 0 takes it (and runs check() under it, see take), every
+    rank gets the outcome (a refusal is one line on rank 0). -> the Hold on rank 0 (None elsewhere, or where the
+    filesystem has no locks)."""
     mine = []
 
     def take_on_rank0():  # returns nothing: only the outcome goes to the other ranks, the Hold stays here
-        mine.append(take(directory, what))
+        mine.append(take(directory, what, check))
 
     on_rank0(take_on_rank0, process)
     return mine[0] if mine else None

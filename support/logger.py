@@ -22,7 +22,9 @@ from tqdm import tqdm
 
 from support.card import lr_shape
 from support.checkpoint import loss_error, run_config
+from support.files import read_bytes, replace_file
 from support.flops import peak_flops
+from support.metrics import METRICS, append
 
 
 class Logger:
@@ -68,8 +70,7 @@ class Logger:
         if self.peak:  # model FLOPs (from the real sequence lengths) / time / peak per GPU
             record["mfu"] = flops.item() / dt / self.process.world / self.peak
         if self.process.rank == 0:
-            with open(os.path.join(self.c.out_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(record) + "\n")
+            append(os.path.join(self.c.out_dir, METRICS), record)
             if self.wandb:
                 self.wandb.log(record, step=state.step)
             mfu = f" mfu {100 * record['mfu']:.1f}%" if "mfu" in record else ""
@@ -97,10 +98,9 @@ def announce(c, model, schedule, process, system, resumed_at):
     if process.rank != 0:
         return
     os.makedirs(c.out_dir, exist_ok=True)
-    config = run_config(c)
-    with open(os.path.join(c.out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    print(json.dumps(config, indent=2))
+    config = json.dumps(run_config(c), indent=2)
+    replace_file(os.path.join(c.out_dir, "config.json"), config)
+    print(config)
     per_step = c.global_batch_size * c.seq_len
     resuming = "" if resumed_at is None else f"; resuming at step {resumed_at}"
     print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.config.num_hidden_layers} layers; "
@@ -127,12 +127,12 @@ def wandb_run(c):
     kill (it only takes a step above its last one): those records were logged before, with the same numbers."""
     import wandb  # optional: only for runs that set wandb_project (support/checks.check_wandb said it is there)
     id_file = os.path.join(c.out_dir, "wandb_id")
-    if not os.path.isfile(id_file):
-        with open(id_file + ".tmp", "w") as f:
-            f.write(secrets.token_hex(4))  # W&B's form of id: 8 lowercase letters or digits
-        os.replace(id_file + ".tmp", id_file)
-    with open(id_file) as f:
-        run_id = f.read().strip()
+    if not os.path.lexists(id_file):
+        replace_file(id_file, secrets.token_hex(4))  # W&B's form of id: 8 lowercase letters or digits
+    try:
+        run_id = read_bytes(id_file, 64).decode().strip()
+    except (OSError, ValueError) as e:  # a decoding error is a ValueError
+        raise SystemExit(f"{e}: it names this run's W&B run; remove it to start a new W&B run") from None
     name = c.wandb_run_name or os.path.basename(os.path.abspath(c.out_dir))
     return wandb.init(project=c.wandb_project, name=name, id=run_id, resume="allow", config=run_config(c),
                       dir=c.out_dir)

@@ -31,6 +31,7 @@ import os
 import numpy as np
 
 from support.config import check_type, load_file
+from support.files import make_dirs, open_file, read_json, replace_file
 
 # The fine-tuning protocol: what a task dict (or eval.py's command line) does not say, each with its source.
 # "The paper" is its fine-tuning section (English protocol after BioClinical-ModernBERT); what the paper does not
@@ -151,8 +152,7 @@ def finished_runs(runs):
         if not os.path.isfile(path):
             continue
         try:  # never raise here: under torchrun the other ranks are waiting for this answer
-            with open(path) as f:
-                stored = json.load(f)
+            stored = read_json(path)
             old, result = dict(stored["options"]), stored["result"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             problems.append(f"{path}: not a stored run ({type(e).__name__}: {e})")
@@ -167,12 +167,11 @@ def finished_runs(runs):
     return done, problems
 
 
-def store_run(path, options, result):
-    """Write a finished run atomically (a temporary file, then a rename): a kill leaves no half-written run."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump({"options": options, "result": result}, f, indent=1)
-    os.replace(path + ".tmp", path)
+def store_run(path, options, result, out=None):
+    """Write a finished run atomically (a temporary file, then a rename): a kill leaves no half-written run. Its
+    folders below `out` (the suite's --out) are made, none of them a link (support/files.py)."""
+    make_dirs(out or os.path.dirname(path), os.path.dirname(path))
+    replace_file(path, json.dumps({"options": options, "result": result}, indent=1))
 
 
 # -----------------------------------------------------------------------------
@@ -303,17 +302,16 @@ def figure(results, path):
     ax.set_title(f"{os.path.basename(results['suite'])}: mean ± std over {len(results['seeds'])} seeds", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with open_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
 
 
 def write_results(out, results):
     """results.json, results.md and results.png under out; returns the markdown."""
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(results, f, indent=2)
+    replace_file(os.path.join(out, "results.json"), json.dumps(results, indent=2))
     md = markdown(results)
-    with open(os.path.join(out, "results.md"), "w") as f:
-        f.write(md)
+    replace_file(os.path.join(out, "results.md"), md)
     figure(results, os.path.join(out, "results.png"))
     return md
