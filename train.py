@@ -342,7 +342,7 @@ def main(argv):
              + threads.describe(), state.step if start else None)
     freeze.enter(schedule.at(state.step))  # before DDP, which all-reduces what requires a gradient when built
     raw_model, model = model, wrap(model, compiled, world > 1, device)
-    logger = Logger(c, process, checkpointer, run, state.step)
+    logger = Logger(c, process, checkpointer, run, state.step, compiled)
     stream = prefetch(lambda step: step_batches(step, schedule.at(step), loader, meta, c, process, raw_model.config),
                       range(state.step, run.stop))  # built ahead by a thread, off the training step's path
     checkpointer.watch_signals()  # from here on, SIGTERM and SIGINT stop the run at a step boundary
