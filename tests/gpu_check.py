@@ -40,7 +40,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHON
 # a's 15 tests were cut at 280 s (the resume test takes 53); b's four bench.py processes take 111-251 s each; c
 # 231-280 s; d 42 s. e, estimated: 3 eval.py processes of 20-30 s, 4 cka.py of 10-20 s; the demo last.
 BUDGETS = {"a": 330, "b": 780, "c": 300, "d": 60, "e": 240}
-SIZES = {  # every: part b's runs, all or every other one; phases: part c's steps in each; examples: part e's
+SIZES = {  # every: b's runs, all or every other; phases: c's steps, the decay outlasting a SIGTERM; examples: e's
     "full": dict(bench="base", every=1, seq_len=8192, micro=4, phases=(4, 4, 8), probe=["base", "large"], cap=64,
                  examples=64, model={"vocab_size": 50368}),
     "tiny": dict(bench="tiny", every=2, seq_len=64, micro=2, phases=(4, 4, 60), probe=["tiny"], cap=4, examples=32,
