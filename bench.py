@@ -29,8 +29,10 @@ Prints one table per section and writes bench.json:
      apart, against SDPA in float32, with its TFLOP/s; a kernel that cannot run a case says why;
   3. the LM loss's memory: one CLM forward + backward (vocab 50368, 8 x 1024 tokens, hidden 256)
      with the loss from full float32 logits against model.py's chunked loss;
-  4. data (with --lengths_from and --tokenizer): prepare throughput against raw tiktoken, loader time per step.
-Each measurement of sections 1 and 3 runs in a fresh process, so peak memory is its own.
+  4. data (with --lengths_from and --tokenizer): prepare throughput against raw tiktoken, loader time per step;
+  5. with --largest CAP: the largest micro batch (up to CAP sequences of seq_len) whose training step fits in
+     the GPU's memory, MLM and CLM (eager, as section 1's ours; a compiled step keeps fewer activations).
+Each measurement of sections 1, 3 and 5 runs in a fresh process, so peak memory is its own.
 """
 
 import argparse
@@ -231,7 +233,8 @@ def measure_step(spec):
 
 
 def run_worker(spec):
-    """measure_step or measure_loss_memory (spec["task"]) in a fresh process: python bench.py --worker SPEC."""
+    """measure_step, measure_loss_memory or largest_batch (spec["task"]) in a fresh process: python bench.py --worker
+    SPEC."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--worker", json.dumps(spec)],
                        capture_output=True, text=True, cwd=ROOT)
     if r.returncode != 0:
@@ -428,6 +431,62 @@ def data_throughput(text_path, tokenizer_path, seq_len, batch_size, workers):
 
 
 # -----------------------------------------------------------------------------
+# 5. The largest micro batch that fits, one process per objective
+
+
+def largest_batch(spec):
+    """The largest number of seq_len sequences (up to spec["cap"]) whose training step (forward, backward, AdamW,
+    section 1's dtype, train.py's dropout) fits: one step per probe, an out-of-memory caught; from a linear fit of
+    the peaks of the probes that fit (peak ~ fixed + per sequence x b: the b that fills 97% of the GPU), else by
+    doubling, then bisection. -> that b, with every probe's (b, peak bytes or None, seconds)."""
+    import dataclasses
+    import gc
+
+    device = torch.device(spec["device"])
+    config = dataclasses.replace(SIZES[spec["size"]], attn_out_dropout=0.1)
+    with device:
+        model = ModernBertForMaskedLM(config).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **({"fused": True} if device.type == "cuda" else {}))
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    rng = np.random.default_rng(0)
+
+    def probe(b):
+        before, started = reset_peak_memory(device), time.time()
+        try:
+            x = make_inputs([spec["seq_len"]] * b, config.vocab_size, spec["objective"], device, rng)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec["dtype"] == "bfloat16"):
+                loss = model(x["tokens"], causal=spec["objective"] == "clm", cu_seqlens=x["cu"],
+                             max_seqlen=x["max_len"], rows=x["rows"], targets=x["targets"]) / x["targets"].numel()
+            loss.backward()
+            opt.step()
+            sync(device)
+            peak = peak_memory(device, before)
+        except torch.OutOfMemoryError:
+            peak = None
+        except RuntimeError as e:  # cuBLAS and some kernels report a failed allocation in their own words
+            if "CUBLAS_STATUS_ALLOC_FAILED" not in str(e) and "out of memory" not in str(e):
+                raise
+            peak = None
+        opt.zero_grad(set_to_none=True)  # outside the except: its frames, holding the step's tensors, are gone
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return [b, peak, round(time.time() - started, 2)]
+
+    fits, fails, probes, b = 0, spec["cap"] + 1, [], 1
+    while fits + 1 < fails and len(probes) < 12:
+        probes.append(probe(b))
+        fits, fails = (b, fails) if probes[-1][1] is not None else (fits, b)
+        ok = [(x, p) for x, p, _ in probes if p is not None]
+        guess = 2 * fits
+        if total and len(ok) >= 2:
+            (b1, p1), (b2, p2) = ok[-2:]
+            guess = int(b2 + (0.97 * total - p2) // max((p2 - p1) / (b2 - b1) if b2 != b1 else p2 / b2, 1))
+        b = guess if fits < guess < fails else (fits + fails) // 2
+    return {"largest": fits, "probes": probes, "total_memory": total}
+
+
+# -----------------------------------------------------------------------------
 
 
 def table(rows, columns):
@@ -469,6 +528,8 @@ def parse_args(argv=None):
     p.add_argument("--attn_kernels", nargs="+", choices=ATTENTION_KERNELS, default=list(ATTENTION_KERNELS))
     p.add_argument("--skip", nargs="*", default=[], choices=["step", "attention", "loss", "data"])
     p.add_argument("--out", default="bench.json")
+    p.add_argument("--largest", type=int, metavar="CAP", help="section 5: the largest micro batch of seq_len "
+                   "sequences, up to CAP, whose training step fits (a GPU's question: on CPU the cap is the answer)")
     p.add_argument("--profile", metavar="DIR", help="profile one more training step of ours (compiled where it "
                    "is) per case and objective: DIR/profile_CASE_OBJECTIVE.txt, its 30 costliest kernels (CPU: ops)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -479,7 +540,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.worker:
         spec = json.loads(args.worker)
-        print(json.dumps({"step": measure_step, "loss_memory": measure_loss_memory}[spec["task"]](spec)))
+        print(json.dumps({"step": measure_step, "loss_memory": measure_loss_memory,
+                          "largest": largest_batch}[spec["task"]](spec)))
         return
 
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -624,6 +686,20 @@ def main(argv=None):
         print(f"\n4. Data ({args.lengths_from})")
         print(table(rows, ["what", "value"]))
         results["data"] = d
+
+    if args.largest:
+        rows = []
+        for objective in args.objectives:
+            r = run_worker(dict(task="largest", size=args.size, seq_len=args.seq_len, objective=objective,
+                                cap=args.largest, device=str(device), dtype=dtype))
+            peak = next((p for b, p, _ in r["probes"] if b == r["largest"]), None)
+            rows.append({"objective": objective, "largest": r["largest"], "capped": r["largest"] == args.largest,
+                         "peak_GiB": "-" if peak is None else f"{peak / 2 ** 30:.2f}", "probes": r["probes"],
+                         "total_GiB": "-" if r["total_memory"] is None else f"{r['total_memory'] / 2 ** 30:.1f}"})
+        print(f"\n5. The largest micro batch of {args.seq_len} tokens whose training step fits (eager, {dtype}, "
+              f"up to {args.largest}); peak: allocated during its step")
+        print(table(rows, ["objective", "largest", "capped", "peak_GiB", "total_GiB"]))
+        results["largest"] = rows
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2, default=str)
     print(f"\nwrote {args.out}")

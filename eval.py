@@ -429,7 +429,7 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: s / max(1, warmup) if s < warmup else max(0.0, (total - s) / max(1, total - warmup)))
     g = torch.Generator().manual_seed(seed)
-    history, best, best_state = [], None, None
+    history, best, best_state, first_losses = [], None, None, []
     for epoch in range(args.epochs):
         t0 = time.time()
         order = torch.randperm(len(train), generator=g).tolist()
@@ -446,6 +446,11 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
                 # forward, and a rank that skips it leaves the others waiting forever.
                 mine, weight = batch[:1], 0.0
             loss = accumulate(model, mine, task, device, weight, args.max_tokens, autocast, padded)
+            if len(first_losses) < 10:  # the first steps' loss (the batch's mean, over every rank) is recorded:
+                summed = torch.tensor(loss, dtype=torch.float64, device=device)  # what a check of the numerics reads
+                if world > 1:
+                    dist.all_reduce(summed)
+                first_losses.append(summed.item() / world)
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
@@ -464,7 +469,7 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
     test = score(task, splits["test"], predict(core, splits["test"]["items"], task, device, args.batch_size,
                                                args.max_tokens, rank, world, autocast, padded), labels)
     return core, {"seed": seed, "best_epoch": best["epoch"], "selected_by": args.select, "test": test,
-                  "epochs": history}
+                  "epochs": history, "first_losses": first_losses}
 
 
 # -----------------------------------------------------------------------------

@@ -94,7 +94,7 @@ class Config:
     # system
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
     dtype: str = "auto"  # "auto" (bfloat16 autocast on GPU, float32 on CPU), "float32", "bfloat16"
-    compile: str = "auto"  # "auto": on for CUDA, off on CPU (where inductor compiles for minutes); True or False
+    compile: str = "auto"  # "auto": inductor on CUDA, off on CPU; True, False, or a backend ("aot_eager": kernels.py)
     attn_backend: str = "auto"  # "auto", a backend, or one per layer type ("global=cudnn,local=varlen"): kernels.py
     peak_tflops: float = 0.0  # the GPU's dense bf16 peak for MFU; 0: known from its name (support/flops.py)
     # logging, evaluation, checkpoints
@@ -276,7 +276,7 @@ def wrap(model, compiled, ddp, device):
     DDP wraps the compiled model, so its gradient all-reduce follows the whole backward instead of
     overlapping it: a few ms once per optimizer step, against seconds of accumulated micro batches."""
     if compiled:
-        model = kernels.compile_model(model)
+        model = kernels.compile_model(model, compiled)
     if ddp:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     return model
@@ -323,7 +323,7 @@ def main(argv):
     rank, world, device = process.rank, process.world, process.device
     accum = c.global_batch_size // (c.micro_batch_size * world)  # micro batches per step (parse_config checks)
     autocast, dtype = distributed.autocast(device, c.dtype)
-    compiled = {"auto": device.type == "cuda", "true": True, "false": False}[c.compile.lower()]
+    compiled = kernels.compiler(c.compile, device)  # the torch.compile backend, or None: eager
     threads.setup(device, compiled)  # CPU: threads for the CPUs this process may use, fewer while other jobs load them
 
     # The loop's state: from the checkpoint this run resumes (out_dir's newest, or init_from's), else fresh.
@@ -338,11 +338,11 @@ def main(argv):
     with autocast:
         backend = model.model.attention_backend(device)
     announce(c, model, schedule, process, f"world {world}, accumulation {accum}; {device}, {str(dtype)[6:]}, "
-             f"attention {backend}, compile {'on' if compiled else 'off'}"
+             f"attention {backend}, compile {compiled or 'off'}"
              + threads.describe(), state.step if start else None)
     freeze.enter(schedule.at(state.step))  # before DDP, which all-reduces what requires a gradient when built
     raw_model, model = model, wrap(model, compiled, world > 1, device)
-    logger = Logger(c, process, checkpointer, run, state.step)
+    logger = Logger(c, process, checkpointer, run, state.step, compiled)
     stream = prefetch(lambda step: step_batches(step, schedule.at(step), loader, meta, c, process, raw_model.config),
                       range(state.step, run.stop))  # built ahead by a thread, off the training step's path
     checkpointer.watch_signals()  # from here on, SIGTERM and SIGINT stop the run at a step boundary

@@ -301,7 +301,7 @@ class Checkpointer:
         # out_dir before has written all it will (its last checkpoint and config.json), and no other run starts.
         self.hold = hold(c.out_dir, process, "out_dir", check=lambda: check_same_run(c))
         self.saved, self.saved_at = None, time.monotonic()  # where the state at the current step already is
-        self.seconds = 0.0  # spent writing checkpoints: not training time
+        self.written = []  # the seconds of each checkpoint this process wrote: not training time
         self.caught = 0  # the signal that reached this rank, if any
         self.exit_code = None  # set when a signal stopped the run
 
@@ -436,7 +436,7 @@ class Checkpointer:
         on_rank0(write, self.process)  # also the barrier: no rank reads the checkpoint before it is complete
         every_rank_sees(path, self.process)
         self.saved, self.saved_at = path, time.monotonic()
-        self.seconds += time.time() - started
+        self.written.append(time.time() - started)
 
     def keep(self, path, model, state):
         """A weights-only checkpoint at `path`, written by rank 0: no optimizer, no per-rank state to gather."""
@@ -444,7 +444,7 @@ class Checkpointer:
         on_rank0(lambda: save_checkpoint(path, model, None, self.progress(state), self.c, self.schedule),
                  self.process)
         every_rank_sees(path, self.process)
-        self.seconds += time.time() - started
+        self.written.append(time.time() - started)
 
     def progress(self, state):
         """Where the run is after `state.step` steps: the phase is that of the last step done."""

@@ -50,7 +50,10 @@ def check_config(c, phase_names, world):
     if bad:
         raise SystemExit(f"{'; '.join(bad)}: fix the config or the --key=value")
     if c.compile.lower() not in ("auto", "true", "false"):
-        raise SystemExit(f"compile={c.compile!r}: choose auto, True or False")
+        from torch._dynamo import list_backends  # seconds to import: only for a backend's name
+        if c.compile not in list_backends(exclude_tags=()):
+            raise SystemExit(f"compile={c.compile!r}: choose auto, True, False or a torch.compile backend, e.g. "
+                             "inductor or aot_eager (all: torch._dynamo.list_backends(exclude_tags=()))")
     if c.global_batch_size % (c.micro_batch_size * world):
         fits = [m for m in range(c.micro_batch_size, 0, -1) if c.global_batch_size % (m * world) == 0]
         fix = f"e.g. --micro_batch_size={fits[0]}" if fits else f"a global_batch_size that {world} ranks share"

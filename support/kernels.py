@@ -56,7 +56,15 @@ def find_varlen_attn():
 varlen_attn = find_varlen_attn() if torch.cuda.is_available() else None
 
 
-def compile_model(model, regional=False):
+def compiler(setting, device):
+    """train.py's `compile` -> the torch.compile backend its steps run, or None (eager). "auto": inductor on CUDA,
+    eager on CPU (where inductor builds C++ for minutes); True: inductor; or a backend's name: "aot_eager" traces
+    and guards as inductor does without generating code, which tells a compiler's bug from the model's."""
+    named = {"auto": "inductor" if device.type == "cuda" else None, "true": "inductor", "false": None}
+    return named.get(setting.lower(), setting)
+
+
+def compile_model(model, backend="inductor", regional=False):
     """torch.compile(model), as train.py and bench.py run it. Inductor's Triton fusion of LayerNorm backward's two
     reductions (torch 2.10+) guards by default on the sizes it fuses, the MLM head's row count among them: a new
     mask rate (30% -> 15%) recompiled the whole model (H200, torch 2.11). Non-strict, it guards on none.
@@ -68,9 +76,9 @@ def compile_model(model, regional=False):
     if hasattr(inductor.triton, "mix_order_reduction_non_strict_mode"):
         inductor.triton.mix_order_reduction_non_strict_mode = True
     if not regional:
-        return torch.compile(model)
+        return torch.compile(model, backend=backend)
     for block in model.model.layers:
-        block.compile()
+        block.compile(backend=backend)
     return model
 
 

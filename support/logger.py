@@ -2,7 +2,9 @@
 The training log: what a run is, at its start (and its config.json in out_dir); then one line per
 log step on the console (under a progress bar) and in out_dir/metrics.jsonl, with the loss averaged
 over the steps since the last log and over all ranks, the lr, tokens/s and MFU. Evaluations and
-checkpoint writes are left out of the time, so tokens/s and MFU measure training alone.
+checkpoint writes are left out of the time, so tokens/s and MFU measure training alone; a record says
+their seconds since the last one (eval_s, checkpoint_s), and those of torch.compile, which are counted in
+(compile_s). At the end, where this process's time outside the steps went, and what torch.compile did.
 
 With wandb_project set, every record also goes to Weights & Biases (an optional dependency, imported
 only then), with the config; the run's id is kept in out_dir, so a resumed run continues the same W&B run.
@@ -28,9 +30,11 @@ from support.metrics import METRICS, append
 
 
 class Logger:
-    def __init__(self, c, process, checkpointer, run, step):
-        """`run`: the range of steps this run does; `step`: the one it starts at."""
-        self.c, self.process, self.checkpointer = c, process, checkpointer
+    def __init__(self, c, process, checkpointer, run, step, compiled=None):
+        """`run`: the range of steps this run does; `step`: the one it starts at; `compiled`: the torch.compile
+        backend of the steps (None: eager)."""
+        self.c, self.process, self.checkpointer, self.compiled = c, process, checkpointer, compiled
+        self.evaluations = []  # the seconds of each evaluation
         self.last, self.peak = run.stop, peak_flops(process.device, c.peak_tflops)
         self.bar = tqdm(total=len(run), initial=step - run.start, desc=c.run_phases, unit="step",
                         disable=process.rank != 0 or None)
@@ -38,7 +42,8 @@ class Logger:
         self.reset()
 
     def reset(self):
-        self.started, self.paused, self.saving = time.time(), 0.0, self.checkpointer.seconds
+        self.started, self.paused, self.saves = time.time(), 0.0, len(self.checkpointer.written)
+        self.compiling = compile_stats()["seconds"] if self.compiled else 0.0
         self.steps, self.flops = 0, 0.0
 
     def count(self, flops):
@@ -53,7 +58,8 @@ class Logger:
             torch.cuda.synchronize(self.process.device)
         started = time.time()
         yield
-        self.paused += time.time() - started
+        self.evaluations.append(time.time() - started)
+        self.paused += self.evaluations[-1]
 
     def log(self, state, phase, lr, val):
         """Log the mean loss since the last log (all ranks), then start the next sum."""
@@ -64,11 +70,15 @@ class Logger:
         loss = loss.item() / state.loss_steps
         if not math.isfinite(loss):
             raise loss_error(loss, state.step, self.c.out_dir)
-        dt = time.time() - self.started - self.paused - (self.checkpointer.seconds - self.saving)
+        saving = sum(self.checkpointer.written[self.saves:])
+        dt = time.time() - self.started - self.paused - saving
         record = dict(step=state.step, phase=phase.name, objective=phase.objective, tokens=state.tokens, loss=loss,
                       lr=lr, tokens_per_s=self.steps * self.c.global_batch_size * self.c.seq_len / dt, **val)
         if self.peak:  # model FLOPs (from the real sequence lengths) / time / peak per GPU
             record["mfu"] = flops.item() / dt / self.process.world / self.peak
+        compiling = compile_stats()["seconds"] - self.compiling if self.compiled else 0.0
+        record.update({k: round(v, 3) for k, v in dict(eval_s=self.paused, checkpoint_s=saving,
+                                                        compile_s=compiling).items() if v > 0})
         if self.process.rank == 0:
             append(os.path.join(self.c.out_dir, METRICS), record)
             if self.wandb:
@@ -91,6 +101,26 @@ class Logger:
                    else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
             print(f"done: {self.c.out_dir}/final (step {state.step}, {state.tokens:,} tokens); peak memory "
                   f"{mem / 2 ** 30:.2f} GiB")
+            saves = self.checkpointer.written
+            line = (f"outside the steps: {len(self.evaluations)} evaluations in {sum(self.evaluations):.2f} s, "
+                    f"{len(saves)} checkpoints in {sum(saves):.2f} s (the longest {max(saves, default=0):.2f} s)")
+            if self.compiled:
+                s = compile_stats()
+                why = f": {'; '.join(s['recompiles'])}" if s["recompiles"] else ""
+                line += (f"; {self.compiled} compiled {s['graphs']} graphs in {s['seconds']:.1f} s, {s['breaks']} "
+                         f"graph breaks, {len(s['recompiles'])} recompiles{why}")
+            print(line)
+
+
+def compile_stats():
+    """What torch.compile did in this process so far: seconds compiling (forward and backward graphs), graphs,
+    graph breaks, and why each recompile happened (TORCH_LOGS=recompiles says it as it happens). Dynamo's own
+    records: torch has no public API for them."""
+    from torch._dynamo.utils import calculate_time_spent, counters, get_compilation_metrics
+    reasons = [m.recompile_reason.split("\n")[0].split(": ", 1)[-1].split(" #")[0].strip()  # "0/0: guard  # source"
+               for m in get_compilation_metrics() if getattr(m, "recompile_reason", None)]
+    return dict(seconds=calculate_time_spent().get("total_wall_time", 0.0), graphs=counters["stats"]["unique_graphs"],
+                breaks=sum(counters["graph_break"].values()), recompiles=reasons)
 
 
 def announce(c, model, schedule, process, system, resumed_at):

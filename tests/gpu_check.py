@@ -1,48 +1,25 @@
 """
-The GPU check: what a session with a lent GPU runs first, as one command that writes one folder.
+The GPU check: what a session with a lent GPU runs first, one command that writes one folder.
 
-    python tests/gpu_check.py --out results/gpu_check          # one H100/H200: about 25 minutes
-    python tests/gpu_check.py --parts a --out /tmp/a           # or in calls of under 10 minutes: 5.5 minutes,
-    python tests/gpu_check.py --parts c d --out /tmp/cd        # 6,
-    python tests/gpu_check.py --parts b --budget b=540 --out /tmp/b    # 9 (all but bench's variable-length CLM)
-    python tests/gpu_check.py --tiny --out /tmp/gpu_check      # the same code path on CPU, tiny sizes (~2 minutes)
-    python tests/gpu_check.py --parts c --budget c=400 --out /tmp/c    # one part again, with more time
+    python tests/gpu_check.py --parts c e --out results/DEVICE-DATE/check_ce   # parts in calls of < 10 minutes
+    python tests/gpu_check.py --tiny --out /tmp/gpu_check                      # the same code on CPU, tiny sizes
 
-Four parts, in this order:
-  a. correctness: tests/test_gpu.py under pytest; each test passed, failed or skipped, with why. Where torch has
-     varlen_attn with window_size and CUDA is here, a skipped "varlen" backend fails the check.
-  b. speed at the paper's shape: bench.py, ModernBERT-base, seq_len 8192, micro batch 4, bf16, ours eager and
-     compiled against transformers' ModernBertForMaskedLM (same weights and batches, same run), MLM 30% and CLM,
-     packed and variable-length batches: tokens/s, MFU, peak memory. One bench.py process per (batches, objective),
-     train.py's shape (packed) first, so a part cut short by its time limit keeps what it finished.
-  c. train.py as users run it, through its CLI: Base from scratch on the installed Python's docstrings (data.py,
-     a BPE trained here: nothing downloaded) with ModernBERT's vocabulary size, seq_len 8192, 2 micro batches of
-     4 per step, three phases of 4 steps (CLM -> MLM 30% -> MLM 15% decay), compiled, TORCH_LOGS=recompiles,
-     graph_breaks. Whether it learns (its val MLM loss falls), steady step time and MFU per phase, compile time,
-     graphs, recompiles, graph breaks, the time of a checkpoint and of an evaluation; then the resume: the
-     phase-2-end checkpoint copied to a new out_dir, train.py run there and stopped by SIGTERM mid phase 3
-     (exit 143), the same command again, and its losses against the uninterrupted run's (bit-identical on CPU,
-     within bf16 noise on a GPU).
-  d. memory: the largest micro_batch_size whose training step fits at seq_len 8192, Base and Large, MLM and CLM
-     (eager; one process per size, OOM caught per probe).
---tiny runs every part at tiny sizes (the bench's tiny model, seq_len 64) so that the suite runs this file on CPU
-(tests/test_gpu_check.py): on a GPU the only new thing is the GPU.
-
-Time limits. Each part has a budget (BUDGETS, or --budget); time a part leaves unused goes to the next, so the
-whole check ends within their sum (1460 s) plus the report and GRACE per part cut short. Every command runs in its
-own process group and the whole group (bench's workers, pytest's train.py runs, inductor's compile workers) is
-stopped at its part's deadline; the part records what finished and the next part runs. The budgets come from the
-GPU runs (see BUDGETS); report.json has each part's real seconds.
-
-Writes OUT/report.md (a table per part, then the issue's goals against the figures), OUT/report.json (all of it,
-bench's rows included) and OUT/logs/ (each command's output). This process never imports torch: no CUDA context
-of its own to take memory from part d. Nothing downloads (HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE).
+It runs the project's scripts as a user does and tables what they wrote: a. tests/test_gpu.py; b. bench.py at the
+paper's shape; c. train.py compiled (Base, 4 x 8192 tokens, CLM -> MLM 30% -> MLM 15% decay), then its phase-2
+checkpoint resumed under torchrun, SIGTERM'd once it logs a step, and resumed again; d. bench.py --largest;
+e. on part c's runs, eval.py on a task of each type and cka.py --pair and --runs, each against the same run under
+torchrun or on CPU; demo.py --quick. --tiny: every part at tiny sizes on CPU (tests/test_gpu_check.py). A part's
+time limit (BUDGETS, --budget) gains what the parts before left; at the limit the running command gets SIGINT
+(pytest writes its junit file), then SIGKILL with its process group, and the next part runs. Writes OUT/report.md,
+OUT/report.json and OUT/logs/. This process never imports torch; nothing downloads.
 """
 
 import argparse
+import contextlib
+import glob
 import json
 import os
-import platform
+import random
 import re
 import shlex
 import shutil
@@ -54,725 +31,320 @@ import tempfile
 import time
 import traceback
 import xml.etree.ElementTree as ET
-from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
-THIS = os.path.abspath(__file__)
-GRACE = 10  # seconds a command cut short has to write what it finished (pytest: its junit file)
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-       "PYTHONUNBUFFERED": "1"}
-
-# Seconds per part, from the GPU runs (H200, torch 2.11, 2026-11-26, results/h200-2026-11-26): inductor compiles
-# a Base graph in 45-65 s there, and compiling is most of every part but d.
-#   a: 189 s (second run); the third, with the gradient tests added (5 tiny compiles), was cut at 280 s in the
-#      resume test, which took 53 s in the second;
-#   b: one bench.py process per (batches, objective), each ours eager, ours compiled and transformers on Base at
-#      4 x 8192: packed CLM 111 s, packed MLM 151 s, variable MLM 251 s (ours compiles 3 graphs as the lengths
-#      vary), variable CLM not yet run (taken as long);
-#   c: 231 and 280 s: data 12 s, the whole run 163 s (117 s of it compiling 2 graphs), 2 resumed runs of 48 and
-#      57 s, compiling from inductor's cache;
-#   d: 42 and 43 s for Base and Large, both objectives.
-BUDGETS = {"a": 320, "b": 780, "c": 300, "d": 60}
-SIZES = {  # what each part runs: the paper's shape, or tiny on CPU
-    "full": dict(bench_size="base", seq_len=8192, micro=4, accum=2, bench_steps=5, phase_steps=4, eval_windows=8,
-                 model_config={"vocab_size": 50368}, probe_sizes=["base", "large"], probe_cap=64),
-    "tiny": dict(bench_size="tiny", seq_len=64, micro=2, accum=2, bench_steps=2, phase_steps=4, eval_windows=8,
-                 model_config=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2,
-                                   local_attention=16), probe_sizes=["tiny"], probe_cap=4),
+TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+# Seconds per part, from the H200 runs (results/h200-2026-11-26), where inductor compiles a Base graph in 45-65 s:
+# a's 15 tests were cut at 280 s (the resume test takes 53); b's four bench.py processes take 111-251 s each; c
+# 231-280 s; d 42 s. e, estimated: 3 eval.py processes of 20-30 s, 4 cka.py of 10-20 s; the demo last.
+BUDGETS = {"a": 330, "b": 780, "c": 300, "d": 60, "e": 240}
+SIZES = {  # every: b's runs, all or every other; phases: c's steps, the decay outlasting a SIGTERM; examples: e's
+    "full": dict(bench="base", every=1, seq_len=8192, micro=4, phases=(4, 4, 8), probe=["base", "large"], cap=64,
+                 examples=64, model={"vocab_size": 50368}),
+    "tiny": dict(bench="tiny", every=2, seq_len=64, micro=2, phases=(4, 4, 60), probe=["tiny"], cap=4, examples=32,
+                 model=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2,
+                            local_attention=16)),
 }
+MACHINE = ("import json, os, platform, torch; from importlib.metadata import version; p = torch.cuda."
+           "get_device_properties(0) if torch.cuda.is_available() else None; print(json.dumps(dict(device=p.name if p "
+           "else f'CPU, {os.cpu_count()} cores', memory_gib=p and round(p.total_memory / 2 ** 30, 1), cuda=p is not "
+           "None, torch=torch.__version__, cuda_version=torch.version.cuda, python=platform.python_version(), "
+           "transformers=version('transformers'), triton=p and version('triton'))))")  # run apart: it imports torch
 
 
-# -----------------------------------------------------------------------------
-# Running commands: each in its own process group, its output in a log, killed with its group at the deadline
-
-
-def run(cmd, log, deadline, env=None):
-    """-> (exit code, None if the deadline came first; seconds). A line of the log every 30 s shows progress.
-    At the deadline the group gets SIGINT, then SIGKILL GRACE seconds later."""
-    shown = shlex.join(["python", *cmd[1:]] if cmd[0] == PY else cmd).replace(ROOT + os.sep, "")
-    print(f"  $ {shown}", flush=True)
-    started = last_shown = time.time()
+def run(cmd, log, deadline, env=None, sigterm=None):
+    """-> (exit code, None if the deadline came first; seconds). sigterm(): when true, the command gets SIGTERM."""
+    if time.time() > deadline - 2:
+        open(log, "w").write("not run: the part's time was spent\n")
+        return None, 0.0
+    print("  $ " + shlex.join(["python", *cmd[1:]] if cmd[0] == PY else cmd).replace(ROOT + os.sep, "")[:300])
+    started = time.time()
     with open(log, "w") as f:
         p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**ENV, **(env or {})},
                              start_new_session=True)
         try:
             while p.poll() is None and time.time() < deadline:
                 time.sleep(0.2)
-                if time.time() - last_shown >= 30:
-                    print(f"    {time.time() - started:.0f} s: {last_line(log)[:150]}", flush=True)
-                    last_shown = time.time()
-        finally:  # the deadline, or this check stopped (SIGTERM, Ctrl-C): nothing of the group outlives it
+                if sigterm and sigterm():  # as a scheduler sends it (torchrun passes it on to its worker), once
+                    os.kill(p.pid, signal.SIGTERM)
+                    sigterm = None
+        finally:  # the deadline, or this check stopped: nothing of the command's group outlives it
             code = p.poll()
-            if code is None:  # SIGINT first: pytest then writes the junit file and output of the tests it finished
+            if code is None:  # SIGINT first: 10 s to write what it finished (pytest: its junit file)
                 os.killpg(p.pid, signal.SIGINT)
-                try:
-                    p.wait(GRACE)
-                except subprocess.TimeoutExpired:
-                    pass
-            try:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(10)
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             p.wait()
-    seconds = time.time() - started
-    outcome = "timed out" if code is None else "done" if code == 0 else f"exit {code}"
-    print(f"    {outcome} in {seconds:.0f} s, log: {log}", flush=True)
-    return code, seconds
+    print(f"    {outcome(code)} in {time.time() - started:.0f} s: {log}", flush=True)
+    return code, time.time() - started
 
 
-def last_line(path):
-    with open(path, "rb") as f:
-        f.seek(max(0, os.path.getsize(path) - 2000))
-        lines = [x.strip() for x in re.split(r"[\r\n]", f.read().decode(errors="replace")) if x.strip()]
-    return lines[-1] if lines else ""
+def outcome(code):
+    return "timeout" if code is None else "done" if code == 0 else f"exit {code}"
 
 
-def tail(path, n=2000):
-    with open(path, errors="replace") as f:
-        return f.read()[-n:]
+def found(pattern, path):  # in a file, or [] where it is not (yet)
+    return re.findall(pattern, open(path, errors="replace").read()) if os.path.isfile(path) else []
 
 
-def said(log):
-    """What the hooks of `--train` and the probes of `--probe` printed: one JSON object per 'gpu_check: ' line."""
-    with open(log, errors="replace") as f:
-        return [json.loads(m) for m in re.findall(r"gpu_check: (\{.*\})", f.read())]
+def metrics(out_dir):  # its whole lines: a running train.py may be writing the last one
+    return [json.loads(line) for line in found(r"(.+)\n", os.path.join(out_dir, "metrics.jsonl"))]
 
 
-# -----------------------------------------------------------------------------
-# a. Correctness: tests/test_gpu.py
+def numbers(obj, path=""):
+    """{path: number} of a JSON document: what two runs of one script compare."""
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else []
+    return {path: obj} if isinstance(obj, float) else {k: v for key, x in items for k, v in numbers(
+        x, f"{path}/{key}").items()}
 
 
-def correctness(ctx, deadline):
-    log = os.path.join(ctx.logs, "a_pytest.log")
-    code, tests = pytest_tests("tests/test_gpu.py", log, deadline)
-    result = {**judge_tests(tests, ctx.env, timed_out=code is None), "tests": tests}
-    if not tests and code is not None:  # not even collected: say why
-        hint = " (carry tests/.kernels to the GPU: bash tests/install_kernels.sh makes it)" if "tests/.kernels" in \
-            tail(log) else ""
-        result.update(ok=False, summary=f"pytest exit {code}, no test ran{hint}: {last_line(log)[:200]}")
-    return result
+def worst(a, b, relative=False):
+    """The largest difference between the numbers of two runs (relative: to b's); inf where they have others."""
+    a, b = numbers(a), numbers(b)
+    diffs = [abs(a[k] - b[k]) / (abs(b[k]) if relative and b[k] else 1) for k in a] if set(a) == set(b) else []
+    return max(diffs, default=float("inf"))
 
 
 def pytest_tests(path, log, deadline):
-    """-> (pytest's exit code, None if cut short; each test's outcome). One process, without pytest.ini's options
-    (-n: pytest-xdist, which a GPU machine may lack). The junit file, written at the end or on the deadline's
-    SIGINT, has each skip's reason and the differences the tests print; -vv's line per test as it ends names the
-    one that was running when the deadline came, or all of them if pytest did not stop within GRACE."""
-    junit = os.path.splitext(log)[0] + "_junit.xml"
-    if os.path.exists(junit):
-        os.remove(junit)
-    code, _ = run([PY, "-m", "pytest", path, "-o", "addopts=", "-vv", "-rA", "-p", "no:cacheprovider",
-                   "-o", "junit_logging=system-out", f"--junitxml={junit}"], log, deadline)
-    tests = junit_tests(junit) if os.path.exists(junit) else []
-    if code is None:
-        named = {t["test"] for t in tests}
-        tests += [t for t in verbose_tests(log) if t["test"] not in named]
-    return code, tests
+    """pytest without pytest.ini's options -> (exit code, each test from its junit file: written on SIGINT too)."""
+    junit, tests = log.replace(".log", "_junit.xml"), []
+    code, _ = run([PY, "-m", "pytest", path, "-o", "addopts=", "-rA", "-p", "no:cacheprovider", "-o",
+                   "junit_logging=system-out", f"--junitxml={junit}"], log, deadline)
+    for case in ET.parse(junit).getroot().iter("testcase") if os.path.exists(junit) else []:
+        tag = next((t for t in ("failure", "error", "skipped") if case.find(t) is not None), None)
+        detail = case.find(tag).get("message") if tag else case.findtext("system-out")
+        tests.append(dict(test=case.get("name"), outcome={"failure": "failed", None: "passed"}.get(tag, tag), seconds=(
+            round(float(case.get("time") or 0), 1)), detail=" ".join((detail or "").split())[:300]))
+    return code, [t for t in tests if t["test"]]  # the test an interrupt stopped: an element without a name
 
 
-def junit_tests(path):
-    tests = []
-    for case in ET.parse(path).getroot().iter("testcase"):
-        if case.get("name") is None:  # the test an interrupt stopped: an empty element
-            continue
-        outcome, detail = "passed", (case.findtext("system-out") or "").strip()
-        for tag, name in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
-            if case.find(tag) is not None:
-                outcome, detail = name, case.find(tag).get("message") or ""
-        tests.append(dict(test=case.get("name"), outcome=outcome, seconds=round(float(case.get("time") or 0), 1),
-                          detail=" ".join(detail.split())[:300]))
-    return tests
+def correctness(ctx, deadline):
+    code, tests = pytest_tests("tests/test_gpu.py", ctx.log("a_pytest.log"), deadline)
+    count = ", ".join(f"{n} {k}" for k in ("passed", "failed", "error", "skipped")
+                      if (n := sum(t["outcome"] == k for t in tests))) or "no test finished"
+    why = "cut short by the time limit: " if code is None else "" if ctx.env["cuda"] else "no CUDA, so all skip: "
+    return dict(ok=code == 0 if ctx.env["cuda"] or code != 0 else None, summary=why + count, tests=tests)
 
 
-def verbose_tests(log):
-    """The tests a cut-short pytest finished, from its -vv lines; the one it was running when killed."""
-    with open(log, errors="replace") as f:
-        text = f.read()
-    tests = [dict(test=name, outcome=outcome.lower(), seconds=None, detail=reason or "") for name, outcome, reason in
-             re.findall(r"^\S*test_gpu\.py::(\S+) (PASSED|FAILED|SKIPPED|ERROR)(?: \((.*)\))?", text, re.M)]
-    running = re.findall(r"^\S*test_gpu\.py::(\S+) *$", text, re.M)
-    tests += [dict(test=name, outcome="timeout", seconds=None, detail="running when the time limit came")
-              for name in running[-1:]]
-    return tests
-
-
-def judge_tests(tests, env, timed_out):
-    """The verdict of part a. A skipped varlen backend (or the 'none' stand-in when no kernel was found) fails it
-    wherever this torch has varlen_attn with window_size on CUDA: it should have run."""
-    varlen_due = env["cuda"] and env["varlen"]
-    for t in tests:
-        if varlen_due and t["outcome"] == "skipped" and re.search(r"\bvarlen\b|-none\]|\[none", t["test"]):
-            t["outcome"], t["detail"] = "failed", "skipped, but this torch has varlen_attn with window_size: " + t[
-                "detail"]
-    count = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped", "timeout")}
-    counts = ", ".join(f"{n} {k}" for k, n in count.items() if n)
-    if varlen_due and not any("varlen" in t["test"] and t["outcome"] == "passed" for t in tests):
-        count["failed"] += 1
-        counts += "; no varlen test passed"
-    if timed_out:
-        return dict(ok=False, timeout=True, summary=f"cut short by the time limit: {counts or 'no test finished'}")
-    if not env["cuda"] and tests and count["skipped"] == len(tests):
-        return dict(ok=None, summary=f"no CUDA device: all {len(tests)} tests skip, so nothing is checked here")
-    ok = bool(tests) and count["failed"] + count["error"] == 0
-    return dict(ok=ok, summary=counts or "no test ran")
-
-
-# -----------------------------------------------------------------------------
-# b. Speed: bench.py, one process per (batches, objective)
-
-BENCH = [("packed", "clm"), ("packed", "mlm"), ("variable", "mlm"), ("variable", "clm")]  # train.py packs: first
+def bench(ctx, deadline, name, *args):
+    """bench.py ARGS at this check's sizes -> (its JSON, {} if it failed; what ran)."""
+    s, out = ctx.size, ctx.log(f"{name}.json")
+    code, seconds = run([PY, "bench.py", "--seq_len", str(s["seq_len"]), "--batch_size", str(s["micro"]), "--steps",
+                         "5", "--warmup", "2", *args, "--out", out], ctx.log(f"{name}.log"), deadline)
+    return json.load(open(out)) if code == 0 else {}, dict(run=name, outcome=outcome(code), seconds=round(seconds))
 
 
 def speed(ctx, deadline):
-    s, rows, runs, attention, peak = ctx.size, [], [], [], None
-    for case, objective in BENCH:
-        if time.time() >= deadline - 5:
-            runs.append(dict(case=case, objective=objective, outcome="not run: the part's time was spent"))
-            continue
-        out = os.path.join(ctx.logs, f"b_{case}_{objective}.json")
-        skip = ["loss", "data"] + (["attention"] if attention else [])  # the attention table once
-        code, seconds = run([PY, "bench.py", "--size", s["bench_size"], "--seq_len", str(s["seq_len"]),
-                             "--batch_size", str(s["micro"]), "--steps", str(s["bench_steps"]), "--warmup", "2",
-                             "--cases", case, "--objectives", objective, "--skip", *skip, "--out", out],
-                            os.path.join(ctx.logs, f"b_{case}_{objective}.log"), deadline)
-        outcome = "timeout" if code is None else "done" if code == 0 else f"exit {code}"
-        runs.append(dict(case=case, objective=objective, outcome=outcome, seconds=round(seconds)))
-        if code == 0:
-            with open(out) as f:
-                bench = json.load(f)
-            rows += bench["step"]
-            attention = attention or bench.get("attention", [])
-            peak = bench["peak_flops"]
-    done = [r for r in runs if r["outcome"] == "done"]
-    best = {}  # per (batches, objective): ours compiled where it ran, else ours eager
-    for r in rows:
-        if r["impl"] != "transformers" and (r["case"], r["objective"]) not in best or r["impl"] == "ours compiled":
-            best[r["case"], r["objective"]] = r
-    summary = f"{len(done)} of {len(BENCH)} (batches, objective) measured" + "".join(
-        f"; {r['impl']} {c} {o}: MFU {r['MFU']}, {r['vs_transformers']} transformers" for (c, o), r in best.items())
-    failed = any(r["outcome"].startswith("exit") for r in runs)
-    return dict(ok=False if failed else len(done) == len(BENCH) or None, timeout=any(
-        r["outcome"] in ("timeout", "not run: the part's time was spent") for r in runs),
-                summary=summary, runs=runs, rows=rows, attention=attention, peak_flops=peak)
-
-
-# -----------------------------------------------------------------------------
-# c. train.py through its CLI: three phases, compiled, a checkpoint, SIGTERM, resume
-
-
-def phases(n):
-    return [dict(name="clm", objective="clm", steps=n, warmup_steps=1),
-            dict(name="mlm", objective="mlm", mask_prob=0.3, steps=n),
-            dict(name="decay", objective="mlm", mask_prob=0.15, steps=n, decay=True)]
-
-
-def training(ctx, deadline):
-    s, n = ctx.size, ctx.size["phase_steps"]
-    data = os.path.join(ctx.work, "data")
-    result = dict(ok=None, timeout=False)
-    if not os.path.isfile(os.path.join(data, "meta.json")):  # the installed Python's docstrings: no download
-        code, _ = run([PY, "data.py", "--demo", "general", "--tokenizer", "bpe:4096", "--out", data, "--val_docs",
-                       "2000", "--workers", str(min(8, os.cpu_count() or 1))], os.path.join(ctx.logs, "c_data.log"),
-                      deadline)
-        if code != 0:
-            return dict(result, ok=False, timeout=code is None, summary="data.py failed: see logs/c_data.log")
-    args = [f"--data_dir={data}", "--init_from=scratch", "--model_size=base", f"--model_config={s['model_config']!r}",
-            f"--seq_len={s['seq_len']}", f"--micro_batch_size={s['micro']}",
-            f"--global_batch_size={s['micro'] * s['accum']}", f"--phases={phases(n)!r}", "--log_interval=1",
-            "--eval_interval=1000000", f"--eval_windows={s['eval_windows']}", "--ckpt_interval=1000000",
-            "--ckpt_every_minutes=0", "--compile=True"]
-    # On CPU inductor builds C++ for minutes: tiny runs compile with aot_eager (dynamo's tracing and guards, the
-    # same graphs, recompiles and breaks, without inductor); on CUDA with inductor.
-    hooks = [] if ctx.env["cuda"] else ["--aot_eager"]
-    torch_logs = {"TORCH_LOGS": "recompiles,graph_breaks"}
-
-    # The whole run, uninterrupted: the figures, and the reference of the resumed run.
-    whole, resumed = os.path.join(ctx.work, "c_whole"), os.path.join(ctx.work, "c_resumed")
-    for d in (whole, resumed):
-        shutil.rmtree(d, ignore_errors=True)
-    log = os.path.join(ctx.logs, "c_whole.log")
-    code, seconds = run([PY, THIS, "--train", *hooks, "--", *args, f"--out_dir={whole}"], log, deadline,
-                        torch_logs)
-    if code != 0:
-        what = "timed out" if code is None else f"exited {code}"
-        return dict(result, ok=False, timeout=code is None, summary=f"train.py {what} (logs/c_whole.log): "
-                    f"{last_line(log)[:200]}")
-    result.update(whole_run_seconds=round(seconds, 1), **run_figures(whole, log, s, ctx.results.get("b", {})),
-                  learning=learning_figures(metrics(whole)))
-
-    # The resume: from the checkpoint at the end of phase 2 (copied by hard links), SIGTERM mid phase 3, again.
-    start, stop = 2 * n, 2 * n + n // 2
-    os.makedirs(resumed)
-    shutil.copytree(os.path.join(whole, f"ckpt-{start}"), os.path.join(resumed, f"ckpt-{start}"),
-                    copy_function=hard_link)
-    shutil.copy(os.path.join(whole, "metrics.jsonl"), resumed)  # train.py cuts it back to the step it resumes
-    command = [PY, THIS, "--train", *hooks, "--", *args, f"--out_dir={resumed}"]
-    first, second = os.path.join(ctx.logs, "c_resume_1.log"), os.path.join(ctx.logs, "c_resume_2.log")
-    code1, _ = run(command[:3] + [f"--sigterm_at={stop}"] + command[3:], first, deadline, torch_logs)
-    code2 = run(command, second, deadline, torch_logs)[0] if code1 == 143 else "not run"
-    result["resume"] = resume_figures(whole, resumed, start, stop, first, second, code1, code2, ctx.env["cuda"])
-    result["ok"] = result["learning"]["ok"] and result["resume"]["ok"] and result["graph_breaks"] in (0, None)
-    result["timeout"] = None in (code1, code2)
-    per_phase = "; ".join(f"{p['phase']} {p['steady_step_s']} s" for p in result["phases"])
-    result["summary"] = (f"{result['learning']['summary']}; steady step {per_phase}; {result['graphs']} graphs, "
-                         f"{result['recompiles']} recompiles, {result['graph_breaks']} graph breaks; "
-                         f"resume: {result['resume']['summary']}")
-    return result
-
-
-def hard_link(src, dst):
-    """A checkpoint is never written in place (new files, then a rename), so a link is as good as a copy."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
-def metrics(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def run_figures(out_dir, log, s, bench):
-    """Per phase: the first step (with its compile) and the steady steps, from metrics.jsonl (one record a step,
-    evaluations and checkpoints left out of its time); the compile, checkpoint and evaluation figures of the hooks."""
-    records, tokens_per_step = metrics(out_dir), s["micro"] * s["accum"] * s["seq_len"]
-    packed = {(r["objective"], r["impl"]): r["MFU"] for r in bench.get("rows", []) if r["case"] == "packed"}
-    bench_mfu = {o: packed.get((o, "ours compiled"), packed.get((o, "ours"), "-")) for o in ("clm", "mlm")}
-    rows = []
-    for phase in phases(s["phase_steps"]):
-        mine = [r for r in records if r["phase"] == phase["name"] and "loss" in r]
-        if not mine:
-            continue
-        steady = mine[1:] or mine  # the first step of a phase may compile
-        step_s = [tokens_per_step / r["tokens_per_s"] for r in mine]
-        mfu = [r["mfu"] for r in steady if "mfu" in r]
-        rows.append(dict(phase=phase["name"], objective=phase["objective"] + (
-            f" {phase['mask_prob']:.0%}" if phase["objective"] == "mlm" else ""), steps=len(mine),
-            first_step_s=round(step_s[0], 3), steady_step_s=round(statistics.median(step_s[1:] or step_s), 3),
-            tokens_per_s=round(statistics.median(r["tokens_per_s"] for r in steady)),
-            mfu=f"{100 * statistics.median(mfu):.1f}%" if mfu else "-", bench_mfu=bench_mfu[phase["objective"]]))
-    hooks = said(log)
-    compiled = next((h for h in hooks if h["what"] == "compile"), {})
-    with open(log, errors="replace") as f:
-        text = f.read()
-    checkpoints = [h for h in hooks if h["what"] == "checkpoint"]
-    evaluations = [h["seconds"] for h in hooks if h["what"] == "evaluation"]
-    return dict(phases=rows, compile_seconds=compiled.get("seconds"), graphs=compiled.get("graphs"),
-                graph_breaks=compiled.get("graph_breaks"), recompiles=text.count("Recompiling function"),
-                graph_break_lines=len(re.findall(r"Graph break", text)),
-                recompile_reasons=re.findall(r"\[__recompiles\][ \t]+- \d+/\d+: ([^#\n]*?)[ \t]*(?:#|\n)", text)[:5],
-                checkpoints=[dict(name=h["path"], seconds=round(h["seconds"], 2)) for h in checkpoints],
-                evaluation_seconds=[round(x, 2) for x in evaluations],
-                peak_memory=re.findall(r"peak memory ([\d.]+ GiB)", text)[-1:])
-
-
-LEARNS = 0.002  # the least relative fall of the val MLM loss over the run: the tiny CPU run's is 0.7%
-
-
-def learning_figures(records):
-    """The run learns: its last evaluation's val MLM loss below its first's by LEARNS or more. Steps that leave
-    the weights where they are still time well and resume bit-identically, so the other figures cannot say."""
-    vals = [r["val_mlm_loss"] for r in records if "val_mlm_loss" in r]
-    if len(vals) < 2:
-        return dict(ok=False, fell=None, summary=f"{len(vals)} evaluation(s): cannot tell whether the run learns")
-    fell = 1 - vals[-1] / vals[0]
-    ok = fell >= LEARNS
-    return dict(ok=ok, first=vals[0], last=vals[-1], fell=fell,
-                summary=f"val MLM loss {vals[0]:.4f} -> {vals[-1]:.4f} ({-fell:+.2%}): "
-                        f"{'it learns' if ok else 'it does NOT learn'} (a fall of {LEARNS:.1%} or more wanted)")
-
-
-def resume_figures(whole, resumed, start, stop, first, second, code1, code2, cuda):
-    """The resumed run continues the uninterrupted one: the same steps, the same losses (CPU: bit for bit; GPU:
-    within 1%, the kernels' backward adds in a varying order)."""
-    out = dict(ok=False, start=start, stop=stop, exit_on_sigterm=code1, exit_after=code2)
-    with open(first, errors="replace") as f:
-        text1 = f.read()
-    out["stopped_by_sigterm"] = f"stopped by SIGTERM at step {stop}" in text1
-    out["resumed_at"] = [int(x) for x in re.findall(r"resuming at step (\d+)", text1)]
-    if None in (code1, code2):
-        out["summary"] = "cut short by the time limit"
-        return out
-    if code1 != 143 or code2 != 0:
-        out["summary"] = f"the resumed run exited {code1} on SIGTERM (want 143), then {code2} (want 0)"
-        return out
-    with open(second, errors="replace") as f:
-        out["resumed_at"] += [int(x) for x in re.findall(r"resuming at step (\d+)", f.read())]
-    a = {r["step"]: r for r in metrics(whole) if r["step"] > start}
-    b = {r["step"]: r for r in metrics(resumed) if r["step"] > start}
-    keys = ("loss", "val_mlm_loss", "val_clm_loss")
-    diffs = [abs(a[k][key] - b[k][key]) / abs(a[k][key]) for k in a if k in b for key in keys if key in a[k]]
-    out.update(steps_compared=sorted(set(a) & set(b)), same_steps=sorted(a) == sorted(b),
-               max_rel_diff=max(diffs, default=None), identical=diffs != [] and max(diffs) == 0.0)
-    tolerance = 0.01 if cuda else 0.0
-    out["ok"] = (out["same_steps"] and out["stopped_by_sigterm"] and out["resumed_at"] == [start, stop]
-                 and diffs != [] and max(diffs) <= tolerance)
-    same = "bit-identical" if out["identical"] else f"max relative difference {out['max_rel_diff']:.2e}"
-    want = "a GPU run must stay within 1%" if cuda else "a CPU run must be bit-identical"
-    out["summary"] = (f"resumed at step {start} (phase-2 checkpoint), SIGTERM at step {stop} -> exit {code1}, "
-                      f"resumed at {stop} -> exit {code2}; steps {start + 1}-{max(a)} against the uninterrupted run: "
-                      f"{same} ({'ok' if out['ok'] else 'NOT ok'}: {want})")
-    return out
-
-
-# -----------------------------------------------------------------------------
-# d. Memory: the largest micro batch that fits, per size and objective
+    rows, runs, each = [], [], [("packed", "clm"), ("packed", "mlm"), ("variable", "mlm"), ("variable", "clm")]
+    for case, objective in each[::ctx.size["every"]]:  # a bench.py process each, train.py's packed batches first
+        out, ran = bench(ctx, deadline, f"b_{case}_{objective}", "--size", ctx.size["bench"], "--cases", case,
+                         "--objectives", objective, "--skip", "attention", "loss", "data")
+        rows, runs = rows + out.get("step", []), runs + [ran]
+    done = sum(r["outcome"] == "done" for r in runs)
+    return dict(ok=False if "exit" in str(runs) else done == len(runs) or None, rows=rows, runs=runs, summary=f"{done}"
+                f" of {len(runs)} measured" + "".join(f"; {r['impl']} {r['case']} {r['objective']}: MFU {r['MFU']}, "
+                                           f"{r['vs_transformers']} transformers" for r in rows if "comp" in r["impl"]))
 
 
 def memory(ctx, deadline):
-    s, rows, timeout = ctx.size, [], False
-    for size in s["probe_sizes"]:
-        spec = dict(size=size, seq_len=s["seq_len"], objectives=["mlm", "clm"], cap=s["probe_cap"])
-        log = os.path.join(ctx.logs, f"d_{size}.log")
-        code, _ = run([PY, THIS, "--probe", json.dumps(spec)], log, deadline)
-        found = said(log)  # one line per objective as it is done: a cut-short process keeps the first
-        rows += found
-        for objective in spec["objectives"][len(found):]:
-            rows.append(dict(size=size, objective=objective, largest="timeout" if code is None else f"exit {code}"))
-        timeout = timeout or code is None
-    summary = ", ".join(f"{r['size']} {r['objective']} {r['largest']}" for r in rows)
-    return dict(ok=all(isinstance(r["largest"], int) for r in rows) or None, timeout=timeout, rows=rows,
-                summary=f"largest micro_batch_size at seq_len {s['seq_len']}: {summary}")
-
-
-# -----------------------------------------------------------------------------
-# Workers: what runs in the subprocesses (these import torch, the check itself does not)
-
-
-def env_worker(_):
-    """The machine: versions, the GPU, which attention kernels this torch has."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    import torch
-    sys.path.insert(0, ROOT)
-    from support import kernels
-    from support.flops import peak_flops
-
-    cuda = torch.cuda.is_available()
-    info = dict(python=platform.python_version(), torch=torch.__version__, cuda=cuda, cuda_version=torch.version.cuda,
-                device="cpu", cpus=os.cpu_count(), varlen=kernels.find_varlen_attn() is not None,
-                flash_attn=kernels.flash_attn_varlen_func is not None)
-    for package in ("transformers", "triton"):
-        try:
-            info[package] = version(package)
-        except PackageNotFoundError:
-            info[package] = None
-    if cuda:
-        props = torch.cuda.get_device_properties(0)
-        info.update(device=props.name, memory_gib=round(props.total_memory / 2 ** 30, 1),
-                    sms=props.multi_processor_count, peak_tflops=(peak_flops(torch.device("cuda")) or 0) / 1e12)
-    # model.py's "auto" under bf16 autocast on this machine (bench.py's ours, train.py)
-    info["attention"] = "flash" if cuda and info["flash_attn"] else "varlen" if cuda and info["varlen"] else "sdpa"
-    print(json.dumps(info))
-
-
-def train_worker(argv):
-    """train.py exactly as `python train.py ARGS` runs it, with hooks that compute nothing of the run: they time
-    each checkpoint and evaluation (train.py leaves both out of its step time and logs neither), print dynamo's
-    counters at exit, and with --sigterm_at=K send this process SIGTERM at the end of step K: the signal a
-    scheduler sends, at a step that is the same on every machine. --aot_eager: compile with dynamo's aot_eager."""
-    hooks, args = argv[:argv.index("--")], argv[argv.index("--") + 1:]
-    sigterm_at = next((int(a.split("=")[1]) for a in hooks if a.startswith("--sigterm_at=")), None)
-    import atexit
-    import functools
-    import runpy
-    from contextlib import contextmanager
-
-    import torch
-    sys.path.insert(0, ROOT)
-    from support.checkpoint import Checkpointer
-    from support.logger import Logger
-
-    def say(what, **kw):
-        os.write(2, f"\ngpu_check: {json.dumps(dict(what=what, **kw))}\n".encode())
-
-    save, after_step, pause = Checkpointer.save, Checkpointer.after_step, Logger.pause
-
-    def timed_save(self, path, *rest):
-        started = time.time()
-        save(self, path, *rest)
-        say("checkpoint", path=os.path.basename(path), seconds=time.time() - started)
-
-    @contextmanager
-    def timed_pause(self):  # train.py's loop pauses the logger's clock for each evaluation, and only there
-        with pause(self):
-            started = time.time()
-            yield
-            say("evaluation", seconds=time.time() - started)
-
-    def after_step_signalled(self, model, optimizer, state, *rest, **kw):
-        if state.step == sigterm_at:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return after_step(self, model, optimizer, state, *rest, **kw)
-
-    def counters_at_exit():
-        from torch._dynamo.utils import compilation_time_metrics, counters
-        say("compile", graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values()),
-            seconds=round(sum(compilation_time_metrics.get("_compile.compile_inner", [])), 1))
-
-    Checkpointer.save, Checkpointer.after_step, Logger.pause = timed_save, after_step_signalled, timed_pause
-    if "--aot_eager" in hooks:
-        torch.compile = functools.partial(torch.compile, backend="aot_eager")
-    atexit.register(counters_at_exit)
-    sys.argv = [os.path.join(ROOT, "train.py"), *args]
-    runpy.run_path(sys.argv[0], run_name="__main__")
-
-
-def probe_worker(argv):
-    """The largest micro batch of seq_len tokens each whose training step (forward, backward, fused AdamW, bf16
-    autocast, train.py's dropout) fits, per objective: probes of one step each, a CUDA OOM caught, from a linear
-    fit of the peaks of the probes that fit, then bisection. Eager: a compiled step keeps fewer activations."""
-    import dataclasses
-    import gc
-
-    import numpy as np
-    import torch
-    sys.path.insert(0, ROOT)
-    from bench import SIZES as BENCH_SIZES
-    from bench import make_inputs, peak_memory, reset_peak_memory, sync
-    from model import ModernBertForMaskedLM
-
-    spec = json.loads(argv[0])
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    config = dataclasses.replace(BENCH_SIZES[spec["size"]], attn_out_dropout=0.1)
-    with device:  # built on the GPU: seconds less than on the CPU for Large
-        model = ModernBertForMaskedLM(config).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, **({"fused": True} if cuda else {}))
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
-    total = torch.cuda.get_device_properties(0).total_memory if cuda else None
-    rng = np.random.default_rng(0)
-
-    def step(b, objective):
-        x = make_inputs([spec["seq_len"]] * b, config.vocab_size, objective, device, rng)
-        with autocast:
-            loss = model(x["tokens"], causal=objective == "clm", cu_seqlens=x["cu"], max_seqlen=x["max_len"],
-                         rows=x["rows"], targets=x["targets"]) / x["targets"].numel()
-        loss.backward()
-        optimizer.step()
-        sync(device)
-
-    def peak_of(b, objective):
-        """Peak bytes of one step of b sequences, None if it does not fit."""
-        before, started = reset_peak_memory(device), time.time()
-        try:
-            step(b, objective)
-            peak = peak_memory(device, before)
-        except torch.OutOfMemoryError:
-            peak = None
-        except RuntimeError as e:  # cuBLAS and some kernels report a failed allocation in their own words
-            if "CUBLAS_STATUS_ALLOC_FAILED" not in str(e) and "out of memory" not in str(e):
-                raise
-            peak = None
-        optimizer.zero_grad(set_to_none=True)  # outside the except: its frames, holding the step's tensors, are gone
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-        return peak, time.time() - started
-
-    for objective in spec["objectives"]:
-        fits, probes = 0, []  # the largest that fits; every (micro batch, peak or None, seconds)
-        fails = spec["cap"] + 1
-        b = 1
-        while fits + 1 < fails and len(probes) < 12:
-            peak, seconds = peak_of(b, objective)
-            probes.append([b, peak, round(seconds, 2)])
-            fits, fails = (b, fails) if peak is not None else (fits, b)
-            ok = [(x, p) for x, p, _ in probes if p is not None]
-            guess = 2 * fits  # doubling, until the linear fit below has two points
-            if total and len(ok) >= 2:  # peak ~ fixed + per_sequence * b: the b that reaches 97% of the GPU
-                (b1, p1), (b2, p2) = ok[-2], ok[-1]
-                per_sequence = (p2 - p1) / (b2 - b1) if b2 != b1 else p2 / b2
-                guess = int(b2 + (0.97 * total - p2) // max(per_sequence, 1))
-            b = guess if fits < guess < fails else (fits + fails) // 2
-        peak = next(p for x, p, _ in probes if x == fits) if fits else None
-        row = dict(size=spec["size"], objective=objective, seq_len=spec["seq_len"], largest=fits,
-                   capped=fits == spec["cap"], peak_gib=round(peak / 2 ** 30, 2) if peak else None,
-                   total_gib=round(total / 2 ** 30, 1) if total else None, probes=probes)
-        print(f"gpu_check: {json.dumps(row)}", flush=True)
-
-
-# -----------------------------------------------------------------------------
-# The report
-
-
-def md_table(rows, columns):
-    cells = [[r.get(c, "") for c in columns] for r in rows]
-    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] + [
-        "| " + " | ".join("-" if v is None else str(v).replace("|", "/") for v in row) + " |" for row in cells]
-
-
-def goals(results):
-    """The issue's goals against this run's figures (meaningful on a GPU only; on CPU the rows still show)."""
-    b, c = results["parts"].get("b", {}), results["parts"].get("c", {})
     rows = []
-    pct = lambda text: float(text.rstrip("%x"))  # noqa: E731
-    for r in b.get("rows", []):
-        if r["impl"] == "ours compiled":
-            rows.append(dict(goal=f"MFU >= 40%, compiled, {r['case']} {r['objective']}", measured=r["MFU"],
-                             met=pct(r["MFU"]) >= 40))
-            want = 1.3 if r["case"] == "variable" else 1.0
-            rows.append(dict(goal=f"tokens/s >= {want}x transformers, {r['case']} {r['objective']}",
-                             measured=r["vs_transformers"], met=pct(r["vs_transformers"]) >= want))
-    if "learning" in c:
-        fell = c["learning"]["fell"]
-        rows.append(dict(goal=f"train.py's run learns: its val MLM loss falls {LEARNS:.1%} or more",
-                         measured="-" if fell is None else f"{fell:.2%}", met=c["learning"]["ok"]))
-    if "graph_breaks" in c:
-        rows.append(dict(goal="0 graph breaks in train.py", measured=c["graph_breaks"], met=c["graph_breaks"] == 0))
-        rows.append(dict(goal="one graph per mask, at most one recompile besides the mask's",
-                         measured=f"{c['graphs']} graphs, {c['recompiles']} recompiles",
-                         met=(c["graphs"] or 0) <= 3 and c["recompiles"] <= 2))
-    if len(c.get("phases", [])) == 3:  # the decay runs the MLM phase's graph: its first step compiles nothing
-        decay = c["phases"][2]
-        rows.append(dict(goal="the phase switch compiles once: the decay's first step as its others (< 2x)",
-                         measured=f"{decay['first_step_s']} s vs {decay['steady_step_s']} s",
-                         met=decay["first_step_s"] < 2 * decay["steady_step_s"]))
-    for p in c.get("phases", []):
-        if p["mfu"] != "-" and p["bench_mfu"] != "-":
-            rows.append(dict(goal=f"train.py MFU within 10% of bench's, {p['phase']}",
-                             measured=f"{p['mfu']} vs {p['bench_mfu']}",
-                             met=abs(pct(p["mfu"]) / pct(p["bench_mfu"]) - 1) <= 0.1))
-    return rows
+    for size in ctx.size["probe"]:
+        out, ran = bench(ctx, deadline, f"d_{size}", "--size", size, "--largest", str(ctx.size["cap"]), "--skip",
+                         "step", "attention", "loss", "data")
+        rows += [dict(size=size, **r) for r in out.get("largest", [dict(largest=ran["outcome"])])]
+    return dict(ok=all(isinstance(r["largest"], int) for r in rows) or None, rows=rows, summary=", ".join(
+        f"{r['size']} {r.get('objective', '')} {r['largest']}" for r in rows))
+
+
+def training(ctx, deadline):
+    s, cuda, n, data = ctx.size, ctx.env["cuda"], ctx.size["phases"], os.path.join(ctx.work, "data")
+    run([PY, "data.py", "--demo", "general", "--tokenizer", "bpe:4096", "--out", data, "--val_docs", "2000",
+         "--workers", str(min(8, os.cpu_count()))], ctx.log("data.log"), deadline)  # docstrings, a BPE trained here
+    phases = [dict(name="clm", objective="clm", steps=n[0], warmup_steps=1),
+              dict(name="mlm", objective="mlm", mask_prob=0.3, steps=n[1]),
+              dict(name="decay", objective="mlm", mask_prob=0.15, steps=n[2], decay=True)]
+    args = ["train.py", f"--data_dir={data}", f"--model_config={s['model']!r}", f"--seq_len={s['seq_len']}",
+            f"--micro_batch_size={s['micro']}", f"--global_batch_size={2 * s['micro']}", f"--phases={phases!r}",
+            "--log_interval=1", "--eval_interval=1000000", "--eval_windows=8", "--ckpt_interval=1000000",
+            "--ckpt_every_minutes=0", f"--compile={'True' if cuda else 'aot_eager'}"]  # CPU: no C++ build
+    whole, resumed, log = ctx.whole, os.path.join(ctx.work, "c_resumed"), ctx.log("c_whole.log")
+    code, seconds = run([PY, *args, f"--out_dir={whole}"], log, deadline)
+    if code != 0:
+        return dict(ok=False, summary=f"train.py {outcome(code)}: see logs/c_whole.log")
+    records, rows = metrics(whole), []
+    for phase in phases:
+        mine = [r for r in records if r["phase"] == phase["name"]]
+        step_s, mfu = [2 * s["micro"] * s["seq_len"] / r["tokens_per_s"] for r in mine], [r.get("mfu") for r in mine]
+        rows.append(dict(phase=phase["name"], steps=len(mine), first_step_s=round(step_s[0], 3), steady_step_s=round(
+            statistics.median(step_s[1:]), 3), steady_mfu=None if None in mfu else f"{statistics.median(mfu[1:]):.1%}",
+            compile_s=sum(r.get("compile_s", 0) for r in mine)))
+    line = (found(r"outside the steps: (.*)", log) or [""])[-1]  # train.py's end line (support/logger.py)
+    said = dict(zip(("evaluations", "evaluation_s", "checkpoints", "checkpoint_s", "longest_checkpoint_s", "graphs",
+                     "compile_s", "graph_breaks", "recompiles"), map(json.loads, re.findall(r"\d+(?:\.\d+)?", line))))
+    said.update(recompile_reasons=line.partition("recompiles: ")[2],
+                peak_memory="".join(found(r"peak memory (.*)", log)[-1:]))
+    vals = [r["val_mlm_loss"] for r in records if "val_mlm_loss" in r]
+    fell = 1 - vals[-1] / vals[0]  # it learns: its val MLM loss falls 0.2% or more (the tiny CPU run's: 0.7%)
+    learning = dict(ok=fell >= 0.002, fell=fell, summary=f"val MLM loss {vals[0]:.4f} -> {vals[-1]:.4f} ({-fell:+.2%})")
+    # The resume, under torchrun: the phase-2 checkpoint in a new out_dir (hard links: checkpoints are never written
+    # in place), SIGTERM once it logs a step, the same command again, its losses against the uninterrupted run's.
+    start, first, second = n[0] + n[1], ctx.log("c_resume_1.log"), ctx.log("c_resume_2.log")
+    shutil.copytree(os.path.join(whole, f"ckpt-{start}"), os.path.join(resumed, f"ckpt-{start}"), copy_function=os.link)
+    code1 = run([*TORCHRUN, *args, f"--out_dir={resumed}"], first, deadline,
+                sigterm=lambda: os.path.isfile(os.path.join(resumed, "metrics.jsonl")))[0]
+    stopped = [int(x) for x in found(r"stopped by SIGTERM at step (\d+)", first)]
+    code2 = run([*TORCHRUN, *args, f"--out_dir={resumed}"], second, deadline)[0] if stopped else "not run"
+    a, b = ({r["step"]: {k: v for k, v in r.items() if k.endswith("loss")} for r in got if r["step"] > start}
+            for got in (records, metrics(resumed)))
+    resume = dict(exit_on_sigterm=code1, stopped_at=stopped, exit_after=code2, steps=sorted(b), max_rel_diff=worst(
+        a, b, True), resumed_at=[int(x) for log in (first, second) for x in found(r"resuming at step (\d+)", log)])
+    resume["ok"] = code2 == 0 and resume["resumed_at"] == [start, *stopped] and resume["max_rel_diff"] <= (
+        0.01 if cuda else 0)  # GPU: the attention backward's atomics add in any order
+    return dict(ok=learning["ok"] and resume["ok"] and said.get("graph_breaks") == 0, phases=rows, learning=learning,
+                said=dict(said, whole_run_s=round(seconds, 1)), resume=resume, summary=f"{learning['summary']}: it "
+                f"{'learns' if learning['ok'] else 'does NOT learn'}; {said.get('graphs')} graphs compiled in "
+                f"{said.get('compile_s')} s, {said.get('graph_breaks')} graph breaks, {said.get('recompiles')} "
+                f"recompiles; the resume under torchrun {'continues' if resume['ok'] else 'does NOT continue'} the run")
+
+
+def write_tasks(folder, n):
+    """A task of each type for eval.py --suite, n training examples each: does a sentence name a place (cls), which
+    places (multilabel), where (ner: words of several sub-words); the texts for cka.py."""
+    rng, files, places = random.Random(0), {}, ["Ouagadougou", "Antananarivo", "Tegucigalpa", "Kaohsiung", "Wollongong"]
+    rows = [[rng.choice(places) if rng.random() < 0.15 else rng.choice(["the", "a", "of", "in", "by", "model"])
+             for _ in range(rng.randint(4, 12))] for _ in range(2 * n)]
+    for split, part in (("train", rows[:n]), ("validation", rows[n:]), ("test", rows[n:])):
+        files[f"cls/{split}.jsonl"] = [dict(text=" ".join(w), label=str(bool(set(w) & set(places)))) for w in part]
+        files[f"multilabel/{split}.jsonl"] = [dict(text=" ".join(w), labels=sorted(set(w) & set(places))) for w in part]
+        files[f"ner/{split}.jsonl"] = [dict(tokens=w, tags=["B-LOC" if x in places else "O" for x in w]) for w in part]
+    files["texts.jsonl"] = [dict(text=" ".join(w)) for w in rows]
+    for name, lines in files.items():
+        os.makedirs(os.path.join(folder, os.path.dirname(name)), exist_ok=True)
+        with open(os.path.join(folder, name), "w") as f:
+            f.writelines(json.dumps(x) + "\n" for x in lines)
+    with open(os.path.join(folder, "suite.py"), "w") as f:
+        f.write("seeds = [42]\ntasks = [dict(name=t, task=t, data=t, epochs=1, batch_size=8, lr=1e-4, max_len=64, "
+                "max_tokens=4096) for t in ('cls', 'multilabel', 'ner')]\n")
+
+
+def scripts(ctx, deadline):
+    w, whole, rows, runs, tiny = ctx.work, ctx.whole, [], {}, not ctx.env["cuda"]  # tiny: CPU against CPU, identical
+    if not os.path.isdir(os.path.join(whole, "final")):
+        return dict(ok=False, summary="part e fine-tunes and compares part c's runs: run them together (--parts c e)")
+
+    def step(name, started, ok, **figures):  # a row of the report
+        rows.append(dict(step=name, seconds=round(time.time() - started), ok={True: "yes", False: "NO"}.get(ok, "-"),
+                         figures="; ".join(f"{k}: {v:.2e}" if isinstance(v, float) else f"{k}: {v}"
+                                           for k, v in figures.items())))
+
+    write_tasks(os.path.join(w, "tasks"), ctx.size["examples"])
+    for name, launch, extra in (("one", [PY], []), ("torchrun", TORCHRUN, []),
+                                ("cpu", [PY], ["--device", "cpu", "--dtype", "float32"])):
+        out, started = os.path.join(w, f"e_eval_{name}"), time.time()
+        code = run([*launch, "eval.py", "--suite", os.path.join(w, "tasks", "suite.py"), "--models",
+                    os.path.join(whole, "final"), "--out", out, *extra], ctx.log(f"e_eval_{name}.log"), deadline)[0]
+        runs[name] = {p.split(os.sep)[-4]: json.load(open(p))["result"]  # OUT/runs/TASK/c_whole/final/seed42.json
+                      for p in glob.glob(os.path.join(out, "runs", "*", "*", "*", "seed*.json"))}
+        step(f"eval.py, {name}", started, code == 0 and len(runs[name]) == 3, exit=code, **{
+            task: f"test macro F1 {r['test']['macro_f1']:.3f}" for task, r in runs[name].items()})
+    of = lambda name, key: {task: r[key] for task, r in runs[name].items()}  # noqa: E731
+    diffs = dict(test_scores=worst(of("one", "test"), of("torchrun", "test")), first_losses=worst(
+        of("one", "first_losses"), of("torchrun", "first_losses"), True), first_losses_against_cpu_float32=worst(
+        of("one", "first_losses"), of("cpu", "first_losses"), True))  # on a GPU: within bf16 noise
+    step("eval.py: under torchrun and on CPU against one process", time.time(), all(
+        d <= (0 if tiny else tol) for d, tol in zip(diffs.values(), (0.05, 0.01, 0.03))), **diffs)
+    cka = [PY, "cka.py", "--texts", os.path.join(w, "tasks", "texts.jsonl"), "--n", str(ctx.size["examples"]),
+           "--seeds", "42", "--max_len", "64", "--dtype", "float32"]
+    for what, given, stem in (("pair", [f"{whole}/ckpt-{ctx.size['phases'][0]}", f"{whole}/final"], "results"),
+                              ("runs", [whole, f"{w}/c_resumed"], "trajectory")):
+        results, started = [], time.time()
+        for device in ("auto", "cpu"):
+            out = os.path.join(w, f"e_cka_{what}_{device}")
+            code = run([*cka, f"--{what}", *given, "--device", device, "--out", out], ctx.log(f"e_cka_{what}_{device}"
+                       ".log"), deadline, env=dict(NVIDIA_TF32_OVERRIDE="0"))[0]
+            results.append(json.load(open(os.path.join(out, f"{stem}.json"))) if code == 0 else None)
+        step(f"cka.py --{what}: GPU against CPU", started, worst(*results) <= 1e-5, max_abs_diff=worst(*results),
+             numbers_compared=len(numbers(results[0])))
+    started, code = time.time(), "not at tiny sizes: tests/test_demo.py runs it" if tiny else run(
+        [PY, "demo.py", "--quick", "--out", os.path.join(w, "e_demo")], ctx.log("e_demo.log"), deadline)[0]
+    step("demo.py --quick", started, None if tiny else code == 0, exit=code)
+    bad = [r["step"] for r in rows if r["ok"] == "NO"]
+    return dict(ok=not bad, steps=rows, summary="; ".join(f"NOT ok: {b}" for b in bad) or f"none of {len(rows)} failed")
+
+
+TITLES = {"a": "Correctness: tests/test_gpu.py", "b": "Speed: bench.py", "c": "train.py, and its resume under torchrun",
+          "d": "Memory: bench.py --largest", "e": "eval.py, cka.py and demo.py on the GPU"}
+PARTS = {"a": correctness, "b": speed, "c": training, "d": memory, "e": scripts}
+
+
+def md_table(rows):
+    """A list of dicts, or a dict as (what, value) rows, as a markdown table (dicts and lists in it: report.json's)."""
+    rows = [dict(what=k, value=v) for k, v in rows.items()] if isinstance(rows, dict) else rows
+    columns = [c for c, v in rows[0].items() if not isinstance(v, (dict, list))]
+    cells = [["-" if r.get(c) is None else str(r[c]).replace("|", "/") for c in columns] for r in rows]
+    return ["", f"| {' | '.join(columns)} |", "|" + "---|" * len(columns), *(f"| {' | '.join(c)} |" for c in cells)]
 
 
 def write_report(out, results):
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(results, f, indent=2, default=str)
     env, parts = results["env"], results["parts"]
-    device = f"{env['device']} ({env.get('memory_gib', '-')} GiB)" if env["cuda"] else f"CPU ({env['cpus']} cores)"
-    lines = [f"# GPU check: {device}, {results['date']}", "",
-             f"`{results['command']}`: {results['mode']} sizes, {results['seconds']:.0f} s in all. torch "
-             f"{env['torch']} (CUDA {env['cuda_version'] or 'none'}), Python {env['python']}, transformers "
-             f"{env['transformers']}, triton {env['triton']}; flash-attn "
-             f"{'installed' if env['flash_attn'] else 'absent'}, torch varlen_attn with window_size "
-             f"{'present' if env['varlen'] else 'absent'}; attention 'auto' here: {env['attention']}.", "",
-             *md_table([dict(part=k, title=TITLES[k], status=p["status"], seconds=f"{p['seconds']:.0f} / "
-                             f"{p['limit']:.0f}", ok={True: "yes", False: "NO", None: "-"}[p.get("ok")],
-                             summary=p.get("summary", "")) for k, p in parts.items()],
-                       ["part", "title", "status", "seconds", "ok", "summary"]), ""]
-    for key, part in parts.items():
-        lines += [f"## {key}. {TITLES[key]}", "", part.get("summary", ""), ""]
-        if part["status"] == "error":
-            lines += ["```", part.get("error", "")[-1500:], "```", ""]
-        if key == "a" and part.get("tests"):
-            lines += md_table(part["tests"], ["test", "outcome", "seconds", "detail"])
-        if key == "b":
-            peak = part.get("peak_flops") or {}
-            if peak:
-                lines += [f"MFU over {peak['flops'] / 1e12:,.4g} TFLOP/s ({peak['source']}); attention of ours: "
-                          f"{env['attention']}; memory: peak during the timed steps.", ""]
-            lines += md_table(part.get("rows", []), ["case", "objective", "impl", "pad_%", "tok/s", "vs_transformers",
-                                                     "MFU", "mem_MiB", "mem_vs_transformers", "compiles"])
-            lines += ["", *md_table(part.get("runs", []), ["case", "objective", "outcome", "seconds"])]
-            if part.get("attention"):
-                lines += ["", "Attention alone, forward + backward:", "",
-                          *md_table(part["attention"], ["backend", "dtype", "layer", "causal", "ms"])]
-        if key == "c" and part.get("phases"):
-            lines += md_table(part["phases"], ["phase", "objective", "steps", "first_step_s", "steady_step_s",
-                                               "tokens_per_s", "mfu", "bench_mfu"])
-            facts = [("whole run (s)", part["whole_run_seconds"]), ("dynamo compile time (s)", part["compile_seconds"]),
-                     ("graphs compiled", part["graphs"]), ("recompiles (TORCH_LOGS)", part["recompiles"]),
-                     ("graph breaks (counters / TORCH_LOGS lines)", f"{part['graph_breaks']} / "
-                                                                    f"{part['graph_break_lines']}"),
-                     ("recompile reasons", "; ".join(part["recompile_reasons"]) or "-"),
-                     ("checkpoints (s)", ", ".join(f"{x['name']} {x['seconds']}" for x in part["checkpoints"])),
-                     ("evaluations (s)", ", ".join(map(str, part["evaluation_seconds"]))),
-                     ("peak memory", ", ".join(part["peak_memory"]) or "-"),
-                     ("learning", part["learning"]["summary"]),
-                     ("resume", part.get("resume", {}).get("summary", "not run"))]
-            lines += ["", *md_table([dict(what=k, value=v) for k, v in facts], ["what", "value"])]
-        if key == "d" and part.get("rows"):
-            lines += md_table(part["rows"], ["size", "objective", "largest", "capped", "peak_gib", "total_gib"])
-            lines += ["", "One eager training step as train.py's (bf16 autocast on a GPU, fused AdamW, its dropout); "
-                      "a compiled step keeps fewer activations, so these fit under torch.compile too."]
-        lines.append("")
-    met = [dict(r, met="yes" if r["met"] else "NO") for r in goals(results)]
-    lines += ["## Goals (issue 40)", "", "On a GPU, ours compiled against the goals; on CPU the rows show that the "
-              "check computes them.", "", *md_table(met, ["goal", "measured", "met"]), ""]
+    lines = [f"# GPU check: {env['device']}, {results['date']}", "", f"`{results['command']}`: "
+             f"{results['seconds']:.0f} s.", *md_table([env]), *md_table([dict(
+                 part=k, title=TITLES[k], status=p["status"], seconds=f"{p['seconds']:.0f} / {p['limit']:.0f}",
+                 ok={True: "yes", False: "NO"}.get(p["ok"], "-"), summary=p["summary"]) for k, p in parts.items()])]
+    for key, part in parts.items():  # its tables; an error's traceback is in report.json
+        lines += ["", f"## {key}. {TITLES[key]}", "", part["summary"]]
+        lines += [line for x in part.values() if isinstance(x, (dict, list)) and x for line in md_table(x)]
     with open(os.path.join(out, "report.md"), "w") as f:
-        f.write("\n".join(lines))
-
-
-# -----------------------------------------------------------------------------
-# The check
-
-TITLES = {"a": "Correctness: tests/test_gpu.py", "b": "Speed: bench.py at the paper's shape",
-          "c": "train.py through its CLI: 3 phases, checkpoint, SIGTERM, resume",
-          "d": "Memory: the largest micro_batch_size"}
-PARTS = {"a": correctness, "b": speed, "c": training, "d": memory}
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="the folder for report.md, report.json and logs/")
-    p.add_argument("--tiny", action="store_true", help="tiny sizes: the whole check on CPU in about two minutes")
-    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
-    p.add_argument("--budget", nargs="+", default=[], metavar="PART=SECONDS", help="e.g. b=300 (defaults: "
-                   + ", ".join(f"{k}={v}" for k, v in BUDGETS.items()) + ")")
-    p.add_argument("--work", help="scratch for data and checkpoints (default: a temporary folder, removed at the end)")
-    args = p.parse_args(argv)
-    budgets = dict(BUDGETS)
-    for item in args.budget:
-        key, _, seconds = item.partition("=")
-        if key not in PARTS or not seconds.replace(".", "", 1).isdigit():
-            p.error(f"--budget {item}: write PART=SECONDS with PART one of {', '.join(PARTS)}")
-        budgets[key] = float(seconds)
-    return args, budgets
+        f.write("\n".join(lines) + "\n")
 
 
 def main(argv=None):
-    args, budgets = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: run()'s finally kills the running group
-    started = time.time()
-    out, logs = args.out, os.path.join(args.out, "logs")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="the folder for report.md, report.json and logs/")
+    p.add_argument("--tiny", action="store_true", help="tiny sizes: every part on CPU in a few minutes")
+    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
+    p.add_argument("--budget", nargs="+", default=[], metavar="PART=SECONDS", help=f"defaults: {BUDGETS}",
+                   type=lambda x: (x.partition("=")[0], float(x.partition("=")[2])))
+    args = p.parse_args(argv)
+    budgets, logs = {**BUDGETS, **dict(args.budget)}, os.path.join(args.out, "logs")
+    if set(budgets) != set(PARTS):
+        p.error(f"--budget: PART=SECONDS, with PART one of {', '.join(PARTS)}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: run()'s finally stops the running command
     os.makedirs(logs, exist_ok=True)
-    env_log = os.path.join(logs, "env.log")
-    if run([PY, THIS, "--env"], env_log, time.time() + 120)[0] != 0:
-        raise SystemExit(f"could not read the machine's torch and GPU:\n{tail(env_log)}")
-    env = json.loads(last_line(env_log))
-    if not env["cuda"] and not args.tiny:
-        raise SystemExit("no CUDA device here: the full check is for a GPU (Base at 8192 tokens would take hours on "
-                         "CPU); --tiny runs the same parts at tiny sizes")
-    print(f"{env['device']}, torch {env['torch']}, attention {env['attention']}; parts {' '.join(args.parts)}, "
-          f"budgets {', '.join(f'{k} {budgets[k]:.0f} s' for k in args.parts)}", flush=True)
+    run([PY, "-c", MACHINE], os.path.join(logs, "machine.log"), time.time() + 120)
+    env = json.loads((found(r"\{.*\}", os.path.join(logs, "machine.log")) or ["{}"])[-1])
+    if not env.get("cuda") and not (args.tiny and env):
+        raise SystemExit("no CUDA device here (logs/machine.log): the full check is for a GPU; --tiny runs the same "
+                         "parts at tiny sizes on CPU")
     results = dict(command=shlex.join(["python", "tests/gpu_check.py", *(sys.argv[1:] if argv is None else argv)]),
-                   date=time.strftime("%Y-%m-%d %H:%M"), mode="tiny" if args.tiny else "full", env=env,
-                   budgets=budgets, parts={})
-    work = args.work or tempfile.mkdtemp(prefix="gpu_check_")
-    os.makedirs(work, exist_ok=True)
-    ctx = SimpleNamespace(logs=logs, work=work, env=env, size=SIZES["tiny" if args.tiny else "full"],
-                          results=results["parts"])
-    spare = 0.0  # seconds the parts before left unused
+                   date=time.strftime("%Y-%m-%d %H:%M"), env=env, budgets=budgets, parts={})
+    started, work, spare = time.time(), tempfile.mkdtemp(prefix="gpu_check_"), 0.0  # spare: what parts left unused
+    ctx = argparse.Namespace(work=work, env=env, size=SIZES["tiny" if args.tiny else "full"],
+                             whole=os.path.join(work, "c_whole"), log=lambda name: os.path.join(logs, name))
     try:
         for key in args.parts:
-            limit = budgets[key] + spare
+            limit, t0 = budgets[key] + spare, time.time()
             print(f"\n{key}. {TITLES[key]} (limit {limit:.0f} s)", flush=True)
-            t0 = time.time()
             try:
                 part = PARTS[key](ctx, t0 + limit)
-                part["status"] = "timeout" if part.pop("timeout", False) else "done"
             except Exception as e:  # noqa: BLE001 (one part's bug must not cost the others their run)
-                part = dict(status="error", ok=False, summary=f"{type(e).__name__}: {e}", error=traceback.format_exc())
-                print(part["error"], flush=True)
-            part.update(seconds=time.time() - t0, limit=limit)
-            spare = max(0.0, limit - part["seconds"])
-            results["parts"][key] = part
-            print(f"  -> {part['status']}: {part.get('summary', '')}", flush=True)
+                part = dict(ok=False, summary=f"{type(e).__name__}: {e}", error=traceback.format_exc())
+            part.update(status="error" if "error" in part else "timeout" if time.time() > t0 + limit - 2 else "done",
+                        seconds=time.time() - t0, limit=limit)
+            spare, results["parts"][key] = max(0, limit - part["seconds"]), part
             results["seconds"] = time.time() - started
-            write_report(out, results)  # after every part: a check stopped from outside still leaves a report
+            print(f"  -> {part['status']}: {part['summary']}", flush=True)
+            write_report(args.out, results)  # after every part: a check stopped from outside still leaves a report
     finally:
-        if not args.work:
-            shutil.rmtree(work, ignore_errors=True)
-    print(f"\nwrote {os.path.join(out, 'report.md')} ({results['seconds']:.0f} s)")
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"\nwrote {os.path.join(args.out, 'report.md')} ({results['seconds']:.0f} s)")
 
-
-WORKERS = {"--env": env_worker, "--train": train_worker, "--probe": probe_worker}
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] in WORKERS:
-        WORKERS[sys.argv[1]](sys.argv[2:])
-    else:
-        main()
+    main()

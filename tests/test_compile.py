@@ -26,14 +26,13 @@ from test_train import launcher
 from test_gpu_path import SPECIAL, needs_flash, randomized, tiny, train_losses  # noqa: F401 (tiny is a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Each process: torch.compile with aot_eager, and the number of graphs it compiled printed on exit.
+# Each process: the number of graphs it compiled printed on exit (train.py's end line says rank 0's alone).
 # One os.write per line: under PYTHONUNBUFFERED (as in CI) print() writes each piece on its own, and the two
 # ranks' lines could interleave on the shared pipe.
-AOT_EAGER = ("import atexit, functools, os, runpy, sys, torch; from torch._dynamo.utils import counters; "
-             "torch.compile = functools.partial(torch.compile, backend='aot_eager'); "
-             "atexit.register(lambda: os.write(2, f\"compiled graphs {counters['stats']['unique_graphs']} graph breaks "
-             "{sum(counters['graph_break'].values())}\\n\".encode())); "
-             "sys.argv = sys.argv[1:]; sys.path.insert(0, '.'); runpy.run_path(sys.argv[0], run_name='__main__')")
+COUNTED = ("import atexit, os, runpy, sys; from torch._dynamo.utils import counters; "
+           "atexit.register(lambda: os.write(2, f\"compiled graphs {counters['stats']['unique_graphs']} graph breaks "
+           "{sum(counters['graph_break'].values())}\\n\".encode())); "
+           "sys.argv = sys.argv[1:]; sys.path.insert(0, '.'); runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
 def run_args(tiny, out, **over):
@@ -53,12 +52,10 @@ def keep_signal_handlers():
         signal.signal(s, handler)
 
 
-def test_a_run_compiles_one_graph_per_mask(tiny, tmp_path, monkeypatch, keep_signal_handlers):
-    orig = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda model, **kw: orig(model, backend="aot_eager", **kw))
+def test_a_run_compiles_one_graph_per_mask(tiny, tmp_path, keep_signal_handlers):
     torch._dynamo.reset()
     counters.clear()
-    train.main(run_args(tiny, tmp_path / "compiled", compile=True))
+    train.main(run_args(tiny, tmp_path / "compiled", compile="aot_eager"))
     graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     print(f"12 steps (2 CLM, 10 MLM with 4 micro batches each): {graphs} compiled graphs, {breaks} graph breaks")
     assert breaks == 0 and graphs == 2  # causal and bidirectional; no graph per MLM target count
@@ -74,12 +71,10 @@ def test_a_run_through_each_kernel_compiles_one_graph_per_mask(tiny, tmp_path, m
     broke the graph at every layer when model.py gave it one tensor as both cu_seqlens_q and cu_seqlens_k
     ("autograd.Function.apply: duplicate tensor input"): 14 graphs and 11 breaks for these 3 layers."""
     cpu_kernels.install(monkeypatch, backends=(kernel,))
-    orig = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda model, **kw: orig(model, backend="aot_eager", **kw))
     torch._dynamo.reset()
     counters.clear()
     over = dict(tokens=4 * 32, decay_frac=3.0, dtype="bfloat16")  # 1 CLM step, 3 MLM steps, 2 micro batches each
-    train.main(run_args(tiny, tmp_path / "compiled", compile=True, **over))
+    train.main(run_args(tiny, tmp_path / "compiled", compile="aot_eager", **over))
     graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     print(f"{kernel}: 4 steps (1 CLM, 3 MLM): {graphs} compiled graphs, {breaks} graph breaks")
     assert {c["causal"] for c in cpu_kernels.calls[kernel]} == {True, False}  # the kernel ran, both masks
@@ -90,8 +85,8 @@ def test_a_run_through_each_kernel_compiles_one_graph_per_mask(tiny, tmp_path, m
 
 
 def test_ddp_of_the_compiled_model_under_torchrun(tiny, tmp_path):
-    cmd = [*launcher(2), "--no-python", sys.executable, "-c", AOT_EAGER, os.path.join(ROOT, "train.py"),
-           *run_args(tiny, tmp_path / "ddp", compile=True)]
+    cmd = [*launcher(2), "--no-python", sys.executable, "-c", COUNTED, os.path.join(ROOT, "train.py"),
+           *run_args(tiny, tmp_path / "ddp", compile="aot_eager")]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -233,19 +228,17 @@ def test_prefetch_keeps_the_stream_and_raises_at_the_step():
 
 
 @pytest.mark.parametrize("freeze_phase", ["main", "decay"])
-def test_a_frozen_phase_compiles_without_breaks_and_keeps_the_frozen_weights(tiny, tmp_path, monkeypatch,
-                                                                             keep_signal_handlers, freeze_phase):
+def test_a_frozen_phase_compiles_without_breaks_and_keeps_the_frozen_weights(tiny, tmp_path, keep_signal_handlers,
+                                                                             freeze_phase):
     """Layer 0 frozen in one phase: its weights stop requiring gradients at the boundary, a guard the compiled
     graph must see (a stale graph would still compute, or worse apply, their gradients). No graph break, a
     graph per (mask, frozen set) at most, and the frozen weights bit-identical across the frozen phase."""
     from safetensors.torch import load_file
 
-    orig = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda model, **kw: orig(model, backend="aot_eager", **kw))
     torch._dynamo.reset()
     counters.clear()
     out = tmp_path / "frozen"
-    train.main(run_args(tiny, out, compile=True, freeze_layers="0", freeze_phase=freeze_phase, weight_decay=0.1,
+    train.main(run_args(tiny, out, compile="aot_eager", freeze_layers="0", freeze_phase=freeze_phase, weight_decay=0.1,
                         ckpt_interval=2, max_ckpts=10))
     graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     print(f"layer 0 frozen in {freeze_phase}: {graphs} compiled graphs, {breaks} graph breaks")

@@ -302,6 +302,10 @@ def test_torchrun_with_several_micro_batches_per_rank_equals_one_process(tiny_mo
     assert moved > 1e-3  # the comparison below means something: training moved the weights
     for k in one:
         torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-5)
+    # the first steps' losses that results.json records: each the mean over the whole batch, both ranks' shares
+    first, both = (json.loads((tmp_path / d / "results.json").read_text())["runs"][0]["first_losses"]
+                   for d in ("one", "two"))
+    assert len(first) == 10 and all(abs(a / b - 1) < 1e-5 for a, b in zip(both, first)), (first, both)
 
 
 # -----------------------------------------------------------------------------

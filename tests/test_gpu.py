@@ -213,7 +213,7 @@ def test_a_new_mask_rate_compiles_no_new_graph():
     torch._dynamo.reset()
     counters.clear()
     config = ModernBertConfig(**{**CONFIG, "hidden_size": 768, "intermediate_size": 1152, "num_attention_heads": 12})
-    model = train.wrap(randomized(config).to(PROCESS.device).train(), True, False, PROCESS.device)
+    model = train.wrap(randomized(config).to(PROCESS.device).train(), "inductor", False, PROCESS.device)
     for step, rate in enumerate((0.3, 0.15, 0.3)):
         batch = mlm_batch(config, rate, length=8192, seed=step)
         train.forward_backward(model, [batch], False, PROCESS, torch.autocast("cuda", dtype=torch.bfloat16),

@@ -114,6 +114,8 @@ ROWS = [
     ("an evaluation interval of 0 and max_ckpts 0", {},
      TRAIN + TINY_RUN + ["--out_dir=new_run", "--eval_interval=0", "--max_ckpts=0"],
      "eval_interval=0 must be positive; max_ckpts=0 must be positive"),
+    ("a torch.compile backend that does not exist", {}, TRAIN + TINY_RUN + ["--out_dir=new_run", "--compile=inductr"],
+     "compile='inductr': choose auto, True, False or a torch.compile backend, e.g. inductor or aot_eager"),
     ("betas with one value, a negative weight decay", {},
      TRAIN + TINY_RUN + ["--out_dir=new_run", "--betas=(0.9,)", "--weight_decay=-1"],
      "weight_decay=-1.0 must be 0 or more; betas=(0.9,) must be two numbers in [0, 1)"),

@@ -261,11 +261,16 @@ def test_biphasic_config_runs_its_three_phases_with_one_optimizer_state(data_dir
 def test_evaluation_follows_eval_interval_not_log_interval(data_dir, base_ckpt, tmp_path):
     """eval_interval 3 with log_interval 4: evaluations at 3, 6, 9, ... and at each phase end (16, 20), each
     logged with the training loss of its step, whether or not it is also a log step."""
-    run_train(tmp_path / "run", data_dir, f"--init_from={base_ckpt}", "--log_interval=4", "--eval_interval=3")
+    r = run_train(tmp_path / "run", data_dir, f"--init_from={base_ckpt}", "--log_interval=4", "--eval_interval=3")
     records = metrics(tmp_path / "run")
     assert [m["step"] for m in records if "val_mlm_loss" in m] == [3, 6, 9, 12, 15, 16, 18, 20]
     assert [m["step"] for m in records] == [3, 4, 6, 8, 9, 12, 15, 16, 18, 20]
     assert all("loss" in m and "val_clm_loss" in m for m in records if "val_mlm_loss" in m)
+    # A record says the seconds its tokens/s leaves out: its evaluation, the checkpoints written since the record
+    # before (ckpt-8 after step 8, ckpt-16 after 16); the end line counts them all, ckpt-20 and final included.
+    assert [m["step"] for m in records if m.get("eval_s", 0) > 0] == [3, 6, 9, 12, 15, 16, 18, 20]
+    assert [m["step"] for m in records if m.get("checkpoint_s", 0) > 0] == [9, 18]
+    assert "outside the steps: 8 evaluations in " in r.stdout and ", 4 checkpoints in " in r.stdout, r.stdout[-500:]
 
 
 # -----------------------------------------------------------------------------
