@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from support import threads
 from support.card import lr_shape
 from support.checkpoint import loss_error, run_config
 from support.flops import peak_flops
@@ -40,9 +41,11 @@ class Logger:
         self.steps, self.flops = 0, 0.0
 
     def count(self, flops):
-        """A step done, with this rank's model FLOPs."""
+        """A step done, with this rank's model FLOPs; then, on CPU, the thread count for the next steps, set here on
+        the thread that runs the ops (support/threads.py)."""
         self.steps, self.flops = self.steps + 1, self.flops + flops
         self.bar.update(1)
+        threads.follow()
 
     @contextmanager
     def pause(self):
@@ -93,7 +96,7 @@ class Logger:
 
 
 def announce(c, model, schedule, process, system, resumed_at):
-    """At the start, on rank 0: config.json in out_dir, and what this run is."""
+    """At the start, on rank 0: config.json in out_dir, and what this run is; `system` says where and how it runs."""
     if process.rank != 0:
         return
     os.makedirs(c.out_dir, exist_ok=True)
@@ -105,7 +108,8 @@ def announce(c, model, schedule, process, system, resumed_at):
     resuming = "" if resumed_at is None else f"; resuming at step {resumed_at}"
     print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.config.num_hidden_layers} layers; "
           f"{schedule.starts[-1]:,} steps of {c.global_batch_size} x {c.seq_len} = {per_step:,} tokens{resuming}")
-    print(system)
+    accum = c.global_batch_size // (c.micro_batch_size * process.world)
+    print(f"world {process.world}, accumulation {accum}; {system}{threads.describe()}")
     print(f"phases ({'from the phases key' if c.phases else 'the two built from objective, tokens, decay_frac'}):")
     print("\n".join(f"  {line}" for line in phase_lines(schedule, per_step, c.lr)))
 
