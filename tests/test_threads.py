@@ -72,7 +72,7 @@ def test_the_count_is_the_cpus_the_others_left_free(monkeypatch):
     """Faked readings of 4 CPUs, 3 of them usable: at start-up the processes running now, then every second the
     CPU seconds the others took over the last one (all busy time less this process's own), rounded, at least 1."""
     before = torch.get_num_threads()
-    clock, busy, own, running = [100.0], [0.0], [0.0], [3]  # running: this process and 2 others
+    clock, busy, own = [100.0], [0.0], [0.0]
     monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     monkeypatch.setattr(threads, "usable_cpus", lambda: 3)
     monkeypatch.setattr(threads, "DEFAULT", 4)
@@ -80,8 +80,9 @@ def test_the_count_is_the_cpus_the_others_left_free(monkeypatch):
     monkeypatch.setattr(threads, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     monkeypatch.setattr(threads, "busy_seconds", lambda cpus: busy[0] if cpus == {0, 1, 2, 3} else None)
     monkeypatch.setattr(threads, "own_seconds", lambda: own[0])
-    monkeypatch.setattr(threads, "running_now", lambda: running[0])
-    monkeypatch.setattr(threads, "last", None)
+    monkeypatch.setattr(threads, "running_now", lambda: 3)  # this process and 2 others, at start-up
+    for name in ("on_cpu", "following", "usable", "fixed_by", "ours", "last"):  # what setup and follow set: restored
+        monkeypatch.setattr(threads, name, getattr(threads, name))
 
     def second(others, mine, seconds=1.0):
         """`seconds` pass, the others busy for `others` CPU seconds, this process for `mine` -> the count after."""
@@ -100,7 +101,6 @@ def test_the_count_is_the_cpus_the_others_left_free(monkeypatch):
         assert second(0.0, 3.0, seconds=0.5) == 3  # over the last 1 s (0.0 + 0.0): 4 free, 3 usable
         assert second(4.0, 2.0, seconds=2.0) == 2  # 2 s: the others took 2 CPUs
     finally:  # the tests after this one keep their thread count
-        monkeypatch.setattr(threads, "following", False)
         torch.set_num_threads(before)
 
 
