@@ -3,11 +3,10 @@ ModernBERT, written out by hand (Warner et al., 2024), for the CLM-detour recipe
 
 Read top to bottom: config -> the unpadded layout -> attention -> RoPE -> Block -> encoder -> heads.
 
-The whole model runs on *unpadded* tokens: a flat (T,) tensor of token ids from B sequences laid end to end,
-with `cu_seqlens` (int32, B+1) marking where each sequence starts. No FLOP is spent on padding. The one switch
-`causal` turns the bidirectional encoder into a causal language model: every layer gets a causal mask and local
-layers see (64 left, 0 right) tokens instead of (64, 64). Nothing else changes, which is what makes the CLM
-detour possible.
+The whole model runs on *unpadded* tokens: a flat (T,) tensor of token ids from B sequences laid end to end, with
+`cu_seqlens` (int32, B+1) marking where each sequence starts. No FLOP is spent on padding. The one switch `causal`
+turns the bidirectional encoder into a causal language model: every layer gets a causal mask and local layers see
+(64 left, 0 right) tokens instead of (64, 64). Nothing else changes, which is what makes the CLM detour possible.
 
 Behind it, in support/: the attention kernels and which one runs (kernels.py), the chunked LM loss (loss.py),
 Hugging Face config.json and weights (hf.py), FLOPs for MFU (flops.py).
@@ -59,10 +58,6 @@ class ModernBertConfig:
     id2label: dict | None = None  # classifiers: {"0": "label", ...} as in config.json
     problem_type: str | None = None  # "single_label_classification" or "multi_label_classification"
     attn_backend: str = "auto"  # flash-attn, else torch varlen_attn (CUDA), else SDPA; MODERNBERT_ATTN overrides
-
-    @property
-    def num_labels(self):
-        return len(self.id2label) if self.id2label else 2
 
     @property
     def head_dim(self):
@@ -257,8 +252,7 @@ class ModernBertModel(nn.Module):
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
         self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=False)
-        # RoPE's tables for every position, built once: built in the forward, they would be recomputed (pow, cos,
-        # sin) for each element of q and k in every layer of a compiled model.
+        # RoPE's tables for every position, built once (built in the forward, compiled code recomputes them per element)
         positions = torch.arange(config.max_position_embeddings)
         for kind, theta in (("global", config.global_rope_theta), ("local", config.local_rope_theta)):
             self.register_buffer(f"rope_{kind}", rope_cos_sin(positions, config.head_dim, theta), persistent=False)
@@ -394,11 +388,10 @@ class ModernBertForMaskedLM(PreTrained):
         """By input form:
 
         - padded (B, S) ids (and attention_mask) -> (B, S, V) logits; rows at padded positions are zero;
-        - flat (T,) ids with cu_seqlens and max_seqlen, and `rows` (N,), the positions that have a
-          target -> their (N, V) logits (sparse prediction: the head runs on those rows only; all T
-          rows if rows is None);
-        - the same with `targets` (N,) -> the float32 sum of their cross-entropies (cross_entropy_sum),
-          which is how training gets its loss: through forward, so that DDP's hooks see the call.
+        - flat (T,) ids with cu_seqlens and max_seqlen, and `rows` (N,), the positions that have a target -> their
+          (N, V) logits (sparse prediction: the head runs on those rows only; all T rows if rows is None);
+        - the same with `targets` (N,) -> the float32 sum of their cross-entropies (cross_entropy_sum), which is how
+          training gets its loss: through forward, so that DDP's hooks see the call.
         """
         flat = Flat.of(input_ids, attention_mask, cu_seqlens, max_seqlen)
         hidden = self.encode(flat, causal)
@@ -421,7 +414,7 @@ def mean_pool(hidden, cu_seqlens):
 
 
 class Classifier(PreTrained):
-    """Encoder -> PredictionHead -> dropout -> linear (config.num_labels), laid out as transformers'."""
+    """Encoder -> PredictionHead -> dropout -> linear (a logit per label of id2label, else 2), as transformers'."""
 
     def __init__(self, config):
         super().__init__()
@@ -429,7 +422,7 @@ class Classifier(PreTrained):
         self.model = ModernBertModel(config)
         self.head = PredictionHead(config)
         self.drop = nn.Dropout(config.classifier_dropout)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.classifier = nn.Linear(config.hidden_size, len(config.id2label) if config.id2label else 2)
         self.apply(self._init_weights)
 
 

@@ -334,10 +334,8 @@ def main(argv):
     loader = Loader(c.data_dir, "train", c.seq_len, c.micro_batch_size, c.data_seed, rank, world)
     torch.manual_seed(c.seed + rank)  # dropout; a checkpoint's random streams replace it
     state = checkpointer.restore(start, optimizer, loader, first_step=run.start)
-    with autocast:
-        backend = model.model.attention_backend(device)
-    announce(c, model, schedule, process, f"{device}, {str(dtype)[6:]}, attention {backend}, compile "
-             f"{'on' if compiled else 'off'}", state.step if start else None)
+    with autocast:  # what the run is, its attention kernel picked by the dtype that reaches it
+        announce(c, model, schedule, process, dtype, compiled, state.step if start else None)
     freeze.enter(schedule.at(state.step))  # before DDP, which all-reduces what requires a gradient when built
     raw_model, model = model, wrap(model, compiled, world > 1, device)
     logger = Logger(c, process, checkpointer, run, state.step)

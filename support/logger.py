@@ -95,8 +95,9 @@ class Logger:
                   f"{mem / 2 ** 30:.2f} GiB")
 
 
-def announce(c, model, schedule, process, system, resumed_at):
-    """At the start, on rank 0: config.json in out_dir, and what this run is; `system` says where and how it runs."""
+def announce(c, model, schedule, process, dtype, compiled, resumed_at):
+    """At the start, on rank 0: config.json in out_dir, and what this run is. Under the run's autocast: the attention
+    kernel named is the one the dtype that reaches it picks."""
     if process.rank != 0:
         return
     os.makedirs(c.out_dir, exist_ok=True)
@@ -109,7 +110,9 @@ def announce(c, model, schedule, process, system, resumed_at):
     print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.config.num_hidden_layers} layers; "
           f"{schedule.starts[-1]:,} steps of {c.global_batch_size} x {c.seq_len} = {per_step:,} tokens{resuming}")
     accum = c.global_batch_size // (c.micro_batch_size * process.world)
-    print(f"world {process.world}, accumulation {accum}; {system}{threads.describe()}")
+    print(f"world {process.world}, accumulation {accum}; {process.device}, {str(dtype).removeprefix('torch.')}, "
+          f"attention {model.model.attention_backend(process.device)}, compile {'on' if compiled else 'off'}"
+          + threads.describe())
     print(f"phases ({'from the phases key' if c.phases else 'the two built from objective, tokens, decay_frac'}):")
     print("\n".join(f"  {line}" for line in phase_lines(schedule, per_step, c.lr)))
 
