@@ -49,8 +49,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from model import (Flat, ModernBertConfig, ModernBertForMaskedLM, ModernBertForSequenceClassification, Packing,
-                   attention, cu_seqlens_of)
+from model import Flat, ModernBertConfig, ModernBertForMaskedLM, Packing, attention, cu_seqlens_of
 from support import kernels, suite
 from support.flops import peak_flops, training_flops
 from support.freeze import Freeze
@@ -479,6 +478,8 @@ def measure_finetune_memory(spec):
     eval.py's --max_tokens does), then AdamW. -> the peak memory they add (AdamW's state included), the second
     step's seconds."""
     import torch.nn.functional as F
+
+    from model import ModernBertForSequenceClassification
 
     device, B, S = torch.device(spec["device"]), suite.PROTOCOL["batch_size"], spec["seq_len"]
     torch.manual_seed(0)
