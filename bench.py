@@ -354,15 +354,15 @@ SPIN = "import os\nfor _ in range({}):\n    if os.fork() == 0:\n        break\nw
 
 
 def timed_run(cmd, env):
-    """-> (wall seconds, the CPUs it kept busy: its CPU time / wall, the start-up line's words for its threads)."""
+    """-> (wall seconds, the CPUs it kept busy: its CPU time / wall, the CPU threads its start-up line names)."""
     t0, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
     if r.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-    threads = re.search(r"\d+ CPU threads? \([^)]*\)", r.stdout)
-    return wall, cpu / wall, threads[0] if threads else "-"
+    threads = re.search(r"(\d+) CPU threads? \(", r.stdout)
+    return wall, cpu / wall, threads[1] if threads else "-"
 
 
 def share(args, device, dtype):
