@@ -33,18 +33,28 @@ Prints one table per section and writes bench.json:
   5. with --largest CAP: the largest micro batch (up to CAP sequences of seq_len) whose training step fits in
      the GPU's memory, MLM and CLM (eager, as section 1's ours; a compiled step keeps fewer activations).
 Each measurement of sections 1, 3 and 5 runs in a fresh process, so peak memory is its own.
+
+Three more run alone, `python bench.py NAME` (share: ~10 minutes on 2 cores; the others ~2):
+  share: train.py configs/demo.py on CPU, quiet and beside --busy spinning processes, against its fair share;
+  freeze: the CPU time of a training step with layers 0-7 of 22 frozen (support/freeze.py) against none;
+  finetune_memory: a fine-tuning step's peak memory at the model's full context (--seq_len) by --max_tokens.
 """
 
 import argparse
 import contextlib
 import ctypes
+import dataclasses
 import json
 import os
+import re
+import resource
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -52,8 +62,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from model import Flat, ModernBertConfig, ModernBertForMaskedLM, Packing, attention, cu_seqlens_of
-from support import kernels
+from support import kernels, suite
 from support.flops import attention_pairs, convention_flops, peak_flops, training_flops
+from support.freeze import Freeze
+from support.threads import usable_cpus
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 SMALL_IDS = dict(pad_token_id=0, cls_token_id=1, sep_token_id=2, bos_token_id=1, eos_token_id=2)  # inside small vocabs
@@ -233,8 +245,8 @@ def measure_step(spec):
 
 
 def run_worker(spec):
-    """measure_step, measure_loss_memory or largest_batch (spec["task"]) in a fresh process: python bench.py --worker
-    SPEC."""
+    """measure_step, measure_loss_memory, largest_batch or measure_finetune_memory (spec["task"]) in a fresh
+    process: python bench.py --worker SPEC."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--worker", json.dumps(spec)],
                        capture_output=True, text=True, cwd=ROOT)
     if r.returncode != 0:
@@ -487,6 +499,183 @@ def largest_batch(spec):
 
 
 # -----------------------------------------------------------------------------
+# share: a CPU run beside busy processes, against its fair share of the machine (support/threads.py's reason)
+
+SPIN = "import os\nfor _ in range({}):\n    if os.fork() == 0:\n        break\nwhile True:\n    pass"  # N, one group
+
+
+def timed_run(cmd, env):
+    """-> (wall seconds, the CPUs it kept busy: its CPU time / wall, the CPU threads its start-up line names)."""
+    t0, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+    if r.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    threads = re.search(r"(\d+) CPU threads? \(", r.stdout)
+    return wall, cpu / wall, threads[1] if threads else "-"
+
+
+def share(args, device, dtype):
+    """`train.py configs/demo.py --tokens=N` timed whole, as a user waits for it, alone ("quiet") and beside --busy
+    processes that spin a core each ("loaded"), --runs times each in turn: as is, and with each --variant's environment
+    added ("NAME=VALUE[,NAME=VALUE]", ":quiet" at its end for quiet runs only). C usable CPUs' threads among busy + C
+    runnable ones get C / (busy + C) of the machine: fair = the quiet median as is x (busy + C) / C. With --apart the
+    busy processes are another session's (another login's jobs), and where Linux's autogroup shares the CPUs between
+    sessions first, fair = quiet x C / max(C - busy, C / 2)."""
+    variants = {"as is": {}, **{v: dict(kv.split("=", 1) for kv in v.removesuffix(":quiet").split(","))
+                                for v in args.variant}}
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    loads = ("quiet", "loaded")
+    runs = {(name, load): [] for name in variants for load in loads}  # (seconds, CPUs busy, threads) per run
+    with tempfile.TemporaryDirectory() as tmp:
+        data = os.path.join(tmp, "data")
+        subprocess.run([sys.executable, "data.py", "--demo", "domain", "--tokenizer", "bpe:4096", "--out", data],
+                       cwd=ROOT, check=True, capture_output=True)
+        for r in range(args.runs):
+            for load in loads:
+                busy = None if load == "quiet" else subprocess.Popen(  # one process group, killed as one
+                    [sys.executable, "-c", SPIN.format(args.busy - 1)], start_new_session=args.apart,
+                    process_group=None if args.apart else 0)
+                try:
+                    for name, env in variants.items():
+                        if load == "loaded" and name.endswith(":quiet"):
+                            continue
+                        cmd = [sys.executable, "train.py", "configs/demo.py", f"--data_dir={data}",
+                               f"--out_dir={tmp}/run{sum(map(len, runs.values()))}", f"--tokens={args.tokens}",
+                               "--log_interval=1000"]
+                        runs[name, load].append(timed_run(cmd, {**base, **env}))
+                        print(f"run {r + 1}/{args.runs} {load} {name}: {runs[name, load][-1][0]:.1f} s", flush=True)
+                finally:
+                    if busy:
+                        os.killpg(busy.pid, signal.SIGKILL)
+                        busy.wait()
+    C = usable_cpus()
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            autogroup = "on" if f.read().strip() == "1" else "off"
+    except OSError:
+        autogroup = "absent"
+    per_quiet = C / max(C - args.busy, C / 2) if args.apart and autogroup == "on" else (args.busy + C) / C
+    fair = statistics.median(s for s, _, _ in runs["as is", "quiet"]) * per_quiet
+    spread = lambda xs: f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})" if xs else "-"  # noqa: E731
+    rows = []
+    for name in variants:
+        done = [load for load in loads if runs[name, load]]
+        quiet, loaded = ([s for s, _, _ in runs[name, load]] for load in loads)
+        rows.append({"variant": name, "threads (quiet / loaded)": " / ".join(runs[name, load][-1][2] for load in done),
+                     "quiet s (min-max)": spread(quiet), "loaded s (min-max)": spread(loaded),
+                     "loaded / fair (worst)": f"{statistics.median(loaded) / fair:.2f} ({max(loaded) / fair:.2f})"
+                                              if loaded else "-",
+                     "CPUs busy (quiet / loaded)": " / ".join(
+                         f"{statistics.median(c for _, c, _ in runs[name, load]):.2f}" for load in done)})
+    print(f"\nshare: `train.py configs/demo.py --tokens={args.tokens}`; {C} usable CPUs, {args.busy} busy processes "
+          f"{'in a session of their own' if args.apart else 'in its session'} (autogroup {autogroup}): fair share "
+          f"{fair:.1f} s ({per_quiet:.1f} x the quiet median as is); {args.runs} runs each")
+    print(table(rows, list(rows[0])))
+    return rows
+
+
+# -----------------------------------------------------------------------------
+# freeze: the step with frozen layers against none
+
+FREEZE_CONFIG = dict(vocab_size=1024, hidden_size=384, intermediate_size=576, num_hidden_layers=22,
+                     num_attention_heads=6, local_attention=64, **SMALL_IDS)  # Base's depth, half its width
+
+
+def freeze(args, device, dtype):
+    """CPU time of one training step (forward, backward, AdamW) on 4 x 128 CLM tokens, one thread, with nothing
+    frozen and with layers 0-7 frozen as the paper's freeze runs (support/freeze.py: their weights compute no
+    gradient). The two take their steps in turn, so that the machine's load hits them alike; CPU time, so that
+    waiting for a core is not counted."""
+    from data import clm_batch
+
+    torch.set_num_threads(1)
+    batch = clm_batch(torch.randint(3, 1024, (4, 128), generator=torch.Generator().manual_seed(0)), eos_id=2)
+    models = {}
+    for layers in ("", "0-7"):
+        torch.manual_seed(0)
+        model = ModernBertForMaskedLM(ModernBertConfig(**FREEZE_CONFIG))
+        optimizer = torch.optim.AdamW(model.param_groups(0.0), lr=1e-3, foreach=True)  # every weight, as train.py
+        Freeze(SimpleNamespace(freeze_layers=layers, freeze_phase="main", freeze_mode="exact"), model,
+               ["main"]).enter(SimpleNamespace(name="main"))
+        models[layers or "none"] = (model, optimizer)
+    times = {name: [] for name in models}
+    for k in range(args.warmup + args.steps):
+        for name, (model, optimizer) in models.items():
+            started = time.process_time()
+            model(batch.tokens, causal=True, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen, rows=batch.rows,
+                  targets=batch.targets).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if k >= args.warmup:
+                times[name].append(time.process_time() - started)
+    none = statistics.median(times["none"])
+    rows = [{"frozen": name, "step_ms": f"{1000 * statistics.median(t):.1f}",
+             "vs_none": f"{statistics.median(t) / none:.3f}"} for name, t in times.items()]
+    print(f"\nfreeze: {FREEZE_CONFIG['num_hidden_layers']} layers x {FREEZE_CONFIG['hidden_size']}, 4 x 128 tokens "
+          f"CLM, CPU, 1 thread; CPU time, median of {args.steps} steps each")
+    print(table(rows, ["frozen", "step_ms", "vs_none"]))
+    return rows
+
+
+# -----------------------------------------------------------------------------
+# finetune_memory: a fine-tuning step at the model's full context, by tokens per micro batch
+
+
+def measure_finetune_memory(spec):
+    """In its own process, two fine-tuning steps of the paper's batch (suite.PROTOCOL's 16 examples) at the model's
+    full context: micro batches of at most spec["max_tokens"] tokens whose gradients add up to the batch's (what
+    eval.py's --max_tokens does), then AdamW. -> the peak memory they add (AdamW's state included), the second
+    step's seconds."""
+    import torch.nn.functional as F
+
+    from model import ModernBertForSequenceClassification
+
+    device, B, S = torch.device(spec["device"]), suite.PROTOCOL["batch_size"], spec["seq_len"]
+    torch.manual_seed(0)
+    config = dataclasses.replace(SIZES[spec["size"]], max_position_embeddings=S, id2label={"0": "a", "1": "b"})
+    model = ModernBertForSequenceClassification(config).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5, weight_decay=0.01)
+    ids, labels = torch.randint(5, config.vocab_size, (B, S), device=device), torch.arange(B, device=device) % 2
+    per = max(1, spec["max_tokens"] // S)  # examples per micro batch
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec["dtype"]]
+    before = reset_peak_memory(device)
+    for _ in range(2):  # the second step's time: the first allocates
+        t0 = time.perf_counter()
+        for i in range(0, B, per):
+            n = min(per, B - i)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                logits = model(ids[i:i + n].flatten(), cu_seqlens=cu_seqlens_of([S] * n).to(device), max_seqlen=S)
+            (F.cross_entropy(logits.float(), labels[i:i + n], reduction="sum") / B).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync(device)
+    return {"peak_memory": peak_memory(device, before), "seconds": time.perf_counter() - t0,
+            "micro_batches": -(-B // per)}
+
+
+def finetune_memory(args, device, dtype):
+    """measure_finetune_memory for each --max_tokens, and for the whole batch in one forward."""
+    B, S = suite.PROTOCOL["batch_size"], args.seq_len
+    rows = []
+    for budget in [*args.max_tokens, B * S]:
+        r = run_worker(dict(task="finetune_memory", size=args.size, seq_len=S, max_tokens=budget, device=str(device),
+                            dtype=dtype))
+        rows.append({"max_tokens": f"{budget}{' (one batch)' if budget == B * S else ''}",
+                     "micro_batches": r["micro_batches"], "peak_MiB": f"{r['peak_memory'] / 2 ** 20:,.0f}",
+                     "seconds": f"{r['seconds']:.2f}", "raw": r})
+    for row in rows:
+        row["vs_one_batch"] = f"{row['raw']['peak_memory'] / max(rows[-1]['raw']['peak_memory'], 1):.2f}"
+    config = SIZES[args.size]
+    print(f"\nfinetune_memory: {B} examples x {S} tokens, {config.num_hidden_layers} x {config.hidden_size}, {dtype}; "
+          f"peak {'allocated during' if device.type == 'cuda' else 'RSS added by'} two steps, AdamW's state included; "
+          "the second step's seconds")
+    print(table(rows, ["max_tokens", "micro_batches", "peak_MiB", "vs_one_batch", "seconds"]))
+    return rows
+
+
+# -----------------------------------------------------------------------------
 
 
 def table(rows, columns):
@@ -521,7 +710,7 @@ def parse_args(argv=None):
     p.add_argument("--objectives", nargs="+", default=["mlm", "clm"], choices=["mlm", "clm"])
     p.add_argument("--impls", nargs="+", choices=IMPLS, help="section 1's implementations (default: ours, ours "
                    "compiled where --compile is on, transformers); regional: each transformer block compiled, the rest "
-                   "eager"),
+                   "eager")
     p.add_argument("--attn_backends", nargs="+", default=["auto"], help="section 1: ours with each of these "
                    "attn_backend values, e.g. varlen (today's) global=cudnn,local=varlen")
     p.add_argument("--attn_sizes", nargs="+", choices=list(SIZES), help="section 2's heads (default: --size's)")
@@ -533,6 +722,16 @@ def parse_args(argv=None):
     p.add_argument("--profile", metavar="DIR", help="profile one more training step of ours (compiled where it "
                    "is) per case and objective: DIR/profile_CASE_OBJECTIVE.txt, its 30 costliest kernels (CPU: ops)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("section", nargs="?", choices=["share", "freeze", "finetune_memory"],
+                   help="run this section alone, instead of sections 1-4 (see above)")
+    p.add_argument("--busy", type=int, default=4, help="share: processes spinning one core each beside the loaded runs")
+    p.add_argument("--runs", type=int, default=3, help="share: runs of each variant, quiet and loaded")
+    p.add_argument("--tokens", type=int, default=60_000, help="share: the demo run's --tokens")
+    p.add_argument("--apart", action="store_true", help="share: the busy processes in a session of their own")
+    p.add_argument("--variant", action="append", default=[], help="share: NAME=VALUE[,NAME=VALUE][:quiet], an "
+                   "environment added to the run (e.g. OMP_NUM_THREADS=2)")
+    p.add_argument("--max_tokens", type=int, nargs="+", default=[2048, 4096, 8192],
+                   help="finetune_memory: tokens per micro batch, each against the whole batch in one forward")
     return p.parse_args(argv)
 
 
@@ -541,13 +740,21 @@ def main(argv=None):
     if args.worker:
         spec = json.loads(args.worker)
         print(json.dumps({"step": measure_step, "loss_memory": measure_loss_memory,
-                          "largest": largest_batch}[spec["task"]](spec)))
+                          "largest": largest_batch, "finetune_memory": measure_finetune_memory}[spec["task"]](spec)))
         return
 
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     compile_ = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
     config = SIZES[args.size]
+    if args.section:  # run alone
+        results = {"settings": vars(args), args.section: {"share": share, "freeze": freeze,
+                                                          "finetune_memory": finetune_memory}[args.section](
+            args, device, dtype)}
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2, default=str)
+        print(f"\nwrote {args.out}")
+        return
     hf_backend = args.hf_backend
     if hf_backend == "auto":
         try:

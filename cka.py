@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from support import distributed, threads
 from support.checkpoint import PROGRESS, sha256, step_checkpoints, step_of
-from support.checks import checkpoint_config
+from support.checks import checkpoint_config, user_error
 from support.config import check_out_dir
 from support.files import open_file, replace_file
 from support.lock import hold
@@ -158,10 +158,10 @@ def tokenizer_of(paths, override, max_len):
     """The one tokenizer every checkpoint shares: refuse if their tokenizer.json files differ, or if one is not a
     ModernBERT checkpoint with max_len positions."""
     for p in paths:
-        positions = checkpoint_config(p, p).max_position_embeddings
-        if max_len > positions:
-            raise SystemExit(f"--max_len {max_len} is beyond {p}'s {positions} positions: pass --max_len {positions} "
-                             "or less")
+        config = checkpoint_config(p, p)
+        with user_error():
+            config.check_positions(max_len, f"--max_len {max_len}", f"pass --max_len {config.max_position_embeddings} "
+                                   "or less", whose=f"{p}'s ")
     if override:
         try:
             return load_tokenizer(override)

@@ -3,11 +3,10 @@ ModernBERT, written out by hand (Warner et al., 2024), for the CLM-detour recipe
 
 Read top to bottom: config -> the unpadded layout -> attention -> RoPE -> Block -> encoder -> heads.
 
-The whole model runs on *unpadded* tokens: a flat (T,) tensor of token ids from B sequences laid end to end,
-with `cu_seqlens` (int32, B+1) marking where each sequence starts. No FLOP is spent on padding. The one switch
-`causal` turns the bidirectional encoder into a causal language model: every layer gets a causal mask and local
-layers see (64 left, 0 right) tokens instead of (64, 64). Nothing else changes, which is what makes the CLM
-detour possible.
+The whole model runs on *unpadded* tokens: a flat (T,) tensor of token ids from B sequences laid end to end, with
+`cu_seqlens` (int32, B+1) marking where each sequence starts. No FLOP is spent on padding. The one switch `causal`
+turns the bidirectional encoder into a causal language model: every layer gets a causal mask and local layers see
+(64 left, 0 right) tokens instead of (64, 64). Nothing else changes, which is what makes the CLM detour possible.
 
 Behind it, in support/: the attention kernels and which one runs (kernels.py), the chunked LM loss (loss.py),
 Hugging Face config.json and weights (hf.py), FLOPs for MFU (flops.py).
@@ -61,15 +60,16 @@ class ModernBertConfig:
     attn_backend: str = "auto"  # "auto", one backend or one per layer type (support/kernels.py); MODERNBERT_ATTN wins
 
     @property
-    def num_labels(self):
-        return len(self.id2label) if self.id2label else 2
-
-    @property
     def head_dim(self):
         return self.hidden_size // self.num_attention_heads
 
     def is_global(self, layer):
         return layer % self.global_attn_every_n_layers == 0
+
+    def check_positions(self, length, what, fix, whose=""):
+        """`what` (`length` tokens) within RoPE's tables, which end at max_position_embeddings; else a ValueError."""
+        if length > self.max_position_embeddings:
+            raise ValueError(f"{what} is beyond {whose}max_position_embeddings={self.max_position_embeddings}: {fix}")
 
     @classmethod
     def large(cls, **kw):
@@ -253,8 +253,7 @@ class ModernBertModel(nn.Module):
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
         self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=False)
-        # RoPE's tables for every position, built once. Built in the forward, a compiled model recomputed them
-        # (pow, cos, sin) for each element of q and k in every layer: 4.6% of a compiled step (H200, Base, 4 x 8192).
+        # RoPE's tables for every position, built once (built in the forward, compiled code recomputes them per element)
         positions = torch.arange(config.max_position_embeddings)
         for kind, theta in (("global", config.global_rope_theta), ("local", config.local_rope_theta)):
             self.register_buffer(f"rope_{kind}", rope_cos_sin(positions, config.head_dim, theta), persistent=False)
@@ -268,9 +267,7 @@ class ModernBertModel(nn.Module):
         """tokens (T,) -> hidden states (T, H) after the final norm; with return_layers, also the L layer outputs,
         each (T, H), before the final norm (what cka.py compares)."""
         c = self.config
-        if max_seqlen > c.max_position_embeddings:
-            raise ValueError(f"a sequence of {max_seqlen} tokens is beyond max_position_embeddings="
-                             f"{c.max_position_embeddings}, where RoPE's tables end: cut sequences to that length")
+        c.check_positions(max_seqlen, f"a sequence of {max_seqlen} tokens", "cut sequences to that length")
         backend = self.attention_backend(tokens.device, packed=tokens.shape[0] == max_seqlen * (len(cu_seqlens) - 1))
         packing = Packing(tokens.shape[0], cu_seqlens, max_seqlen, causal, c.local_attention // 2, backend)
         # The rows of this batch's positions, cast once to the dtype q and k have (autocast's, else the weights'):
@@ -391,11 +388,10 @@ class ModernBertForMaskedLM(PreTrained):
         """By input form:
 
         - padded (B, S) ids (and attention_mask) -> (B, S, V) logits; rows at padded positions are zero;
-        - flat (T,) ids with cu_seqlens and max_seqlen, and `rows` (N,), the positions that have a
-          target -> their (N, V) logits (sparse prediction: the head runs on those rows only; all T
-          rows if rows is None);
-        - the same with `targets` (N,) -> the float32 sum of their cross-entropies (cross_entropy_sum),
-          which is how training gets its loss: through forward, so that DDP's hooks see the call.
+        - flat (T,) ids with cu_seqlens and max_seqlen, and `rows` (N,), the positions that have a target -> their
+          (N, V) logits (sparse prediction: the head runs on those rows only; all T rows if rows is None);
+        - the same with `targets` (N,) -> the float32 sum of their cross-entropies (cross_entropy_sum), which is how
+          training gets its loss: through forward, so that DDP's hooks see the call.
         """
         flat = Flat.of(input_ids, attention_mask, cu_seqlens, max_seqlen)
         hidden = self.encode(flat, causal)
@@ -418,7 +414,7 @@ def mean_pool(hidden, cu_seqlens):
 
 
 class Classifier(PreTrained):
-    """Encoder -> PredictionHead -> dropout -> linear (config.num_labels), laid out as transformers'."""
+    """Encoder -> PredictionHead -> dropout -> linear (a logit per label of id2label, else 2), as transformers'."""
 
     def __init__(self, config):
         super().__init__()
@@ -426,7 +422,7 @@ class Classifier(PreTrained):
         self.model = ModernBertModel(config)
         self.head = PredictionHead(config)
         self.drop = nn.Dropout(config.classifier_dropout)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.classifier = nn.Linear(config.hidden_size, len(config.id2label) if config.id2label else 2)
         self.apply(self._init_weights)
 
 

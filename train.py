@@ -321,7 +321,6 @@ def main(argv):
         meta = checks.check_run(c, len(run), int(os.environ.get("WORLD_SIZE", 1)))  # data, out_dir, init_from
     process = distributed.setup(c.device, c.dist_timeout_minutes)  # the same without torchrun: one process
     rank, world, device = process.rank, process.world, process.device
-    accum = c.global_batch_size // (c.micro_batch_size * world)  # micro batches per step (parse_config checks)
     autocast, dtype = distributed.autocast(device, c.dtype)
     compiled = kernels.compiler(c.compile, device)  # the torch.compile backend, or None: eager
     threads.setup(device, compiled)  # CPU: threads for the CPUs this process may use, fewer while other jobs load them
@@ -335,11 +334,8 @@ def main(argv):
     loader = Loader(c.data_dir, "train", c.seq_len, c.micro_batch_size, c.data_seed, rank, world)
     torch.manual_seed(c.seed + rank)  # dropout; a checkpoint's random streams replace it
     state = checkpointer.restore(start, optimizer, loader, first_step=run.start)
-    with autocast:
-        backend = model.model.attention_backend(device)
-    announce(c, model, schedule, process, f"world {world}, accumulation {accum}; {device}, {str(dtype)[6:]}, "
-             f"attention {backend}, compile {compiled or 'off'}"
-             + threads.describe(), state.step if start else None)
+    with autocast:  # what the run is, its attention kernel picked by the dtype that reaches it
+        announce(c, model, schedule, process, dtype, compiled, state.step if start else None)
     freeze.enter(schedule.at(state.step))  # before DDP, which all-reduces what requires a gradient when built
     raw_model, model = model, wrap(model, compiled, world > 1, device)
     logger = Logger(c, process, checkpointer, run, state.step, compiled)
@@ -356,7 +352,6 @@ def main(argv):
             if freeze.enter(phase):  # frozen layers: no weight gradients to compute or all-reduce
                 model = wrap(raw_model, compiled, world > 1, device)
             batches, loader_state, flops = next(stream)
-            threads.follow()
             state.loss += forward_backward(model, batches, phase.causal, process, autocast, compiled)
             freeze.after_backward()  # freeze_mode "zero_grad": zero gradients, which AdamW still decays and moves
             optimizer.step()

@@ -1,4 +1,4 @@
-# French Base: ModernCamemBERT-base -> French biomedical text, 10B + 1B tokens (about 4.5 h on 4 x H100).
+# French Base: ModernCamemBERT-base -> French biomedical text, 10B + 1B tokens (the paper: about 4.5 h on 4 H100).
 #   torchrun --nproc_per_node=4 train.py configs/fr_base.py
 # Everything not set here is train.py's default: its Config names each one's source (the paper, ModernBERT's
 # pretraining recipe that the paper follows, or our choice).

@@ -133,16 +133,9 @@ def check_model_config(c):
         raise SystemExit(f"model_config: hidden_size={m.hidden_size} must split into num_attention_heads="
                          f"{m.num_attention_heads} heads of an even size (RoPE rotates pairs), e.g. hidden_size 768 "
                          "with 12 heads of 64")
-    check_positions(c.seq_len, m, "model_config", f"set model_config's max_position_embeddings to {c.seq_len}")
-
-
-def check_positions(seq_len, config, where, more):
-    """seq_len within the model's max_position_embeddings: past them RoPE runs on positions the model never trained
-    on, and every checkpoint's config.json (which eval.py fine-tunes to) would still say the old number."""
-    if seq_len > config.max_position_embeddings:
-        raise SystemExit(f"seq_len={seq_len} is beyond {where}'s max_position_embeddings="
-                         f"{config.max_position_embeddings}: use --seq_len={config.max_position_embeddings} or less, "
-                         f"or {more}")
+    with user_error():
+        m.check_positions(c.seq_len, f"seq_len={c.seq_len}", f"use --seq_len={m.max_position_embeddings} or less, or "
+                          f"set model_config's max_position_embeddings to {c.seq_len}", whose="model_config's ")
 
 
 def check_wandb(c):
@@ -180,7 +173,9 @@ def check_run(c, steps, world):
             config = ModernBertConfig.from_pretrained(path)
         except (OSError, ValueError):
             continue  # a damaged checkpoint: resume warns and skips it
-        check_positions(c.seq_len, config, f"the run in {c.out_dir}", "a new out_dir")
+        with user_error():
+            config.check_positions(c.seq_len, f"seq_len={c.seq_len}", f"use --seq_len={config.max_position_embeddings} "
+                                   "or less, or a new out_dir", whose=f"the run in {c.out_dir}'s ")
         break
     return meta
 
@@ -198,7 +193,9 @@ def check_init_from(path, meta=None, data_dir=None, seq_len=None):
     with user_error(f"init_from={path}"):
         open(hf.weights_file(path), "rb").close()
     if seq_len:
-        check_positions(seq_len, config, f"init_from={path}", f"a checkpoint with {seq_len} positions or more")
+        with user_error():
+            config.check_positions(seq_len, f"seq_len={seq_len}", f"use --seq_len={config.max_position_embeddings} or "
+                                   f"less, or a checkpoint with {seq_len} positions or more", whose=f"init_from={path}'s ")
     if meta is None:
         return
     fix = f"prepare the data with the checkpoint's tokenizer: python data.py --tokenizer {path}"

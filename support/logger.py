@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from support import threads
 from support.card import lr_shape
 from support.checkpoint import loss_error, run_config
 from support.files import read_bytes, replace_file
@@ -47,9 +48,11 @@ class Logger:
         self.steps, self.flops = 0, 0.0
 
     def count(self, flops):
-        """A step done, with this rank's model FLOPs."""
+        """A step done, with this rank's model FLOPs; then, on CPU, the thread count for the next steps, set here on
+        the thread that runs the ops (support/threads.py)."""
         self.steps, self.flops = self.steps + 1, self.flops + flops
         self.bar.update(1)
+        threads.follow()
 
     @contextmanager
     def pause(self):
@@ -123,8 +126,9 @@ def compile_stats():
                 breaks=sum(counters["graph_break"].values()), recompiles=reasons)
 
 
-def announce(c, model, schedule, process, system, resumed_at):
-    """At the start, on rank 0: config.json in out_dir, and what this run is."""
+def announce(c, model, schedule, process, dtype, compiled, resumed_at):
+    """At the start, on rank 0: config.json in out_dir, and what this run is. Under the run's autocast: the attention
+    kernel named is the one the dtype that reaches it picks."""
     if process.rank != 0:
         return
     os.makedirs(c.out_dir, exist_ok=True)
@@ -135,7 +139,10 @@ def announce(c, model, schedule, process, system, resumed_at):
     resuming = "" if resumed_at is None else f"; resuming at step {resumed_at}"
     print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.config.num_hidden_layers} layers; "
           f"{schedule.starts[-1]:,} steps of {c.global_batch_size} x {c.seq_len} = {per_step:,} tokens{resuming}")
-    print(system)
+    accum = c.global_batch_size // (c.micro_batch_size * process.world)
+    print(f"world {process.world}, accumulation {accum}; {process.device}, {str(dtype).removeprefix('torch.')}, "
+          f"attention {model.model.attention_backend(process.device)}, compile {compiled or 'off'}"
+          + threads.describe())
     print(f"phases ({'from the phases key' if c.phases else 'the two built from objective, tokens, decay_frac'}):")
     print("\n".join(f"  {line}" for line in phase_lines(schedule, per_step, c.lr)))
 

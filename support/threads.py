@@ -4,10 +4,10 @@ CPU threads that follow the CPUs this process can use, for train.py, eval.py and
 The cause of the problem this solves: PyTorch's CPU ops run on an OpenMP team (one thread per core by default),
 which meets at a barrier at the end of every op, and the demo's small model runs thousands of short ops a step.
 A thread that arrives first spins at the barrier for ~300,000 pause instructions (libgomp's default, milliseconds
-on recent Intel cores) before it sleeps. Alone on the machine that is what makes 2 threads 1.4x faster than one;
-beside other jobs, the thread it waits for is off its core, and the spinner burns its own time slice waiting for
-it: a run beside 4 busy processes on 2 cores took 13-46x its quiet time where its fair share is 3x. Waiting
-passively (OMP_WAIT_POLICY=PASSIVE) still pays a wake-up per op; one thread has no barrier at all.
+on recent Intel cores) before it sleeps. Alone on the machine that is what makes 2 threads faster than one; beside
+other jobs, the thread it waits for is off its core, and the spinner burns its own time slice waiting for it: the
+run takes many times its fair share of the machine (`python bench.py share` measures it). Waiting passively
+(OMP_WAIT_POLICY=PASSIVE) still pays a wake-up per op; one thread has no barrier at all.
 
 So: as many threads as CPUs are free for this process, at most the usable ones (its affinity mask, capped by its
 cgroup's CPU quota), re-counted every second from what the other processes take of those CPUs (/proc/stat less
@@ -133,9 +133,10 @@ def describe(before=", "):
 
 
 def follow():
-    """Once per step, on the thread that runs the ops (OpenMP's thread count is its caller's): every INTERVAL, as
-    many threads as CPUs the other processes left free over the last one (/proc/stat's busy time on this process's
-    CPUs less its own CPU time), at least one, at most the usable ones."""
+    """Once per step (train.py: Logger.count; eval.py, cka.py: their loops), on the thread that runs the ops
+    (OpenMP's thread count is its caller's): every INTERVAL, as many threads as CPUs the other processes left free
+    over the last one (/proc/stat's busy time on this process's CPUs less its own CPU time), at least one, at most
+    the usable ones."""
     global last
     if not following:
         return

@@ -69,3 +69,18 @@ def test_a_failed_worker_loses_no_other_row(tmp_path):
     assert "failed (their errors above): packed mlm ours [global=cudnn,local=sdpa]" in r.stderr
     rows = json.loads(out.read_text())["step"]
     assert [row["impl"] for row in rows] == ["ours [sdpa]"] and rows[0]["raw"]["tokens_per_s"] > 0
+
+
+def test_the_sections_that_run_alone(tmp_path):
+    """freeze and finetune_memory, small: their rows, and the micro batches --max_tokens cuts the paper's 16 examples
+    into (share, minutes of train.py runs beside busy processes, is not run here)."""
+    def run(*args):
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), *args, "--out", str(tmp_path / "b.json")],
+                           cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        return json.loads((tmp_path / "b.json").read_text())
+
+    rows = run("freeze", "--steps", "1", "--warmup", "0")["freeze"]
+    assert [(r["frozen"], r["vs_none"]) for r in rows][0] == ("none", "1.000") and rows[1]["frozen"] == "0-7"
+    rows = run("finetune_memory", "--size", "tiny", "--seq_len", "32", "--max_tokens", "100")["finetune_memory"]
+    assert [r["micro_batches"] for r in rows] == [6, 1]  # 3 examples of 32 tokens at a time, then all 16 at once

@@ -97,7 +97,7 @@ def test_ddp_of_the_compiled_model_under_torchrun(tiny, tmp_path):
 
 def test_inductor_step_equals_eager():
     """One MLM forward + backward through inductor (C++ on CPU) against eager, float32; the layers' kernels read
-    RoPE's tables and compute no cos or sin (recomputed per element of q and k, they took 4.6% of an H200 step)."""
+    RoPE's tables and compute no cos or sin (which inductor would recompute per element of q and k in every layer)."""
     config = ModernBertConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                               num_attention_heads=2, local_attention=8, **SPECIAL)
     model = randomized(config)
@@ -155,7 +155,7 @@ def test_regional_compilation_compiles_a_graph_per_kind_of_block(monkeypatch):
 
 def test_the_chunked_loss_returns_a_tensor_never_updated_in_place():
     """torch 2.11's dynamo gives a zero gradient to an autograd.Function's output that its forward updated in place
-    (pytorch#180642): compiled, every gradient of a step was zero, and an H200 run never trained. Under torch 2.11
+    (pytorch#180642): compiled, every gradient of a step is zero, and a GPU run never trains. Under torch 2.11
     test_inductor_step_equals_eager fails on such a loss; under later versions only this test sees it."""
     from support.loss import chunked_cross_entropy
 

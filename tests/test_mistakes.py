@@ -153,7 +153,7 @@ ROWS = [
     ("cka.py --n 2", {}, CKA + ["--n", "2"], "--n 2: CKA needs at least 4 texts"),
     ("cka.py --n 1", {}, CKA + ["--n", "1"], "--n 1: CKA needs at least 4 texts"),
     ("cka.py --max_len beyond the model's positions", {}, CKA + ["--max_len", "9000"],
-     "--max_len 9000 is beyond run/final's 8192 positions: pass --max_len 8192 or less"),
+     "--max_len 9000 is beyond run/final's max_position_embeddings=8192: pass --max_len 8192 or less"),
     ("cka.py --out is a file", {"taken": "not a folder"}, CKA + ["--out", "taken"], "--out=taken: is a file"),
     ("cka.py --pair with a path that is not a checkpoint", {},
      [*CKA[:3], "run/final", "shards", *CKA[5:]], "shards: not a checkpoint directory (no config.json)"),

@@ -84,7 +84,7 @@ def slurm(tmp_path):
         shutil.chown("/run/munge", "munge", "munge")
         subprocess.run(["runuser", "-u", "munge", "--", f"{SBIN}/munged"], check=True)
         started.append("/run/munge/munged.pid")
-        deadline = time.time() + 10
+        deadline = time.time() + 120  # generous: a busy machine starts daemons slowly
         while not munge_works():
             assert time.time() < deadline, "munged does not answer"
             time.sleep(0.1)
@@ -93,7 +93,7 @@ def slurm(tmp_path):
     subprocess.run([f"{SBIN}/slurmd", "-f", str(conf), "-N", "localhost"], check=True, env=env)
     started.append(str(tmp / "slurmd.pid"))
     try:
-        deadline = time.time() + 30
+        deadline = time.time() + 120
         while "idle" not in sinfo(env):
             assert time.time() < deadline, f"the node is not idle: {sinfo(env)}"
             time.sleep(0.2)

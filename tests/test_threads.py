@@ -1,12 +1,14 @@
 """support/threads.py: CPU threads follow the CPUs this process may use (affinity, a cgroup's quota) and the load of
-the other processes on them; a thread count the user set wins, and compiled code keeps one. Its speed beside other
-jobs is measured by tests/bench_share.py, not here."""
+the other processes on them; a thread count the user set wins, and compiled code keeps one. The load is faked or made
+and measured by the test itself, so that what else runs on the machine changes nothing. Its speed beside other jobs:
+`python bench.py share`."""
 
 import os
 import re
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -66,33 +68,58 @@ def test_threads_follow_a_cgroup_quota():
         os.rmdir(group)
 
 
-@pytest.mark.alone
-@pytest.mark.skipif(min(len(os.sched_getaffinity(0)), torch_default()) < 2, reason="needs 2 usable CPUs")
-def test_beside_busy_processes_one_thread_then_all_again():
-    x = torch.randn(256, 256)
+def test_the_count_is_the_cpus_the_others_left_free(monkeypatch):
+    """Faked readings of 4 CPUs, 3 of them usable: at start-up the processes running now, then every second the
+    CPU seconds the others took over the last one (all busy time less this process's own), rounded, at least 1."""
     before = torch.get_num_threads()
+    clock, busy, own = [100.0], [0.0], [0.0]
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 3)
+    monkeypatch.setattr(threads, "DEFAULT", 4)
+    monkeypatch.setattr(threads, "USER", [])  # OMP_NUM_THREADS of the shell that runs the tests: not this process's
+    monkeypatch.setattr(threads, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(threads, "busy_seconds", lambda cpus: busy[0] if cpus == {0, 1, 2, 3} else None)
+    monkeypatch.setattr(threads, "own_seconds", lambda: own[0])
+    monkeypatch.setattr(threads, "running_now", lambda: 3)  # this process and 2 others, at start-up
+    for name in ("on_cpu", "following", "usable", "fixed_by", "ours", "last"):  # what setup and follow set: restored
+        monkeypatch.setattr(threads, name, getattr(threads, name))
 
-    def work_until(n, seconds):
-        """Ops and follow() until the count is n (or the time is up) -> the count."""
-        until = time.monotonic() + seconds
-        while time.monotonic() < until and torch.get_num_threads() != n:
-            (x @ x).sum()
-            threads.follow()
+    def second(others, mine, seconds=1.0):
+        """`seconds` pass, the others busy for `others` CPU seconds, this process for `mine` -> the count after."""
+        clock[0], busy[0], own[0] = clock[0] + seconds, busy[0] + others + mine, own[0] + mine
+        threads.follow()
         return torch.get_num_threads()
 
     try:
-        torch.set_num_threads(threads.DEFAULT)  # as a fresh process has it: not a count the user set
+        torch.set_num_threads(4)  # as a fresh process has it: not a count the user set
         threads.setup(torch.device("cpu"))
-        usable = threads.usable
-        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(min(2 * usable, 8))]
-        try:
-            loaded = work_until(1, 10)
-        finally:
-            for b in busy:
-                b.kill()
-                b.wait()
-        quiet = work_until(usable, 10)
+        assert threads.following and torch.get_num_threads() == 2  # 4 CPUs, 2 other processes running
+        assert second(0.0, 2.0) == 2  # the first reading: nothing to compare with yet
+        assert second(3.5, 0.5) == 1  # 4 - 3.5 = 0.5 free: at least one
+        assert second(1.6, 2.0) == 2  # 2.4 free
+        assert second(0.0, 0.3, seconds=0.5) == 2  # within the second: no new count
+        assert second(0.0, 3.0, seconds=0.5) == 3  # over the last 1 s (0.0 + 0.0): 4 free, 3 usable
+        assert second(4.0, 2.0, seconds=2.0) == 2  # 2 s: the others took 2 CPUs
     finally:  # the tests after this one keep their thread count
-        threads.following = False
         torch.set_num_threads(before)
-    assert (loaded, quiet) == (1, usable)
+
+
+def test_busy_seconds_counts_a_process_that_spins():
+    """/proc/stat's busy time on this process's CPUs covers the CPU time of a process the test makes spin there (what
+    the rest of the machine does only adds to it), and no more than those CPUs had."""
+    cpus = os.sched_getaffinity(0)
+    started, busy = time.monotonic(), threads.busy_seconds(cpus)  # before the spinner: its whole CPU time is after
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        spun = 0.0
+        while spun < 0.5 and time.monotonic() - started < 120:  # a busy machine gives it its turns later
+            time.sleep(0.1)
+            with open(f"/proc/{spinner.pid}/stat") as f:
+                utime, stime = f.read().rsplit(")", 1)[1].split()[11:13]
+            spun = (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+        busy, wall = threads.busy_seconds(cpus) - busy, time.monotonic() - started
+    finally:
+        spinner.kill()
+        spinner.wait()
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    assert spun >= 0.5 and 0.95 * spun - 2 * tick <= busy <= len(cpus) * wall + 2 * tick, (spun, busy, wall)

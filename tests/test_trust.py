@@ -184,16 +184,16 @@ def test_a_requeued_run_waits_for_a_stopping_or_silent_holder(data_dir, tmp_path
 
 
 def test_a_silent_holder_is_told_from_one_whose_clock_differs(tmp_path, monkeypatch):
-    """An old heartbeat by the holder's clock: one that moves is a live holder whose clock differs (refused), one
-    that stays put for STALE seconds on ours is a lost one (waited for, then refused with what to do)."""
+    """An old heartbeat by the holder's clock: one that moves is a live holder whose clock differs (refused at once,
+    not after the wait, whose end says "still held"), one that stays put for STALE seconds on ours is a lost one
+    (waited for, then refused with what to do)."""
     monkeypatch.setattr(lock, "STALE", 3.0)
-    monkeypatch.setattr(lock, "WAIT", 6.0)
+    monkeypatch.setattr(lock, "WAIT", 600.0)  # the moving heartbeat is seen long before, however busy the machine
     holder = hold_in_another_process(tmp_path / "skewed", beat_age=1000, beat=1)
-    t0 = time.time()
     with pytest.raises(SystemExit, match=f"is in use by pid {holder.pid}"):
         lock.take(str(tmp_path / "skewed"), "out_dir")
-    assert time.time() - t0 < 5
     let_go(holder)
+    monkeypatch.setattr(lock, "WAIT", 6.0)
     holder = hold_in_another_process(tmp_path / "lost", beat_age=1000)
     with pytest.raises(SystemExit, match=r"is still held by .* after 0 minutes\. If that process is gone .* remove "):
         lock.take(str(tmp_path / "lost"), "out_dir")
