@@ -165,8 +165,9 @@ def remove(path):
 
 def fresh_dir(path):
     """An empty directory at `path`, made now by this process (what was there removed first, see remove), for the
-    project to fill. -> path"""
+    project to fill; the folders above it are the user's path, made if missing. -> path"""
     remove(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     os.mkdir(path)
     return path
 

@@ -139,7 +139,7 @@ def test_prepare_writes_shards_and_meta(tmp_path):
     (tmp_path / "a.txt").write_text("\n".join(docs[:200]) + "\n\n")
     (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"body": d}) for d in docs[200:]))
     train_bpe(iter(docs), 400, str(tmp_path / "tok.json"))
-    out = tmp_path / "out"
+    out = tmp_path / "new" / "out"  # its folder is made too
     src = [str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")]
     meta = prepare(lambda: read_documents(src, text_field="body"), str(tmp_path / "tok.json"), str(out),
                    val_docs=30, workers=1)
