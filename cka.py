@@ -228,7 +228,7 @@ def representations(path, sample, tok, args, process, n_layers=None):
               + threads.describe())
     name = "/".join(path.rstrip("/").split("/")[-2:])
     local = pooled_layers(model, sample.ids, sample.mine, args.pool, process.device, autocast, args.batch_tokens, name)
-    if process.world > 1:  # only pooled vectors travel between ranks
+    if dist.is_initialized():  # only pooled vectors travel between ranks
         gathered = [None] * process.world
         dist.all_gather_object(gathered, local)
         local = [{k: v for part in gathered for k, v in part[layer].items()} for layer in range(n_layers)]

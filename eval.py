@@ -376,7 +376,7 @@ def predict(model, items, task, device, batch_size, max_tokens, rank, world, aut
             tags, cu = logits.argmax(-1).tolist(), flat.cu_seqlens.tolist()  # one device-to-host copy each
             out = [tags[cu[j]:cu[j + 1]] for j in range(len(idx))]
         preds.update(zip(idx, out))
-    if world > 1:
+    if dist.is_initialized():
         parts = [None] * world
         dist.all_gather_object(parts, preds)
         preds = {k: v for p in parts for k, v in p.items()}
@@ -417,7 +417,7 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
     model = classifier(args, labels).to(device)
     core = model
     padded = isinstance(core, baselines.Padded)  # its micro batches count padded tokens
-    if world > 1:
+    if dist.is_initialized():
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     train = splits["train"]["items"]
     steps_per_epoch = math.ceil(len(train) / args.batch_size)
@@ -448,7 +448,7 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
             loss = accumulate(model, mine, task, device, weight, args.max_tokens, autocast, padded)
             if len(first_losses) < 10:  # the first steps' loss (the batch's mean, over every rank) is recorded:
                 summed = torch.tensor(loss, dtype=torch.float64, device=device)  # what a check of the numerics reads
-                if world > 1:
+                if dist.is_initialized():
                     dist.all_reduce(summed)
                 first_losses.append(summed.item() / world)
             opt.step()

@@ -254,7 +254,7 @@ def forward_backward(model, batches, causal, process, autocast, compiled):
     """Sum the micro batches' gradients into .grad, each loss divided by the global number of targets;
     return this rank's share of the step's loss. DDP all-reduces the gradients after the last one."""
     n_targets = torch.tensor(float(sum(b.targets.numel() for b in batches)), device=process.device)
-    if process.world > 1:
+    if dist.is_initialized():
         dist.all_reduce(n_targets)
     total = 0.0
     for k, batch in enumerate(batches):
@@ -263,7 +263,7 @@ def forward_backward(model, batches, causal, process, autocast, compiled):
             torch._dynamo.mark_dynamic(batch.rows, 0)
             torch._dynamo.mark_dynamic(batch.targets, 0)
         last = k == len(batches) - 1
-        with (model.no_sync() if process.world > 1 and not last else nullcontext()), autocast:
+        with (model.no_sync() if dist.is_initialized() and not last else nullcontext()), autocast:
             loss = batch_loss(model, batch, causal) * process.world / n_targets  # * world: DDP averages ranks
         loss.backward()
         total = total + loss.detach() / process.world
@@ -303,7 +303,7 @@ def evaluate(model, c, meta, process, autocast):
             with autocast:
                 sums[i, 0] += batch_loss(model, batch, phase.causal)
             sums[i, 1] += batch.targets.numel()
-    if process.world > 1:
+    if dist.is_initialized():
         dist.all_reduce(sums)
     model.train()
     return {f"{phase.name}_loss": (loss / count).item() for phase, (loss, count) in zip(VALIDATION, sums)}
@@ -337,7 +337,7 @@ def main(argv):
     with autocast:  # what the run is, its attention kernel picked by the dtype that reaches it
         announce(c, model, schedule, process, dtype, compiled, state.step if start else None)
     freeze.enter(schedule.at(state.step))  # before DDP, which all-reduces what requires a gradient when built
-    raw_model, model = model, wrap(model, compiled, world > 1, device)
+    raw_model, model = model, wrap(model, compiled, dist.is_initialized(), device)
     logger = Logger(c, process, checkpointer, run, state.step, compiled)
     stream = prefetch(lambda step: step_batches(step, schedule.at(step), loader, meta, c, process, raw_model.config),
                       range(state.step, run.stop))  # built ahead by a thread, off the training step's path
@@ -350,7 +350,7 @@ def main(argv):
             for group in optimizer.param_groups:
                 group["lr"] = lr
             if freeze.enter(phase):  # frozen layers: no weight gradients to compute or all-reduce
-                model = wrap(raw_model, compiled, world > 1, device)
+                model = wrap(raw_model, compiled, dist.is_initialized(), device)
             batches, loader_state, flops = next(stream)
             state.loss += forward_backward(model, batches, phase.causal, process, autocast, compiled)
             freeze.after_backward()  # freeze_mode "zero_grad": zero gradients, which AdamW still decays and moves

@@ -407,10 +407,10 @@ class Checkpointer:
     def agree(self):
         """(a signal reached some rank, ckpt_every_minutes passed on some rank's clock), the same on every rank."""
         late = self.c.ckpt_every_minutes > 0 and time.monotonic() - self.saved_at >= 60 * self.c.ckpt_every_minutes
-        # On one process the flags stay on the CPU: no wait for the GPU here.
+        # Without a process group the flags stay on the CPU: no wait for the GPU here.
         flags = torch.tensor([self.caught, late], dtype=torch.float32,
-                             device=self.process.device if self.process.world > 1 else "cpu")
-        if self.process.world > 1:
+                             device=self.process.device if dist.is_initialized() else "cpu")
+        if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         stopping, late = flags.tolist()  # waits for the step, as the next step's batch copy would
         return bool(stopping), bool(late)
@@ -421,7 +421,7 @@ class Checkpointer:
         started = time.time()
         mine = dict(rng=rng_state(self.process.device), loss_acc=state.loss.item())
         ranks = [mine]
-        if self.process.world > 1:
+        if dist.is_initialized():
             ranks = [None] * self.process.world
             dist.all_gather_object(ranks, mine)
         bad = [r["loss_acc"] for r in ranks if not math.isfinite(r["loss_acc"])]
@@ -526,7 +526,7 @@ def differences(key, old, new):
 def every_rank_sees(path, process):
     """Checkpoints are written by rank 0 and read by every rank on resume: a node that cannot see them would
     resume from another step than the others. Each rank checks `path` (sizes only, cheap); all agree or stop."""
-    if process.world == 1:
+    if not dist.is_initialized():
         return
     views = [None] * process.world
     dist.all_gather_object(views, (socket.gethostname(), checkpoint_problem(path, checksums=False)))

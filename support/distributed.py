@@ -24,7 +24,9 @@ class Process:
 
 def setup(device="auto", timeout_minutes=60.0):
     """-> this Process. Under torchrun: join the process group (NCCL on GPU, gloo on CPU) and take
-    this rank's GPU. Without torchrun: one process (rank 0 of 1) on `device`. `timeout_minutes`: how long a
+    this rank's GPU; from then on the scripts run DDP and their collectives whenever a group exists, a world of
+    one included (so `torchrun --nproc_per_node=1` tries NCCL's path on one GPU). Without torchrun: one process
+    (rank 0 of 1) on `device`, no group. `timeout_minutes`: how long a
     rank waits in a collective before the run fails. It must cover the slowest wait: the other ranks sit in
     a collective while rank 0 writes a checkpoint (for Large about 5 GB, read back for its sha256, synced),
     which on a slow shared filesystem takes far longer than NCCL's default of 10 minutes."""
@@ -75,7 +77,7 @@ def on_rank0(fn, process):
             result = fn()
         except SystemExit as e:
             result = e
-    if process.world > 1:
+    if dist.is_initialized():
         box = [result]
         dist.broadcast_object_list(box)
         result = box[0]

@@ -67,7 +67,7 @@ class Logger:
     def log(self, state, phase, lr, val):
         """Log the mean loss since the last log (all ranks), then start the next sum."""
         loss, flops = state.loss, torch.tensor(self.flops, dtype=torch.float64, device=self.process.device)
-        if self.process.world > 1:
+        if dist.is_initialized():
             dist.all_reduce(loss)
             dist.all_reduce(flops)
         loss = loss.item() / state.loss_steps
@@ -140,7 +140,8 @@ def announce(c, model, schedule, process, dtype, compiled, resumed_at):
     print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.config.num_hidden_layers} layers; "
           f"{schedule.starts[-1]:,} steps of {c.global_batch_size} x {c.seq_len} = {per_step:,} tokens{resuming}")
     accum = c.global_batch_size // (c.micro_batch_size * process.world)
-    print(f"world {process.world}, accumulation {accum}; {process.device}, {str(dtype).removeprefix('torch.')}, "
+    group = f" ({dist.get_backend()} DDP)" if dist.is_initialized() else ""  # under torchrun, a world of one too
+    print(f"world {process.world}{group}, accumulation {accum}; {process.device}, {str(dtype).removeprefix('torch.')}, "
           f"attention {model.model.attention_backend(process.device)}, compile {compiled or 'off'}"
           + threads.describe())
     print(f"phases ({'from the phases key' if c.phases else 'the two built from objective, tokens, decay_frac'}):")

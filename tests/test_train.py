@@ -64,9 +64,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launcher(nproc):
-    """`python`, or torchrun with nproc processes on a port of its own."""
-    if nproc == 1:
+def launcher(nproc, torchrun=False):
+    """`python` for one process, unless `torchrun`; else torchrun with nproc processes on a port of its own."""
+    if nproc == 1 and not torchrun:
         return [sys.executable]
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
 
@@ -409,6 +409,17 @@ def test_torchrun_two_processes_equal_one(data_dir, base_ckpt, tmp_path):
     assert worst <= 1e-5 and worst_val <= 1e-5
     before, after = (load_file(tmp_path / "two" / d / "model.safetensors") for d in ("ckpt-16", "final"))
     assert all(torch.equal(before[k], after[k]) == k.startswith(("model.layers.0.", "model.layers.1.")) for k in before)
+
+
+def test_torchrun_with_one_process_runs_ddp_and_equals_python(data_dir, tmp_path):
+    """Under torchrun a world of one runs what many do (the process group, DDP, every collective: NCCL's path on one
+    GPU), and computes what plain python does, bit for bit."""
+    run_train(tmp_path / "python", data_dir, "--decay_frac=0")
+    cmd = [*launcher(1, torchrun=True), *train_cmd(tmp_path / "torchrun", data_dir, "--decay_frac=0")[1:]]
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "world 1 (gloo DDP), accumulation 2" in r.stdout
+    assert [m["loss"] for m in metrics(tmp_path / "torchrun")] == [m["loss"] for m in metrics(tmp_path / "python")]
 
 
 # -----------------------------------------------------------------------------
