@@ -118,12 +118,16 @@ class Logger:
 def compile_stats():
     """What torch.compile did in this process so far: seconds compiling (forward and backward graphs), graphs,
     graph breaks, and why each recompile happened (TORCH_LOGS=recompiles says it as it happens). Dynamo's own
-    records: torch has no public API for them."""
-    from torch._dynamo.utils import calculate_time_spent, counters, get_compilation_metrics
-    reasons = [m.recompile_reason.split("\n")[0].split(": ", 1)[-1].split(" #")[0].strip()  # "0/0: guard  # source"
-               for m in get_compilation_metrics() if getattr(m, "recompile_reason", None)]
-    return dict(seconds=calculate_time_spent().get("total_wall_time", 0.0), graphs=counters["stats"]["unique_graphs"],
-                breaks=sum(counters["graph_break"].values()), recompiles=reasons)
+    records: torch has no public API for them, so a torch that moves them costs these figures, never the run."""
+    try:
+        from torch._dynamo.utils import calculate_time_spent, counters, get_compilation_metrics
+        reasons = [m.recompile_reason.split("\n")[0].split(": ", 1)[-1].split(" #")[0].strip()  # "0/0: guard  # src"
+                   for m in get_compilation_metrics() if getattr(m, "recompile_reason", None)]
+        return dict(seconds=calculate_time_spent().get("total_wall_time", 0.0),
+                    graphs=counters["stats"]["unique_graphs"], breaks=sum(counters["graph_break"].values()),
+                    recompiles=reasons)
+    except (ImportError, AttributeError, KeyError, TypeError):
+        return dict(seconds=0.0, graphs="?", breaks="?", recompiles=[])
 
 
 def announce(c, model, schedule, process, dtype, compiled, resumed_at):
