@@ -82,8 +82,6 @@ def check_config(config, where="config.json", fix="fix the file, or copy the che
            + [f"{k}={v[k]!r} must be a number in [0, 1)" for k in DROPOUT
               if not (number(v[k], 0) and v[k] < 1 or k == "attn_out_dropout" and v[k] is None)]
            + [f"{k}={v[k]!r} must be a whole number" for k in TOKEN_IDS if not whole(v[k])])
-    if whole(v["vocab_size"]) and whole(v["pad_token_id"]) and v["pad_token_id"] >= v["vocab_size"]:  # transformers
-        bad.append(f"pad_token_id={v['pad_token_id']} must be below vocab_size={v['vocab_size']}")  # indexes with it
     if v["classifier_pooling"] not in ("mean", "cls"):
         bad.append(f"classifier_pooling={v['classifier_pooling']!r} must be 'mean' or 'cls'")
     if v["problem_type"] not in PROBLEM_TYPES:
