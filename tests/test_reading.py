@@ -61,7 +61,7 @@ def test_a_file_larger_than_its_kind_is_refused_before_it_is_read(tmp_path):
     ("\"text\"", "holds a JSON string where a JSON object is expected"),
     ("true", "holds a JSON boolean where a JSON object is expected"),
     ("null", "holds a JSON null where a JSON object is expected"),
-])
+], ids=["cut short", "not UTF-8", "nested too deeply", "an array", "a string", "a boolean", "null"])
 def test_json_of_another_shape_is_named_with_its_file(tmp_path, text, said):
     (tmp_path / "x.json").write_bytes(text.encode("latin-1"))
     with pytest.raises(ValueError) as e:
