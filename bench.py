@@ -302,7 +302,7 @@ def attention_kernels(config, case, lengths, device, dtype, steps, names):
     by support/flops.py's count (the pairs the mask keeps), the backward counted as 2 x the forward and, as
     FlashAttention's papers count it, 2.5 x. A kernel that cannot attend a cell says why."""
     T, nh, hd, S = sum(lengths), config.num_attention_heads, config.head_dim, max(lengths)
-    packed, cu = len(set(lengths)) == 1, cu_seqlens_of(lengths).to(device)
+    cu = cu_seqlens_of(lengths).to(device)
     g = torch.Generator(device=device).manual_seed(0)
     rows = []
     for layer_type in ("global", "local"):

@@ -37,7 +37,7 @@ from support import distributed, threads
 from support.checkpoint import PROGRESS, sha256, step_checkpoints, step_of
 from support.checks import checkpoint_config, user_error
 from support.config import check_out_dir
-from support.files import open_file, replace_file
+from support.files import open_file, read_json, replace_file, whole
 from support.lock import hold
 from data import read_documents
 from model import ModernBertForMaskedLM, cu_seqlens_of, mean_pool
@@ -177,7 +177,8 @@ def tokenizer_of(paths, override, max_len):
         raise SystemExit("the checkpoints do not share a tokenizer (their tokenizer.json files differ): "
                          + ", ".join(f"{p}: {h[:12]}" for p, h in hashes.items()) + "; CKA compares the same texts "
                          "token for token, so all models must use one tokenizer")
-    return load_tokenizer(paths[0])
+    with user_error(paths[0]):
+        return load_tokenizer(paths[0])
 
 
 def ratio(pair, control):
@@ -214,7 +215,8 @@ def representations(path, sample, tok, args, process, n_layers=None):
     """Checkpoint `path`'s pooled layer outputs for the sample, on every rank: a list over layers of
     {text index: rows}. `n_layers`: the layer count the other checkpoints have."""
     autocast, dtype = distributed.autocast(process.device, args.dtype)
-    model = ModernBertForMaskedLM.from_pretrained(path).to(process.device)
+    with user_error(path):  # weights cut short or of another shape
+        model = ModernBertForMaskedLM.from_pretrained(path).to(process.device)
     if n_layers is not None and model.config.num_hidden_layers != n_layers:
         raise SystemExit(f"layer count mismatch: {path} has {model.config.num_hidden_layers} layers, "
                          f"the others {n_layers}; CKA compares layer i with layer i")
@@ -317,12 +319,17 @@ def run_checkpoints(run):
 
 
 def progress_of(ckpt):
+    """The checkpoint's progress.json: its step, tokens (where known) and phase name (where known)."""
     try:
-        with open(os.path.join(ckpt, PROGRESS)) as f:
-            return json.load(f)
+        progress = read_json(os.path.join(ckpt, PROGRESS))
+        if not (whole(progress.get("step")) and whole(progress.get("tokens", 0))
+                and isinstance(progress.get("phase", ""), str)):
+            raise ValueError(f"step={progress.get('step')!r}, tokens={progress.get('tokens')!r} and "
+                             f"phase={progress.get('phase')!r} must be two whole numbers and a phase name")
     except (OSError, ValueError) as e:
         raise SystemExit(f"{ckpt}: no readable {PROGRESS} ({e}); train.py writes it with every checkpoint, "
-                         "and a trajectory needs it to place the checkpoint (step, tokens, phase)")
+                         "and a trajectory needs it to place the checkpoint (step, tokens, phase)") from None
+    return progress
 
 
 def trajectory(args):

@@ -522,6 +522,14 @@ class Loader:
         idx = [self._window_index(g) for g in range(start, start + self.micro_batch_size)]
         self.consumed += self.world_size * self.micro_batch_size
         windows = np.stack([self.tokens[i * self.seq_len:(i + 1) * self.seq_len] for i in idx])
+        # An id past the vocabulary (a file changed since data.py wrote it) would index past the embedding: a max
+        # per window costs nothing next to a step, where a scan of train.bin at start-up would cost minutes. A
+        # SystemExit, raised again by prefetch at the step it belongs to: the run stops before that step, in one line.
+        if windows.max() >= self.meta["vocab_size"]:
+            at = idx[int(np.argmax(windows.max(1) >= self.meta["vocab_size"]))] * self.seq_len
+            raise SystemExit(f"{self.tokens.filename}: holds token id {windows.max()} (near token {at:,}), past the "
+                             f"vocabulary of its meta.json (vocab_size={self.meta['vocab_size']}): the file is not "
+                             "what data.py wrote; prepare the data again (the checkpoints written so far are intact)")
         return torch.from_numpy(windows.astype(np.int64))
 
     def state_dict(self):

@@ -153,8 +153,8 @@ def read_split(path, task):
                     continue
                 try:
                     ex = json.loads(line)
-                except ValueError as e:
-                    raise SystemExit(f"{path}:{n}: not a JSON line ({e})") from None
+                except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than any example
+                    raise SystemExit(f"{path}:{n}: not a JSON line this code reads ({type(e).__name__}: {e})") from None
                 for k in field:
                     if not isinstance(ex, dict) or k not in ex:
                         raise SystemExit(f"{path}:{n}: no {k!r} field; --task {task} needs {' and '.join(field)}")

@@ -23,13 +23,13 @@ needs it.
 """
 
 import contextlib
-import json
 import os
 
 import torch
 from torch import nn
 
 from model import PreTrained
+from support.files import read_json
 from support.tokenizer import check_vocab
 
 INSTALL = "pip install transformers"
@@ -41,11 +41,10 @@ def is_modernbert(path):
     """True unless the directory's config.json names another model_type; a missing or unreadable config.json is
     left to the ModernBERT checks, which say what is wrong with it."""
     try:
-        with open(os.path.join(path, "config.json")) as f:
-            config = json.load(f)
+        model_type = read_json(os.path.join(path, "config.json")).get("model_type", "modernbert")
     except (OSError, ValueError):
         return True
-    return not isinstance(config, dict) or config.get("model_type", "modernbert") == "modernbert"
+    return model_type == "modernbert" or not isinstance(model_type, str)  # no name: the ModernBERT checks say so
 
 
 @contextlib.contextmanager
@@ -73,8 +72,7 @@ def check_encoder(path, where):
     """-> (its Tokenizers, what the table records of it: family, max_len, code path), once the directory loads
     as a transformers encoder with a classification head for every task type, weights that fill its encoder,
     and a fast tokenizer that fits its embedding; else one line that says what is missing."""
-    with open(os.path.join(path, "config.json")) as f:
-        model_type = json.load(f)["model_type"]
+    model_type = read_json(os.path.join(path, "config.json"))["model_type"]  # is_modernbert: it has another
 
     def refuse(problem):
         raise SystemExit(f"{where}: config.json has model_type={model_type!r}; this code only reads ModernBERT "

@@ -5,12 +5,12 @@ then the recipe (each phase's objective, masking, tokens and lr), the data (sour
 tokenizer's sha256), the seeds, the latest validation losses from metrics.jsonl, and how to load it.
 """
 
-import json
 import os
 import re
 
-from support.files import open_file
+from support.files import open_file, read_bytes, read_json
 from support.metrics import METRICS, records
+from support.shards import COUNTS, load_meta
 
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
@@ -25,12 +25,11 @@ def base_model(init_from):
     if cached:
         return f"{cached[1]}/{cached[2]}"
     try:
-        with open(os.path.join(init_from, "config.json")) as f:
-            name = json.load(f).get("_name_or_path", "")
-        if HUB_ID.fullmatch(name) and not os.path.exists(name):
+        name = read_json(os.path.join(init_from, "config.json")).get("_name_or_path", "")
+        if isinstance(name, str) and HUB_ID.fullmatch(name) and not os.path.exists(name):
             return name
-        with open(os.path.join(init_from, "README.md")) as f:
-            found = re.search(r"^base_model: (\S+)$", f.read().split("\n---", 1)[0], re.M)
+        card = read_bytes(os.path.join(init_from, "README.md"), 1 << 20).decode("utf-8", errors="replace")
+        found = re.search(r"^base_model: (\S+)$", card.split("\n---", 1)[0], re.M)
         return found[1] if found else None
     except (OSError, ValueError):
         return None
@@ -78,8 +77,7 @@ def recipe_rows(schedule, c, step):
 def write_card(directory, c, step, tokens, model, schedule=None):
     """README.md in the checkpoint directory being written, for the run of config `c` at `step`; `schedule`
     (train.py's) gives the recipe's phases."""
-    with open(os.path.join(c.data_dir, "meta.json")) as f:
-        meta = json.load(f)
+    meta = load_meta(c.data_dir)  # as the run's start-up checked it
     # where the directory ends up (it is written under a temporary name, then renamed)
     path = os.path.join(c.out_dir, os.path.basename(directory).removeprefix(".tmp-"))
     per_step = c.global_batch_size * c.seq_len
@@ -103,6 +101,8 @@ def write_card(directory, c, step, tokens, model, schedule=None):
     frozen = f"; layers {c.freeze_layers} frozen in {c.freeze_phase}" if c.freeze_layers else ""
     sources = meta.get("sources") or ["(not recorded)"]
     sha = meta.get("tokenizer_sha256")
+    counts = (f"{meta['train_tokens']:,} training tokens in {meta['train_docs']:,} documents; {meta['val_tokens']:,} "
+              f"validation tokens in {meta['val_docs']:,} documents. " if all(k in meta for k in COUNTS) else "")
 
     lines = [*front, "", f"# {name}", "",
              f"A ModernBERT encoder ({model.num_params():,} parameters, {model.config.num_hidden_layers} "
@@ -115,9 +115,8 @@ def write_card(directory, c, step, tokens, model, schedule=None):
              f"{c.global_batch_size} sequences of {c.seq_len} tokens per step ({per_step:,} tokens){frozen}.", "",
              "## Data", "",
              *(f"- {s}" for s in sources), "",
-             f"{meta['train_tokens']:,} training tokens in {meta['train_docs']:,} documents; {meta['val_tokens']:,} "
-             f"validation tokens in {meta['val_docs']:,} documents. Tokenizer `{meta['tokenizer']}` "
-             f"({meta['vocab_size']:,} tokens{f', sha256 {sha}' if sha else ''}).", "",
+             f"{counts}Tokenizer `{meta.get('tokenizer', '(not recorded)')}` ({meta['vocab_size']:,} tokens"
+             f"{f', sha256 {sha}' if sha else ''}).", "",
              "## Seeds", "", f"seed {c.seed} (init, masking, dropout), data_seed {c.data_seed} (data order).", "",
              "## Validation", "", *losses, "",
              "## How to load", "",

@@ -4,7 +4,8 @@ init_from), a checkpoint directory given to eval.py or cka.py. Whatever can be k
 step 0, so that no run dies hours in for a condition it had from the start. Each problem is one line naming it
 and the fix (a SystemExit); under torchrun every rank runs the same checks on the same files and stops alike,
 before any rank waits in a collective. The formats check themselves where they are read: support/shards.py
-(the data), support/hf.py (config.json and weights), support/checkpoint.py (manifests).
+(the data), support/hf.py (config.json and weights), support/tokenizer.py (the tokenizer files),
+support/checkpoint.py (manifests).
 """
 
 import glob
@@ -113,8 +114,8 @@ def check_phase(p):
 
 
 def check_model_config(c):
-    """model_config names ModernBertConfig fields, and from scratch makes a model that can be built: heads
-    that split hidden_size into even head dims (RoPE rotates pairs)."""
+    """model_config names ModernBertConfig fields, and from scratch makes a model that can be built (hf.check_config:
+    sizes in range, heads that split hidden_size into even head dims, a model that fits in memory)."""
     keys = [f.name for f in fields(ModernBertConfig)]
     unknown = sorted(set(c.model_config) - set(keys))
     if unknown:
@@ -128,12 +129,10 @@ def check_model_config(c):
         return  # the checkpoint brings its own
     if c.model_size not in ("base", "large"):
         raise SystemExit(f"model_size={c.model_size!r}: choose 'base' or 'large' (or set model_config)")
-    m = (ModernBertConfig.large if c.model_size == "large" else ModernBertConfig)(**c.model_config)
-    if m.num_attention_heads <= 0 or m.hidden_size % m.num_attention_heads or m.head_dim % 2:
-        raise SystemExit(f"model_config: hidden_size={m.hidden_size} must split into num_attention_heads="
-                         f"{m.num_attention_heads} heads of an even size (RoPE rotates pairs), e.g. hidden_size 768 "
-                         "with 12 heads of 64")
+    ids = dict.fromkeys(hf.TOKEN_IDS, 0)  # the data's (build_model), checked with its meta.json
+    m = (ModernBertConfig.large if c.model_size == "large" else ModernBertConfig)(**{**ids, **c.model_config})
     with user_error():
+        hf.check_config(m, "model_config", "fix the config or the --model_config")
         m.check_positions(c.seq_len, f"seq_len={c.seq_len}", f"use --seq_len={m.max_position_embeddings} or less, or "
                           f"set model_config's max_position_embeddings to {c.seq_len}", whose="model_config's ")
 

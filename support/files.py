@@ -10,6 +10,7 @@ shared filesystems where others can write, so every script reads and writes them
 
 import errno
 import json
+import math
 import os
 import shutil
 import stat
@@ -28,7 +29,7 @@ def read_bytes(path, limit):
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else \
-                "not a regular file"
+                "a device or a socket"
             raise ValueError(f"{path} is {kind}, not a file")
         if st.st_size > limit:
             raise ValueError(f"{path} has {st.st_size:,} bytes, more than such a file can hold ({limit:,})")
@@ -67,6 +68,16 @@ def json_type(value):
         if isinstance(value, t):
             return name
     return "null"
+
+
+def whole(value, lo=0, hi=1 << 63):
+    """value is a JSON whole number in [lo, hi]: not a boolean, and not 768.0 either (our files write integers)."""
+    return type(value) is int and lo <= value <= hi
+
+
+def number(value, lo=-math.inf, hi=math.inf):
+    """value is a finite JSON number in [lo, hi], not a boolean."""
+    return (type(value) is int or type(value) is float and math.isfinite(value)) and lo <= value <= hi
 
 
 # -----------------------------------------------------------------------------

@@ -16,10 +16,22 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from support.files import number, read_json, whole
+
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")  # the weights file names, in the order they are looked for
 # Settings transformers' ModernBERT has and this one implements in one way only.
 FIXED = {"hidden_activation": "gelu", "norm_bias": False, "attention_bias": False, "mlp_bias": False,
          "decoder_bias": True, "classifier_bias": False, "classifier_activation": "gelu"}
+# The sizes, each a whole number from 1 to a ceiling far above any ModernBERT (base: 768 wide, 22 layers, 50k
+# tokens, 8192 positions): a mistyped or hostile value is named before anything is divided by it or allocated.
+SIZES = {"vocab_size": 1 << 22, "hidden_size": 1 << 16, "intermediate_size": 1 << 18, "num_hidden_layers": 1024,
+         "num_attention_heads": 1 << 12, "local_attention": 1 << 20, "global_attn_every_n_layers": 1024,
+         "max_position_embeddings": 1 << 20}
+POSITIVE = ("global_rope_theta", "local_rope_theta", "norm_eps")
+NOT_NEGATIVE = ("initializer_range", "initializer_cutoff_factor")
+DROPOUT = ("embedding_dropout", "attention_dropout", "attn_out_dropout", "mlp_dropout", "classifier_dropout")
+TOKEN_IDS = ("pad_token_id", "cls_token_id", "sep_token_id", "bos_token_id", "eos_token_id")
+PROBLEM_TYPES = (None, "single_label_classification", "multi_label_classification", "regression")  # transformers'
 
 
 def config_from_hf(cls, d, **overrides):
@@ -30,16 +42,20 @@ def config_from_hf(cls, d, **overrides):
     for key, want in FIXED.items():
         if key in d and d[key] != want:
             raise ValueError(f"config.json has {key}={d[key]!r}; ModernBERT as written here needs {want!r}")
-    kw = {k: v for k, v in d.items() if k in {f.name for f in fields(cls)}}
+    kw = {k: v for k, v in d.items() if k in {f.name for f in fields(cls)} - {"attn_backend"}}  # a run's choice
     layer_types = d.get("layer_types")
     if layer_types:  # transformers 5: an explicit list; it must be "global every n layers"
-        n = next((i for i, t in enumerate(layer_types[1:], 1) if t == "full_attention"), len(layer_types))
-        if layer_types != ["full_attention" if i % n == 0 else "sliding_attention" for i in range(len(layer_types))]:
+        listed = layer_types if isinstance(layer_types, list) else []  # anything else fails the comparison below
+        n = next((i for i, t in enumerate(listed[1:], 1) if t == "full_attention"), len(listed))
+        if layer_types != ["full_attention" if i % n == 0 else "sliding_attention" for i in range(len(listed))]:
             raise ValueError(f"config.json layer_types is not 'global every n layers': {layer_types}")
         kw["global_attn_every_n_layers"] = n
     rope = d.get("rope_parameters") or {}
     for hf_type, ours in [("full_attention", "global_rope_theta"), ("sliding_attention", "local_rope_theta")]:
-        params = rope.get(hf_type) or {}
+        params = (rope.get(hf_type) if isinstance(rope, dict) else rope) or {}
+        if not isinstance(params, dict):
+            raise ValueError(f"config.json rope_parameters must be an object of {{'rope_theta': ...}} per layer type, "
+                             f"not {rope!r}")
         if params.get("rope_type", "default") != "default":
             raise ValueError(f"config.json rope_parameters[{hf_type!r}] uses rope_type "
                              f"{params['rope_type']!r}; only 'default' RoPE is supported")
@@ -49,7 +65,51 @@ def config_from_hf(cls, d, **overrides):
     if kw.get("local_rope_theta") in (None, -1):
         kw["local_rope_theta"] = kw.get("global_rope_theta", cls.global_rope_theta)
     kw = {k: v for k, v in kw.items() if v is not None or not k.endswith("_token_id")}
-    return cls(**{**kw, **overrides})
+    config = cls(**{**kw, **overrides})
+    check_config(config)
+    return config
+
+
+def check_config(config, where="config.json", fix="fix the file, or copy the checkpoint again from its source"):
+    """Every value of the config (a ModernBertConfig) of its type and in its range; heads that split hidden_size
+    into even head dims (RoPE rotates pairs); and a model that this machine's memory holds: else a ValueError that
+    names the fields."""
+    v = vars(config)
+    bad = ([f"{k}={v[k]!r} must be a whole number from 1 to {top:,}" for k, top in SIZES.items()
+            if not whole(v[k], 1, top)]
+           + [f"{k}={v[k]!r} must be a positive number" for k in POSITIVE if not (number(v[k]) and v[k] > 0)]
+           + [f"{k}={v[k]!r} must be a number, 0 or more" for k in NOT_NEGATIVE if not number(v[k], 0)]
+           + [f"{k}={v[k]!r} must be a number in [0, 1)" for k in DROPOUT
+              if not (number(v[k], 0) and v[k] < 1 or k == "attn_out_dropout" and v[k] is None)]
+           + [f"{k}={v[k]!r} must be a whole number" for k in TOKEN_IDS if not whole(v[k])])
+    if v["classifier_pooling"] not in ("mean", "cls"):
+        bad.append(f"classifier_pooling={v['classifier_pooling']!r} must be 'mean' or 'cls'")
+    if v["problem_type"] not in PROBLEM_TYPES:
+        bad.append(f"problem_type={v['problem_type']!r} must be one of {', '.join(map(str, PROBLEM_TYPES))}")
+    labels = v["id2label"]
+    if labels is not None and not (isinstance(labels, dict) and set(labels) == {str(i) for i in range(len(labels))}
+                                   and all(isinstance(x, str) for x in labels.values())):
+        bad.append(f"id2label must map \"0\", \"1\", ... to label names, not {str(labels)[:60]}")
+    if not bad and (config.hidden_size % config.num_attention_heads or config.head_dim % 2):
+        bad.append(f"hidden_size={config.hidden_size} must split into num_attention_heads={config.num_attention_heads} "
+                   "heads of an even size (RoPE rotates pairs), e.g. hidden_size 768 with 12 heads of 64")
+    if bad:
+        raise ValueError(f"{where}: {'; '.join(bad)}; {fix}")
+    need, memory = model_bytes(config), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > memory:
+        raise ValueError(f"{where}: a model of these sizes (hidden_size={config.hidden_size}, intermediate_size="
+                         f"{config.intermediate_size}, num_hidden_layers={config.num_hidden_layers}, vocab_size="
+                         f"{config.vocab_size}) needs {need / 2 ** 30:,.0f} GiB in float32, more than this machine's "
+                         f"{memory / 2 ** 30:,.0f} GiB of memory; {fix}")
+
+
+def model_bytes(config):
+    """Bytes of a ModernBertForMaskedLM of the config in float32: its weights (the embedding, per layer Wqkv, Wo, Wi
+    and the MLP's Wo and two norms, the head, the decoder's bias) and its two RoPE tables (2, positions, head_dim)."""
+    H, V = config.hidden_size, config.vocab_size
+    layer = 4 * H * H + 3 * H * config.intermediate_size + 2 * H
+    weights = V * H + config.num_hidden_layers * layer + H * H + 3 * H + V
+    return 4 * (weights + 2 * 2 * config.max_position_embeddings * config.head_dim)
 
 
 def config_to_hf(config, architecture):
@@ -73,8 +133,7 @@ def load_config(cls, path, **overrides):
     if not os.path.isfile(file):
         raise FileNotFoundError(f"{path}: no config.json; a Hugging Face ModernBERT checkpoint directory has "
                                 "config.json and model.safetensors")
-    with open(file) as f:
-        return config_from_hf(cls, json.load(f), **overrides)
+    return config_from_hf(cls, read_json(file), **overrides)
 
 
 def weights_file(path):
@@ -89,13 +148,17 @@ def load_state(path):
     """The state dict of a checkpoint directory; a file cut short is named."""
     file = weights_file(path)
     try:
-        return load_file(file) if file.endswith(".safetensors") else torch.load(file, map_location="cpu",
-                                                                                  weights_only=True)
-    except (SafetensorError, RuntimeError) as e:  # what a truncated file raises, without its name
-        raise ValueError(f"cannot load {file} ({e}): is the file complete? Copy it again.") from None
+        state = load_file(file) if file.endswith(".safetensors") else torch.load(file, map_location="cpu",
+                                                                                   weights_only=True)
     except pickle.UnpicklingError:  # weights_only: a pickle that would build anything but tensors
         raise ValueError(f"{file}: refused: it holds objects other than tensors, and loading them would run code; "
                          "take the model from a source you trust, as model.safetensors") from None
+    except (SafetensorError, RuntimeError, EOFError, KeyError, ValueError) as e:  # a truncated or malformed file
+        raise ValueError(f"cannot load {file} ({type(e).__name__}: {e}): is the file complete? Copy it "
+                         "again.") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(t) for k, t in state.items()):
+        raise ValueError(f"{file} holds a {type(state).__name__}, not named tensors: it is no model's weights")
+    return state
 
 
 def load_weights(model, path):
@@ -115,9 +178,9 @@ def load_weights(model, path):
                          f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
                          f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
     for k in sorted(set(expected) & set(state)):
-        if state[k].shape != expected[k].shape:
-            raise ValueError(f"{path}: {k} has shape {tuple(state[k].shape)} but config.json implies "
-                             f"{tuple(expected[k].shape)}")
+        if state[k].shape != expected[k].shape or not state[k].is_floating_point():
+            raise ValueError(f"{path}: {k} is {str(state[k].dtype)[6:]} of shape {tuple(state[k].shape)} but "
+                             f"config.json implies floating point of shape {tuple(expected[k].shape)}")
     model.load_state_dict({k: state[k] for k in set(expected) & set(state)}, strict=False)
 
 

@@ -2,49 +2,90 @@
 The token shards `python data.py` writes into a data directory and the loader reads: train.bin and val.bin
 (token ids, uint16 or uint32, documents separated by the tokenizer's end-of-document id), meta.json (the
 tokenizer and its sha256, vocab size, dtype, special ids, document and token counts) and the tokenizer files.
-Reading them, with the checks that belong to the format, lives here, where train.py's start-up checks and the
-loader both reach it.
+Reading them, with the checks that belong to the format, lives here, where train.py's start-up checks, the
+loader and the model card all reach it. Each id a shard holds is checked by the loader as it hands the window
+out (data.py): a scan of a large train.bin at start-up would cost minutes.
 """
 
-import json
+import hashlib
 import os
+import re
 
 import numpy as np
 
-from support.checkpoint import sha256
-from support.tokenizer import SPECIAL_NAMES
+from support.files import MAX_JSON, read_bytes, read_json, whole
+from support.tokenizer import MAX_VOCAB, SPECIAL_NAMES, check_companions
+
+DTYPES = {"uint16": 1 << 16, "uint32": 1 << 32}  # the shard formats, and the ids each can hold
+COUNTS = ("train_docs", "train_tokens", "val_docs", "val_tokens")
 
 
 def load_meta(data_dir):
-    """meta.json of a data directory, once it is complete and its tokenizer.json is the one the shards were made
-    with (a copy that differs would go into every checkpoint)."""
+    """meta.json of a data directory, once it is complete, every field it has is of its type and range (the dtype
+    a shard format that holds the vocabulary, the special ids inside it, whole counts), its tokenizer files are well
+    formed, and its tokenizer.json is the one the shards were made with (a copy that differs would go into every
+    checkpoint)."""
     path = os.path.join(data_dir, "meta.json")
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise SystemExit(f"{data_dir}: no meta.json; make the shards first with "
                          f"`python data.py --input FILES --tokenizer SPEC --out {data_dir}`")
-    with open(path) as f:
-        meta = json.load(f)
-    missing = [k for k in ("vocab_size", "dtype", *SPECIAL_NAMES) if k not in meta]
-    if missing:
-        raise SystemExit(f"{path} lacks {', '.join(missing)}: prepare the data again with `python data.py`")
     tok = os.path.join(data_dir, "tokenizer.json")
-    if meta.get("tokenizer_sha256") and (not os.path.isfile(tok) or sha256(tok) != meta["tokenizer_sha256"]):
-        raise SystemExit(f"{tok} is missing or is not the tokenizer the shards of {data_dir} were made with "
-                         "(meta.json records another hash); re-run data.py into a fresh --out")
+    try:
+        meta = read_json(path)
+        problem = meta_problem(meta)
+        if problem:
+            raise ValueError(f"{path}: {problem}")
+        check_companions(data_dir)
+        if meta.get("tokenizer_sha256") and (not os.path.isfile(tok) or file_sha256(tok) != meta["tokenizer_sha256"]):
+            raise SystemExit(f"{tok} is missing or is not the tokenizer the shards of {data_dir} were made with "
+                             "(meta.json records another hash); re-run data.py into a fresh --out")
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{e}: prepare the data again with `python data.py` into a fresh --out") from None
     return meta
 
 
+def meta_problem(meta):
+    """What is wrong with the fields of a meta.json (a dict), or None."""
+    missing = [k for k in ("vocab_size", "dtype", *SPECIAL_NAMES) if k not in meta]
+    if missing:
+        return f"lacks {', '.join(missing)}"
+    dtype, vocab = meta["dtype"], meta["vocab_size"]
+    if dtype not in list(DTYPES):  # a list: a hostile value may be unhashable
+        return f"dtype={dtype!r} is not a shard format (uint16 or uint32)"
+    if not whole(vocab, 1, min(DTYPES[dtype], MAX_VOCAB)):
+        return f"vocab_size={vocab!r} must be a whole number from 1 to {min(DTYPES[dtype], MAX_VOCAB):,} ({dtype} ids)"
+    bad = ([f"{k}={meta[k]!r} must be a token id below vocab_size={vocab}" for k in SPECIAL_NAMES
+            if not whole(meta[k], 0, vocab - 1)]
+           + [f"{k}={meta[k]!r} must be a whole number" for k in COUNTS if k in meta and not whole(meta[k])])
+    if not isinstance(meta.get("tokenizer", ""), str) or not isinstance(meta.get("sources", []), list):
+        bad.append(f"tokenizer={meta.get('tokenizer')!r} must be a name, sources={meta.get('sources')!r} a list")
+    sha = meta.get("tokenizer_sha256")
+    if sha is not None and not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
+        bad.append(f"tokenizer_sha256={str(sha)[:70]!r} must be a sha256 in hex, or null")
+    return "; ".join(bad) or None
+
+
+def file_sha256(path):
+    """sha256 of a tokenizer file, read as support/files.py reads a file from elsewhere."""
+    return hashlib.sha256(read_bytes(path, MAX_JSON)).hexdigest()
+
+
 def split_tokens(data_dir, split, meta, seq_len, micro_batch_size, world):
-    """The split's tokens (memmapped) and its number of windows of seq_len tokens, once it makes at least one
-    micro batch on every rank; else a ValueError that names the fix."""
+    """The split's tokens (memmapped) and its number of windows of seq_len tokens, once the file makes at least one
+    micro batch on every rank and is as long as meta.json counts (where it does); else a ValueError that names the
+    fix."""
     path = os.path.join(data_dir, f"{split}.bin")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} is missing: prepare the data again with `python data.py`")
-    tokens = np.memmap(path, dtype=meta["dtype"], mode="r")
-    n, need = len(tokens) // seq_len, micro_batch_size * world
+        raise FileNotFoundError(f"{path} is missing or is not a file: prepare the data again with `python data.py`")
+    size, itemsize, counted = os.path.getsize(path), np.dtype(meta["dtype"]).itemsize, meta.get(f"{split}_tokens")
+    n, need = size // itemsize // seq_len, micro_batch_size * world
     if n < need:
         fix = "prepare the data with a larger --val_docs" if split == "val" else "use more data"
         raise ValueError(f"{path} makes {n} windows of seq_len={seq_len}, fewer than one step needs on every rank "
                          f"(micro_batch_size={micro_batch_size} x world size {world} = {need}); {fix}, or lower "
                          "micro_batch_size or seq_len")
-    return tokens, n
+    if counted is not None and size != counted * itemsize:
+        raise ValueError(f"{path} has {size:,} bytes, but meta.json's {split}_tokens={counted:,} ids of "
+                         f"{meta['dtype']} make {counted * itemsize:,}: it is not the file data.py wrote beside this "
+                         "meta.json (cut short, or from another run); prepare the data again with `python data.py`")
+    return np.memmap(path, dtype=meta["dtype"], mode="r"), n

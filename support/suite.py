@@ -31,7 +31,7 @@ import os
 import numpy as np
 
 from support.config import check_type, load_file
-from support.files import make_dirs, open_file, read_json, replace_file
+from support.files import make_dirs, number, open_file, read_json, replace_file
 
 # The fine-tuning protocol: what a task dict (or eval.py's command line) does not say, each with its source.
 # "The paper" is its fine-tuning section (English protocol after BioClinical-ModernBERT); what the paper does not
@@ -154,7 +154,10 @@ def finished_runs(runs):
         try:  # never raise here: under torchrun the other ranks are waiting for this answer
             stored = read_json(path)
             old, result = dict(stored["options"]), stored["result"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            metrics = {k: v for k, v in result["test"].items() if k in (METRIC, *UPSTREAM.values())}  # the table's
+            if not all(number(v, 0, 1) for v in metrics.values()):
+                raise ValueError(f"its test metrics {metrics} must be numbers in [0, 1]")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # a file of another shape
             problems.append(f"{path}: not a stored run ({type(e).__name__}: {e})")
             continue
         asked = json.loads(json.dumps(options))  # as it would read back from disk (tuples become lists)

@@ -22,10 +22,13 @@ import tiktoken
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
+from support.files import read_json
+
 SPECIAL_NAMES = ("cls_id", "sep_id", "pad_id", "mask_id", "eos_id")
 # The files a Hugging Face tokenizer is read from; they travel with the shards and the checkpoints.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 NEVER_IN_UTF8 = {0xC0, 0xC1, *range(0xF5, 0x100)}  # bytes a vocabulary may leave out
+MAX_VOCAB = 1 << 22  # ids: 16 times the largest vocabularies in use (250k); beyond it an id is a file's mistake
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
@@ -33,9 +36,13 @@ def load_tokenizer(spec):
     """spec: a tokenizer.json path, a directory holding one, or a tiktoken encoding name."""
     path = tokenizer_file(spec)
     if path:
-        with open(path, encoding="utf-8") as f:
-            d = json.load(f)
-        return TiktokenBPE(d, path) if _is_gpt2_byte_level_bpe(d) else HFTokenizer(path)
+        d = read_json(path)
+        try:  # Hugging Face's own reader checks every field of the format
+            tok = tokenizers.Tokenizer.from_str(json.dumps(d))
+        except Exception as e:  # tokenizers raises a bare Exception
+            raise ValueError(f"{path} is not a tokenizer.json that Hugging Face tokenizers reads ({e})") from None
+        check_companions(os.path.dirname(path))
+        return TiktokenBPE(d, path) if _is_gpt2_byte_level_bpe(d) else HFTokenizer(tok, path)
     if os.sep in spec or spec.endswith(".json"):
         raise FileNotFoundError(f"tokenizer {spec!r} not found: give a tokenizer.json, a checkpoint directory "
                                 "holding one, or a tiktoken encoding name")
@@ -54,7 +61,10 @@ class Tokenizer:
 
     tiktoken = None  # the underlying tiktoken Encoding, where there is one (bench.py times it bare)
 
-    def __init__(self, vocab_size, special):
+    def __init__(self, vocab_size, special, where):
+        if vocab_size > MAX_VOCAB:
+            raise ValueError(f"{where}: ids up to {vocab_size - 1:,}, more than a vocabulary holds (at most "
+                             f"{MAX_VOCAB:,})")
         self.vocab_size, self.special_ids = vocab_size, {name: special[name] for name in SPECIAL_NAMES}
         vars(self).update(self.special_ids)  # tok.cls_id, tok.sep_id, ...
 
@@ -105,7 +115,9 @@ class TiktokenBPE(Tokenizer):
         vocab = d["model"]["vocab"]
         ranks = {bytes([b]): b for b in range(256)}
         for merge in d["model"]["merges"]:
-            a, b = merge.split(" ") if isinstance(merge, str) else merge
+            a, b = merge.split(" ") if isinstance(merge, str) else merge  # tokenizers checked: two parts
+            if not set(a + b) <= BYTE_OF.keys():
+                raise ValueError(f"{path}: the merge {merge!r} is not of byte-level BPE tokens")
             ranks.setdefault(_to_bytes(a) + _to_bytes(b), len(ranks))
         self.rank_to_id = _rank_to_id(ranks, vocab, path)
         self.tiktoken = tiktoken.Encoding(name=f"hf:{path}", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
@@ -122,7 +134,7 @@ class TiktokenBPE(Tokenizer):
         self.id_to_bytes.update({a["id"]: a["content"].encode() for a in d.get("added_tokens", [])})
         lookup = lambda tok: added[tok]["id"] if tok in added else vocab.get(tok)  # noqa: E731
         super().__init__(max([*vocab.values(), *(a["id"] for a in added.values())]) + 1,
-                         _special_ids_from_tokens(lookup, path))
+                         _special_ids_from_tokens(lookup, path), path)
 
     def _split(self, text):
         """text -> list of plain strings and added-token ids."""
@@ -224,10 +236,10 @@ def _is_single_word(text, start, end):
 class HFTokenizer(Tokenizer):
     """Any other tokenizer.json (WordPiece for ModernCamemBERT) on Hugging Face `tokenizers` itself."""
 
-    def __init__(self, path):
-        self.tok = tokenizers.Tokenizer.from_file(path)
-        super().__init__(self.tok.get_vocab_size(with_added_tokens=True),
-                         _special_ids_from_tokens(self.tok.token_to_id, path))
+    def __init__(self, tok, path):
+        self.tok = tok
+        super().__init__(max(tok.get_vocab(with_added_tokens=True).values()) + 1,  # ids may leave gaps
+                         _special_ids_from_tokens(tok.token_to_id, path), path)
 
     def encode_batch(self, texts):
         return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
@@ -253,7 +265,7 @@ class TiktokenEncoding(Tokenizer):
         n = self.tiktoken.n_vocab
         self.names = {n: "[CLS]", n + 1: "[SEP]", n + 2: "[PAD]", n + 3: "[MASK]"}
         super().__init__(n + 4, dict(cls_id=n, sep_id=n + 1, pad_id=n + 2, mask_id=n + 3,
-                                     eos_id=self.tiktoken.eot_token))
+                                     eos_id=self.tiktoken.eot_token), name)
 
     def encode_batch(self, texts):
         return self.tiktoken.encode_ordinary_batch(texts)
@@ -288,10 +300,7 @@ def write_hf_config(directory, model_max_length):
                "bos_token": "[CLS]", "eos_token": "[SEP]", "unk_token": "[UNK]"}
     special = {name: token for name, token in special.items() if tok.token_to_id(token) is not None}
     config_file = os.path.join(directory, "tokenizer_config.json")
-    config = {}
-    if os.path.isfile(config_file):
-        with open(config_file, encoding="utf-8") as f:
-            config = json.load(f)
+    config = read_json(config_file) if os.path.isfile(config_file) else {}  # check_companions: its shape
     # tokenizer.json is the tokenizer, whatever class a copied config names: transformers 5 builds a
     # "RobertaTokenizer" (CamemBERTv2's) anew from its vocabulary and splits words into characters.
     config = {"clean_up_tokenization_spaces": False, **special, **{k: v for k, v in config.items() if v is not None},
@@ -304,6 +313,21 @@ def write_hf_config(directory, model_max_length):
     for name, obj in files.items():
         with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2, ensure_ascii=False)
+
+
+def check_companions(directory):
+    """tokenizer_config.json and special_tokens_map.json in `directory` (beside a tokenizer.json), where they are:
+    JSON objects whose special tokens (the `*_token` keys) are strings or objects with a string "content", as
+    transformers reads them; else a ValueError naming the file and the key."""
+    for name in TOKENIZER_FILES[1:]:
+        path = os.path.join(directory, name)
+        if os.path.lexists(path):
+            d = read_json(path)
+            for key, token in d.items():
+                if key.endswith("_token") and not (isinstance(token, str) or isinstance(token, dict)
+                                                   and isinstance(token.get("content"), str)):
+                    raise ValueError(f"{path}: {key}={str(token)[:60]} must be a token: a string, or an object "
+                                     "with its \"content\"")
 
 
 def check_vocab(vocab_size, config, tokenizer, model, fix):

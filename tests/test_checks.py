@@ -1,6 +1,7 @@
 """support/checks.py: what a run can know at step 0 stops it at start-up, in one line naming the fix
 (the validation split against micro batches and ranks under torchrun is in test_resilience.py)."""
 
+import json
 import os
 import shutil
 
@@ -29,6 +30,8 @@ def test_a_split_smaller_than_one_micro_batch_on_every_rank(data_dir, tmp_path, 
     short = tmp_path / "short"
     shutil.copytree(data_dir, short)
     os.truncate(short / f"{split}.bin", 2 * 64 * 5)  # 5 windows of 64 uint16 tokens
+    meta = json.loads((short / "meta.json").read_text())
+    (short / "meta.json").write_text(json.dumps({**meta, f"{split}_tokens": 64 * 5}))  # as data.py would count them
     with pytest.raises(SystemExit, match=f"{split}.bin makes 5 windows of seq_len=64, fewer than .*micro_batch_size=4 "
                                          f"x world size 2 = 8.*{fix}"):
         check_run(config(str(short), tmp_path), STEPS, 2)
