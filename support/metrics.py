@@ -14,6 +14,7 @@ from support.files import open_file, read_bytes, refuse_link, replace_file
 
 METRICS = "metrics.jsonl"
 LIMIT = 1 << 30  # bytes: a million logged steps take about 300 MB
+TIMINGS = ("tokens_per_s", "mfu", "eval_s", "checkpoint_s", "compile_s")  # of a record's fields, the machine's speed
 
 
 def record(line):

@@ -103,8 +103,8 @@ def setup(device, compiled=False):
     is the machine's cores, which a container's quota does not limit), re-counted by follow() from then on. Left
     alone: a count the user set (OMP_NUM_THREADS, MKL_NUM_THREADS, or torch.set_num_threads before this call).
     Compiled code keeps the count it was compiled with (inductor writes it into its loops): all usable ones."""
-    global on_cpu, following, usable, fixed_by
-    on_cpu, usable = device.type == "cpu", min(usable_cpus(), DEFAULT)
+    global on_cpu, following, usable, fixed_by, last
+    on_cpu, usable, last = device.type == "cpu", min(usable_cpus(), DEFAULT), None
     fixed_by = (f"{USER[0]}={os.environ[USER[0]]}" if USER else "torch.set_num_threads"
                 if torch.get_num_threads() not in (DEFAULT, ours) else "torch.compile" if compiled else None)
     following = on_cpu and not fixed_by and os.path.exists("/proc/stat")

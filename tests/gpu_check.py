@@ -5,13 +5,12 @@ The GPU check: what a session with a lent GPU runs first, one command that write
     python tests/gpu_check.py --tiny --out /tmp/gpu_check                      # the same code on CPU, tiny sizes
 
 It runs the project's scripts as a user does and tables what they wrote: a. tests/test_gpu.py; b. bench.py at the
-paper's shape; c. train.py compiled (Base, 4 x 8192 tokens, CLM -> MLM 30% -> MLM 15% decay), then its phase-2
-checkpoint resumed under torchrun, SIGTERM'd once it logs a step, and resumed again; d. bench.py --largest;
-e. on part c's runs, eval.py on a task of each type and cka.py --pair and --runs, each against the same run under
-torchrun or on CPU; demo.py --quick. --tiny: every part at tiny sizes on CPU (tests/test_gpu_check.py). A part's
-time limit (BUDGETS, --budget) gains what the parts before left; at the limit the running command gets SIGINT
-(pytest writes its junit file), then SIGKILL with its process group, and the next part runs. Writes OUT/report.md,
-OUT/report.json and OUT/logs/. This process never imports torch; nothing downloads.
+paper's shape; c. train.py compiled (Base, 4 x 8192 tokens, CLM -> MLM 30% -> MLM 15% decay), its phase-2 checkpoint
+resumed under torchrun, SIGTERM'd once it logs a step, resumed again; d. bench.py --largest; e. on c's runs, eval.py
+on a task of each type and cka.py --pair and --runs, each against the same under torchrun or on CPU; demo.py --quick.
+--tiny: every part at tiny sizes on CPU (tests/test_gpu_check.py). A part's time limit (BUDGETS, --budget) gains what
+the parts before left; at the limit the running command gets SIGINT (pytest writes its junit file), then SIGKILL with
+its process group, and the next part runs. Writes OUT/report.md, report.json, logs/; never imports torch or downloads.
 """
 
 import argparse
@@ -36,9 +35,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-# Seconds per part, from the H200 runs (results/h200-2026-11-26), where inductor compiles a Base graph in 45-65 s:
-# a's 15 tests were cut at 280 s (the resume test takes 53); b's four bench.py processes take 111-251 s each; c
-# 231-280 s; d 42 s. e, estimated: 3 eval.py processes of 20-30 s, 4 cka.py of 10-20 s; the demo last.
+# Seconds per part, from the H200 runs (results/h200-2026-11-26; a Base graph compiles in 45-65 s): a's 15 tests cut
+# at 280 s; b's bench.py processes 111-251 s each; c 231-280 s; d 42 s. e, estimated: 3 eval.py processes of 20-30 s.
 BUDGETS = {"a": 330, "b": 780, "c": 300, "d": 60, "e": 240}
 SIZES = {  # every: b's runs, all or every other; phases: c's steps, the decay outlasting a SIGTERM; examples: e's
     "full": dict(bench="base", every=1, seq_len=8192, micro=4, phases=(4, 4, 8), probe=["base", "large"], cap=64,
@@ -52,6 +50,7 @@ MACHINE = ("import json, os, platform, torch; from importlib.metadata import ver
            "else f'CPU, {os.cpu_count()} cores', memory_gib=p and round(p.total_memory / 2 ** 30, 1), cuda=p is not "
            "None, torch=torch.__version__, cuda_version=torch.version.cuda, python=platform.python_version(), "
            "transformers=version('transformers'), triton=p and version('triton'))))")  # run apart: it imports torch
+outcome = lambda code: "timeout" if code is None else "done" if code == 0 else f"exit {code}"  # noqa: E731
 
 
 def run(cmd, log, deadline, env=None, sigterm=None):
@@ -81,10 +80,6 @@ def run(cmd, log, deadline, env=None, sigterm=None):
             p.wait()
     print(f"    {outcome(code)} in {time.time() - started:.0f} s: {log}", flush=True)
     return code, time.time() - started
-
-
-def outcome(code):
-    return "timeout" if code is None else "done" if code == 0 else f"exit {code}"
 
 
 def found(pattern, path):  # in a file, or [] where it is not (yet)
@@ -304,7 +299,7 @@ def write_report(out, results):
         f.write("\n".join(lines) + "\n")
 
 
-def main(argv=None):
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="the folder for report.md, report.json and logs/")
     p.add_argument("--tiny", action="store_true", help="tiny sizes: every part on CPU in a few minutes")
@@ -312,9 +307,14 @@ def main(argv=None):
     p.add_argument("--budget", nargs="+", default=[], metavar="PART=SECONDS", help=f"defaults: {BUDGETS}",
                    type=lambda x: (x.partition("=")[0], float(x.partition("=")[2])))
     args = p.parse_args(argv)
-    budgets, logs = {**BUDGETS, **dict(args.budget)}, os.path.join(args.out, "logs")
-    if set(budgets) != set(PARTS):
+    if set(budgets := {**BUDGETS, **dict(args.budget)}) != set(PARTS):
         p.error(f"--budget: PART=SECONDS, with PART one of {', '.join(PARTS)}")
+    return args, budgets
+
+
+def main(argv=None):
+    args, budgets = parse_args(argv)
+    logs = os.path.join(args.out, "logs")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: run()'s finally stops the running command
     os.makedirs(logs, exist_ok=True)
     run([PY, "-c", MACHINE], os.path.join(logs, "machine.log"), time.time() + 120)

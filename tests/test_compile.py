@@ -122,17 +122,15 @@ def test_inductor_step_equals_eager():
         assert (grads[n] - gr).abs().max() <= 1e-5 * gr.abs().max() + 1e-7, n
 
 
-def test_regional_compilation_compiles_a_graph_per_kind_of_block(monkeypatch):
+def test_regional_compilation_compiles_a_graph_per_kind_of_block():
     """compile_model(regional=True): each Block compiled in place, the rest eager. The blocks share one code, so the
     7 layers compile 3 graphs, one per kind of block (layer 0, with no attention norm; global; local), and the causal
     mask at most 3 more; no graph break; the MLM loss and every gradient as eager's (aot_eager: the same tracing as
     inductor)."""
-    orig = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda model, **kw: orig(model, backend="aot_eager", **kw))
     config = ModernBertConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=7,
                               num_attention_heads=2, local_attention=8, **SPECIAL)
     model, eager = randomized(config), randomized(config)
-    kernels.compile_model(model, regional=True)
+    kernels.compile_model(model, "aot_eager", regional=True)
     torch._dynamo.reset()
     counters.clear()
     g = torch.Generator().manual_seed(0)

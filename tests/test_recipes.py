@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from model import ModernBertConfig, ModernBertForMaskedLM
 from support import checks
+from support.metrics import TIMINGS
 from train import Config, Schedule, parse_config
 from test_train import ROOT, TINY, base_ckpt, data_dir, metrics, run_train  # noqa: F401 (fixtures)
 
@@ -63,7 +64,7 @@ def test_a_phase_in_steps_has_the_schedule_of_the_same_phase_in_tokens():
 
 
 def run_record(out_dir):
-    return [{k: v for k, v in m.items() if k not in ("tokens_per_s", "mfu")} for m in metrics(out_dir)]
+    return [{k: v for k, v in m.items() if k not in TIMINGS} for m in metrics(out_dir)]
 
 
 def test_a_run_in_steps_is_the_run_in_tokens_and_resumes_and_splits_alike(data_dir, base_ckpt, tmp_path):  # noqa: F811

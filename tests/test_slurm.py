@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from support.metrics import TIMINGS
 from test_train import ROOT, base_ckpt, data_dir, free_port, metrics, train_cmd  # noqa: F401 (fixtures)
 
 TOOLS = ("slurmctld", "slurmd", "sbatch", "munged", "munge")
@@ -135,7 +136,7 @@ def logged_steps(out):
 
 def same_numbers(records):
     """What must not change with an interruption: every logged number but the timings."""
-    return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in records]
+    return [{k: v for k, v in r.items() if k not in TIMINGS} for r in records]
 
 
 def test_slurm_job_is_preempted_requeued_and_resumes_exactly(slurm, data_dir, base_ckpt, tmp_path):

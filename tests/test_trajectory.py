@@ -15,6 +15,7 @@ import torch
 from tokenizers import Tokenizer
 
 from support.checkpoint import latest_valid_checkpoint, step_checkpoints, weights_only
+from support.metrics import TIMINGS
 from test_cka import gram_cka
 from test_train import ROOT, base_ckpt, data_dir, metrics, run_train  # noqa: F401 (fixtures)
 
@@ -62,7 +63,7 @@ def test_resume_picks_the_newest_full_checkpoint_not_a_weights_only_one(runs, da
     assert latest_valid_checkpoint(str(run)) == str(run / "ckpt-16")
     r = run_train(str(run), data_dir, f"--init_from={base_ckpt}", *KEEP, *ARMS["clm"])
     assert "resuming at step 16" in r.stdout
-    strip = lambda records: [{k: v for k, v in m.items() if k != "tokens_per_s"} for m in records]  # noqa: E731
+    strip = lambda records: [{k: v for k, v in m.items() if k not in TIMINGS} for m in records]  # noqa: E731
     assert strip(metrics(run)) == strip(metrics(runs / "clm"))
     assert steps_in(run) == steps_in(runs / "clm")
     for name in ("model.safetensors", "progress.json"):
