@@ -6,6 +6,33 @@ shared filesystems where others can write, so every script reads and writes them
   directory or a device is no file of ours), and JSON only if it parses and has the shape its reader expects;
   anything else is a ValueError that names the file, which the caller turns into its one line;
 - writing: nothing is written, renamed or deleted through a symbolic link that the project did not make.
+
+Each file the project reads, where its values are checked, and what a bad or hostile one gets. "One line": exit 1,
+naming the file, the field and the fix, before any work, nothing on disk changed. tests/test_hostile_*.py,
+test_links.py, test_history.py and test_hold.py build such files.
+- config.json of a checkpoint (support/hf.py): every field's type and range, heads into even head dims, the model's
+  float32 bytes against this machine's memory, before anything is allocated. One line.
+- model.safetensors, pytorch_model.bin (support/hf.py): weights_only; a dict of named floating-point tensors of the
+  config's shapes. One line ("is the file complete?").
+- train_state.pt, manifest.json (support/checkpoint.py): weights_only, then its fields; an object of plain file names,
+  each with its bytes and sha256. A pickle that would run code: one line. A manifest that fails: the checkpoint is
+  damaged, the one before it is resumed (none left: one line), and metrics.jsonl stays as it was.
+- progress.json (cka.py): step, tokens, phase. One line.
+- meta.json, train.bin, val.bin (support/shards.py, data.Loader): dtype uint16 or uint32, vocab_size within it,
+  special ids inside the vocabulary, counts equal to the .bin sizes, the tokenizer's sha256; each window's ids
+  inside the vocabulary as the loader reads it. One line at start-up, or at the step that reads the id.
+- tokenizer.json, tokenizer_config.json, special_tokens_map.json (support/tokenizer.py): the reading rule, then
+  Hugging Face's own parser; merges, ids, special tokens. Copied into a checkpoint only when they are the data's
+  own (a link only when its sha256 is meta.json's). One line.
+- .lock (support/lock.py): a regular file of one name (no link, FIFO or directory); its record's fields and types.
+  One line; a record of another shape names no holder.
+- metrics.jsonl (support/metrics.py): each line a JSON object with an integer step. Other lines are kept and
+  skipped, with a warning; a resume never cuts it past the checkpoint it loaded.
+- out_dir/config.json (support/checkpoint.check_same_run, under the hold): an object. One line.
+- stored suite runs, task .jsonl/.tsv (support/suite.py, eval.py): their shapes, metrics in [0, 1], field types.
+  Named in the suite's one refusal; one line.
+- every file or folder the project writes, renames or deletes: the Writing section below. A link, FIFO or hard
+  link there: one line.
 """
 
 import errno
