@@ -60,9 +60,9 @@ def run(cmd, log, deadline, env=None, sigterm=None):
         return None, 0.0
     print("  $ " + shlex.join(["python", *cmd[1:]] if cmd[0] == PY else cmd).replace(ROOT + os.sep, "")[:300])
     started = time.time()
-    with open(log, "w") as f:
+    with open(log, "w") as f:  # SIGINT as in a terminal, which a shell's background jobs (nohup ... &) ignore
         p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**ENV, **(env or {})},
-                             start_new_session=True)
+                             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             while p.poll() is None and time.time() < deadline:
                 time.sleep(0.2)
