@@ -4,6 +4,7 @@ tests it finished printed."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -65,11 +66,14 @@ def test_the_check_runs_every_part_on_cpu(tmp_path):
 
 def test_a_cut_short_pytest_keeps_what_its_finished_tests_printed(tmp_path):
     """At the deadline pytest gets SIGINT and writes its junit file: the tests that finished keep their printed
-    figures; the one it was running is left out."""
+    figures; the one it was running is left out. Also when the check ignores SIGINT (started with `nohup ... &`)."""
     (tmp_path / "test_gpu.py").write_text("import time\n\ndef test_done():\n    print('max rel diff 1.5e-03')\n\n"
                                           "def test_slow():\n    time.sleep(600)\n")
-    started = time.time()
-    code, tests = gpu_check.pytest_tests(str(tmp_path / "test_gpu.py"), str(tmp_path / "a_pytest.log"), started + 30)
+    started, ignored = time.time(), signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell's background job is
+    try:
+        code, tests = gpu_check.pytest_tests(str(tmp_path / "test_gpu.py"), str(tmp_path / "a.log"), started + 30)
+    finally:
+        signal.signal(signal.SIGINT, ignored)
     assert code is None and time.time() - started < 300  # cut at its deadline, not after the second's 600 s
     assert [(t["test"], t["outcome"]) for t in tests] == [("test_done", "passed")]
     assert "max rel diff 1.5e-03" in tests[0]["detail"]
