@@ -246,3 +246,26 @@ def test_a_frozen_phase_compiles_without_breaks_and_keeps_the_frozen_weights(tin
     layer0 = [k for k in a if ".layers.0." in k]
     assert layer0 and all(torch.equal(a[k], b[k]) for k in layer0)
     assert any(not torch.equal(a[k], b[k]) for k in a if ".layers.1." in k)  # the others trained
+
+
+def test_a_compiled_step_is_one_aot_autograds_cache_admits():
+    """A resumed run compiles the graphs of the run it continues: with inductor's caches it loads them instead
+    (train.py's end line gives the seconds). AOTAutograd's cache refuses a graph that calls an autograd.Function,
+    as the chunked loss is, unless compile_model allows it: torch's own check on the graph dynamo hands the backend
+    of a compiled MLM step."""
+    from torch._functorch._aot_autograd.autograd_cache import check_cacheable
+    config = ModernBertConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                              num_attention_heads=2, local_attention=8, **SPECIAL)
+    graphs = []
+
+    def backend(gm, example_inputs):  # what inductor's compile_fx would receive, run as traced
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    model = kernels.compile_model(randomized(config), backend)
+    tokens, cu = torch.randint(3, 256, (48,)), torch.tensor([0, 24, 48], dtype=torch.int32)
+    model(tokens, causal=False, cu_seqlens=cu, max_seqlen=24, rows=torch.arange(0, 48, 5),
+          targets=tokens[::5]).backward()
+    assert len(graphs) == 1 and "autograd_function_apply" in graphs[0].code
+    check_cacheable(graphs[0])  # raises BypassAOTAutogradCache where the cache would not take it
