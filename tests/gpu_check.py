@@ -34,10 +34,15 @@ import xml.etree.ElementTree as ET
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-# Seconds per part, from the H200 runs (results/h200-2026-11-26; a Base graph compiles in 45-65 s): a's 15 tests cut
-# at 280 s; b's bench.py processes 111-251 s each; c 231-280 s; d 42 s. e, estimated: 3 eval.py processes of 20-30 s.
-BUDGETS = {"a": 330, "b": 780, "c": 300, "d": 60, "e": 240}
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",  # and what inductor's
+       "TORCH_LOGS": "torch._inductor.codecache,torch._functorch._aot_autograd.autograd_cache"}  # caches do (caches())
+# Seconds per part, from the H200 runs (results/h200-2026-11-2[67]; a Base graph compiles in 45-75 s): a's 15 tests
+# cut at 280 s; b's bench.py processes 111-251 s each; c: data 11 s, the whole run 182 s, each torchrun resume 90 s
+# (its graph compiled for 60 s again); d 42 s; e: eval.py 22-32 s x 3, cka.py 10-12 s x 4, demo.py --quick ~150 s.
+BUDGETS = {"a": 330, "b": 780, "c": 390, "d": 60, "e": 290}
+CACHE_LINES = {"fx_graph hits": "fx graph cache hit for key", "fx_graph misses": "fx graph cache miss for key",
+               "fx_graph bypassed": "Bypassing FX Graph Cache", "aot_autograd hits": "AOTAutograd cache hit",
+               "aot_autograd misses": "AOTAutograd cache miss", "aot_autograd bypassed": "Bypassing autograd cache"}
 SIZES = {  # every: b's runs, all or every other; phases: c's steps, the decay outlasting a SIGTERM; examples: e's
     "full": dict(bench="base", every=1, seq_len=8192, micro=4, phases=(4, 4, 8), probe=["base", "large"], cap=64,
                  examples=64, model={"vocab_size": 50368}),
@@ -195,15 +200,26 @@ def training(ctx, deadline):
     code2 = run([*TORCHRUN, *args, f"--out_dir={resumed}"], second, deadline)[0] if stopped else "not run"
     a, b = ({r["step"]: {k: v for k, v in r.items() if k.endswith("loss")} for r in got if r["step"] > start}
             for got in (records, metrics(resumed)))
-    resume = dict(exit_on_sigterm=code1, stopped_at=stopped, exit_after=code2, steps=sorted(b), max_rel_diff=worst(
+    resume = dict(exit_on_sigterm=code1, stopped_at=stopped, exit_after=code2, wrote_final=bool(found(
+        r"\ndone: ", second)), steps=sorted(b), max_rel_diff=worst(
         a, b, True), resumed_at=[int(x) for log in (first, second) for x in found(r"resuming at step (\d+)", log)])
     resume["ok"] = code2 == 0 and resume["resumed_at"] == [start, *stopped] and resume["max_rel_diff"] <= (
         0.01 if cuda else 0)  # GPU: the attention backward's atomics add in any order
     return dict(ok=learning["ok"] and resume["ok"] and said.get("graph_breaks") == 0, phases=rows, learning=learning,
-                said=dict(said, whole_run_s=round(seconds, 1)), resume=resume, summary=f"{learning['summary']}: it "
+                said=dict(said, whole_run_s=round(seconds, 1)), resume=resume, caches=[caches(x) for x in (
+                    log, first, second)], summary=f"{learning['summary']}: it "
                 f"{'learns' if learning['ok'] else 'does NOT learn'}; {said.get('graphs')} graphs compiled in "
                 f"{said.get('compile_s')} s, {said.get('graph_breaks')} graph breaks, {said.get('recompiles')} "
                 f"recompiles; the resume under torchrun {'continues' if resume['ok'] else 'does NOT continue'} the run")
+
+
+def caches(log):
+    """What inductor's caches did in a train.py run, from its log: hits, misses, bypasses and why. A resumed run
+    compiles the whole run's graphs again, each a hit where the caches work (torch 2.11 on an H200: 60 s, as cold)."""
+    text = open(log, errors="replace").read() if os.path.isfile(log) else ""
+    why = re.findall(r"Bypassing (?:FX Graph Cache because|autograd cache due to:) '?([^\n']+)", text)
+    return dict(run=os.path.basename(log), **{k: text.count(line) for k, line in CACHE_LINES.items()},
+                why="; ".join(sorted(set(w.strip() for w in why)))[:300])
 
 
 def write_tasks(folder, n):

@@ -40,8 +40,10 @@ def test_the_check_runs_every_part_on_cpu(tmp_path):
                                       "checkpoints")}
     assert said == dict(graphs=2, graph_breaks=0, recompiles=1, recompile_reasons="causal == True", evaluations=3,
                         checkpoints=4)
+    assert [(x["run"], x["fx_graph hits"] + x["fx_graph misses"]) for x in c["caches"]] == [  # aot_eager: no inductor
+        ("c_whole.log", 0), ("c_resume_1.log", 0), ("c_resume_2.log", 0)]
     resume = c["resume"]
-    assert resume["ok"] and resume["max_rel_diff"] == 0 and resume["exit_after"] == 0, resume
+    assert resume["wrote_final"] and resume["ok"] and resume["max_rel_diff"] == 0 and resume["exit_after"] == 0, resume
     assert resume["exit_on_sigterm"] != 0 and len(resume["stopped_at"]) == 1 and 8 < resume["stopped_at"][0] < 68
     assert resume["resumed_at"] == [8, *resume["stopped_at"]] and resume["steps"] == list(range(9, 69))
     # d: bench.py --largest: on CPU nothing runs out of memory, so the cap is the answer
@@ -62,6 +64,21 @@ def test_the_check_runs_every_part_on_cpu(tmp_path):
         assert title in md
     assert {"b_packed_clm.log", "c_whole.log", "c_resume_2.log", "d_tiny.json", "e_eval_torchrun.log",
             "e_cka_runs_cpu.log"} <= set(os.listdir(out / "logs"))
+
+
+def test_the_caches_table_reads_what_torch_logs(tmp_path):
+    """caches() on a resumed train.py's lines, as torch 2.13 logged them (TORCH_LOGS as the check sets it) before
+    compile_model let AOTAutograd's cache take the chunked loss: two FX graph hits, AOTAutograd bypassed."""
+    at = "I1127 14:43:17.312000 16224 site-packages/torch/_functorch/_aot_autograd/autograd_cache.py:1077] [0/0] "
+    (tmp_path / "c_resume_2.log").write_text(
+        f"{at}Bypassing autograd cache due to: Unsupported call_function target autograd_function_apply. \n"
+        f"{at} Function module: torch.ops.higher_order, \n" + "".join(
+            "I1127 14:43:25.065000 16224 site-packages/torch/_inductor/codecache.py:2299] [0/0] fx graph cache hit for "
+            f"key {key}\n" for key in ("faul7yq5xcnhnw6oz6647", "faeble2zp7qetn5wp6yev")) + "decay mlm step 15/68\n")
+    assert gpu_check.caches(str(tmp_path / "c_resume_2.log")) == {
+        "run": "c_resume_2.log", "fx_graph hits": 2, "fx_graph misses": 0, "fx_graph bypassed": 0,
+        "aot_autograd hits": 0, "aot_autograd misses": 0, "aot_autograd bypassed": 1,
+        "why": "Unsupported call_function target autograd_function_apply."}
 
 
 def test_a_cut_short_pytest_keeps_what_its_finished_tests_printed(tmp_path):
