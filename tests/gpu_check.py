@@ -34,12 +34,13 @@ import xml.etree.ElementTree as ET
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",  # and what inductor's
-       "TORCH_LOGS": "torch._inductor.codecache,torch._functorch._aot_autograd.autograd_cache"}  # caches do (caches())
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 # Seconds per part, from the H200 runs (results/h200-2026-11-2[67]; a Base graph compiles in 45-75 s): a's 15 tests
 # cut at 280 s; b's bench.py processes 111-251 s each; c: data 11 s, the whole run 182 s, each torchrun resume 90 s
 # (its graph compiled for 60 s again); d 42 s; e: eval.py 22-32 s x 3, cka.py 10-12 s x 4, demo.py --quick ~150 s.
 BUDGETS = {"a": 330, "b": 780, "c": 390, "d": 60, "e": 290}
+# c's train.py runs log what inductor's caches do, for caches() (2 s more at each start: those runs only)
+CACHE_LOGS = dict(TORCH_LOGS="torch._inductor.codecache,torch._functorch._aot_autograd.autograd_cache")
 CACHE_LINES = {"fx_graph hits": "fx graph cache hit for key", "fx_graph misses": "fx graph cache miss for key",
                "fx_graph bypassed": "Bypassing FX Graph Cache", "aot_autograd hits": "AOTAutograd cache hit",
                "aot_autograd misses": "AOTAutograd cache miss", "aot_autograd bypassed": "Bypassing autograd cache"}
@@ -172,7 +173,7 @@ def training(ctx, deadline):
             "--log_interval=1", "--eval_interval=1000000", "--eval_windows=8", "--ckpt_interval=1000000",
             "--ckpt_every_minutes=0", f"--compile={'True' if cuda else 'aot_eager'}"]  # CPU: no C++ build
     whole, resumed, log = ctx.whole, os.path.join(ctx.work, "c_resumed"), ctx.log("c_whole.log")
-    code, seconds = run([PY, *args, f"--out_dir={whole}"], log, deadline)
+    code, seconds = run([PY, *args, f"--out_dir={whole}"], log, deadline, CACHE_LOGS)
     if code != 0:
         return dict(ok=False, summary=f"train.py {outcome(code)}: see logs/c_whole.log")
     records, rows = metrics(whole), []
@@ -194,10 +195,11 @@ def training(ctx, deadline):
     # in place), SIGTERM once it logs a step, the same command again, its losses against the uninterrupted run's.
     start, first, second = n[0] + n[1], ctx.log("c_resume_1.log"), ctx.log("c_resume_2.log")
     shutil.copytree(os.path.join(whole, f"ckpt-{start}"), os.path.join(resumed, f"ckpt-{start}"), copy_function=os.link)
-    code1 = run([*TORCHRUN, *args, f"--out_dir={resumed}"], first, deadline,
+    code1 = run([*TORCHRUN, *args, f"--out_dir={resumed}"], first, deadline, CACHE_LOGS,
                 sigterm=lambda: os.path.isfile(os.path.join(resumed, "metrics.jsonl")))[0]
     stopped = [int(x) for x in found(r"stopped by SIGTERM at step (\d+)", first)]
-    code2 = run([*TORCHRUN, *args, f"--out_dir={resumed}"], second, deadline)[0] if stopped else "not run"
+    code2 = run([*TORCHRUN, *args, f"--out_dir={resumed}"], second, deadline, CACHE_LOGS)[0] if stopped else (
+        "not run")
     a, b = ({r["step"]: {k: v for k, v in r.items() if k.endswith("loss")} for r in got if r["step"] > start}
             for got in (records, metrics(resumed)))
     resume = dict(exit_on_sigterm=code1, stopped_at=stopped, exit_after=code2, wrote_final=bool(found(
