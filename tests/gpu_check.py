@@ -1,8 +1,8 @@
 """
 The GPU check: what a session with a lent GPU runs first, one command that writes one folder.
 
-    python tests/gpu_check.py --parts c e --out results/DEVICE-DATE/check_ce   # parts in calls of < 10 minutes
-    python tests/gpu_check.py --tiny --out /tmp/gpu_check                      # the same code on CPU, tiny sizes
+    python tests/gpu_check.py --parts c e --budget c=330 e=200 --out results/DEVICE-DATE/check_ce  # < 10 minutes
+    python tests/gpu_check.py --tiny --out /tmp/gpu_check     # the same code on CPU, tiny sizes
 
 It runs the project's scripts as a user does and tables what they wrote: a. tests/test_gpu.py; b. bench.py at the
 paper's shape; c. train.py compiled (Base, 4 x 8192 tokens, CLM -> MLM 30% -> MLM 15% decay), its phase-2 checkpoint
