@@ -39,7 +39,8 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHON
 # cut at 280 s; b's bench.py processes 111-251 s each; c: data 11 s, the whole run 182 s, each torchrun resume 90 s
 # (its graph compiled for 60 s again); d 42 s; e: eval.py 22-32 s x 3, cka.py 10-12 s x 4, demo.py --quick ~150 s.
 BUDGETS = {"a": 330, "b": 780, "c": 390, "d": 60, "e": 290}
-# c's train.py runs log what inductor's caches do, for caches() (2 s more at each start: those runs only)
+# c's train.py runs log what inductor's caches do, for caches() (2 s more at each start: those runs only), in these
+# words (found() takes them as patterns: they hold no regex characters)
 CACHE_LOGS = dict(TORCH_LOGS="torch._inductor.codecache,torch._functorch._aot_autograd.autograd_cache")
 CACHE_LINES = {"fx_graph hits": "fx graph cache hit for key", "fx_graph misses": "fx graph cache miss for key",
                "fx_graph bypassed": "Bypassing FX Graph Cache", "aot_autograd hits": "AOTAutograd cache hit",
@@ -218,9 +219,8 @@ def training(ctx, deadline):
 def caches(log):
     """What inductor's caches did in a train.py run, from its log: hits, misses, bypasses and why. A resumed run
     compiles the whole run's graphs again, each a hit where the caches work (torch 2.11 on an H200: 60 s, as cold)."""
-    text = open(log, errors="replace").read() if os.path.isfile(log) else ""
-    why = re.findall(r"Bypassing (?:FX Graph Cache because|autograd cache due to:) '?([^\n']+)", text)
-    return dict(run=os.path.basename(log), **{k: text.count(line) for k, line in CACHE_LINES.items()},
+    why = found(r"Bypassing (?:FX Graph Cache because|autograd cache due to:) '?([^\n']+)", log)
+    return dict(run=os.path.basename(log), **{k: len(found(line, log)) for k, line in CACHE_LINES.items()},
                 why="; ".join(sorted(set(w.strip() for w in why)))[:300])
 
 
