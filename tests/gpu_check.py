@@ -85,7 +85,8 @@ def run(cmd, log, deadline, env=None, sigterm=None):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-    print(f"    {outcome(code)} in {time.time() - started:.0f} s: {log}", flush=True)
+    quiet = time.time() - os.path.getmtime(log)  # a command that said its last line and then hung: how long
+    print(f"    {outcome(code)} in {time.time() - started:.0f} s, {quiet:.0f} s after its last output: {log}", flush=True)
     return code, time.time() - started
 
 
