@@ -86,7 +86,8 @@ def run(cmd, log, deadline, env=None, sigterm=None):
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait()
     quiet = time.time() - os.path.getmtime(log)  # a command that said its last line and then hung: how long
-    print(f"    {outcome(code)} in {time.time() - started:.0f} s, {quiet:.0f} s after its last output: {log}", flush=True)
+    print(f"    {outcome(code)} in {time.time() - started:.0f} s, {quiet:.0f} s after its last output: {log}",
+          flush=True)
     return code, time.time() - started
 
 
