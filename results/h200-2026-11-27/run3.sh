@@ -21,7 +21,8 @@ wait
 step demo $(( $(left) < 260 ? $(left) : 260 )) python demo.py --quick --out "$D"
 cp "$D/report.md" "$OUT/demo_report.md" 2>/dev/null
 step bench_variable_clm $(( $(left) - 15 )) python bench.py --size ${SIZE:-base} --seq_len ${SEQ:-8192} \
-    --batch_size 4 --steps 5 --warmup 2 --cases variable --objectives clm --skip attention loss data --out "$OUT/bench_variable_clm.json"
+    --batch_size 4 --steps 5 --warmup 2 --cases variable --objectives clm --skip attention loss data \
+    --out "$OUT/bench_variable_clm.json"
 mv "$OUT/check_c/logs" "$L/check_c" 2>/dev/null; cp -r "$D/logs" "$L/demo" 2>/dev/null
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$L"
 cat "$OUT/steps.txt"
