@@ -160,7 +160,7 @@ def tokenizer_of(paths, override, max_len):
     for p in paths:
         config = checkpoint_config(p, p)
         with user_error():
-            config.check_positions(max_len, f"--max_len {max_len}", f"pass --max_len {config.max_position_embeddings} "
+            config.check_positions(max_len, "--max_len {}", f"pass --max_len {config.max_position_embeddings} "
                                    "or less", whose=f"{p}'s ")
     if override:
         try:

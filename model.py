@@ -67,9 +67,12 @@ class ModernBertConfig:
         return layer % self.global_attn_every_n_layers == 0
 
     def check_positions(self, length, what, fix, whose=""):
-        """`what` (`length` tokens) within RoPE's tables, which end at max_position_embeddings; else a ValueError."""
+        """`what` (`length` tokens, "{}" in it where the number goes) within RoPE's tables, which end at
+        max_position_embeddings; else a ValueError. The message is made only then: compiled with dynamic shapes,
+        length is symbolic, and formatting it would break the graph."""
         if length > self.max_position_embeddings:
-            raise ValueError(f"{what} is beyond {whose}max_position_embeddings={self.max_position_embeddings}: {fix}")
+            raise ValueError(f"{what.format(length)} is beyond {whose}max_position_embeddings="
+                             f"{self.max_position_embeddings}: {fix}")
 
     @classmethod
     def large(cls, **kw):
@@ -267,7 +270,7 @@ class ModernBertModel(nn.Module):
         """tokens (T,) -> hidden states (T, H) after the final norm; with return_layers, also the L layer outputs,
         each (T, H), before the final norm (what cka.py compares)."""
         c = self.config
-        c.check_positions(max_seqlen, f"a sequence of {max_seqlen} tokens", "cut sequences to that length")
+        c.check_positions(max_seqlen, "a sequence of {} tokens", "cut sequences to that length")
         backend = self.attention_backend(tokens.device, packed=tokens.shape[0] == max_seqlen * (len(cu_seqlens) - 1))
         packing = Packing(tokens.shape[0], cu_seqlens, max_seqlen, causal, c.local_attention // 2, backend)
         # The rows of this batch's positions, cast once to the dtype q and k have (autocast's, else the weights'):

@@ -133,7 +133,7 @@ def check_model_config(c):
     m = (ModernBertConfig.large if c.model_size == "large" else ModernBertConfig)(**{**ids, **c.model_config})
     with user_error():
         hf.check_config(m, "model_config", "fix the config or the --model_config")
-        m.check_positions(c.seq_len, f"seq_len={c.seq_len}", f"use --seq_len={m.max_position_embeddings} or less, or "
+        m.check_positions(c.seq_len, "seq_len={}", f"use --seq_len={m.max_position_embeddings} or less, or "
                           f"set model_config's max_position_embeddings to {c.seq_len}", whose="model_config's ")
 
 
@@ -173,7 +173,7 @@ def check_run(c, steps, world):
         except (OSError, ValueError):
             continue  # a damaged checkpoint: resume warns and skips it
         with user_error():
-            config.check_positions(c.seq_len, f"seq_len={c.seq_len}", f"use --seq_len={config.max_position_embeddings} "
+            config.check_positions(c.seq_len, "seq_len={}", f"use --seq_len={config.max_position_embeddings} "
                                    "or less, or a new out_dir", whose=f"the run in {c.out_dir}'s ")
         break
     return meta
@@ -193,7 +193,7 @@ def check_init_from(path, meta=None, data_dir=None, seq_len=None):
         open(hf.weights_file(path), "rb").close()
     if seq_len:
         with user_error():
-            config.check_positions(seq_len, f"seq_len={seq_len}", f"use --seq_len={config.max_position_embeddings} or "
+            config.check_positions(seq_len, "seq_len={}", f"use --seq_len={config.max_position_embeddings} or "
                                    f"less, or a checkpoint with {seq_len} positions or more", whose=f"init_from={path}'s ")
     if meta is None:
         return

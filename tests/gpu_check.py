@@ -221,9 +221,9 @@ def training(ctx, deadline):
 def caches(log):
     """What inductor's caches did in a train.py run, from its log: hits, misses, bypasses and why. A resumed run
     compiles the whole run's graphs again, each a hit where the caches work (torch 2.11 on an H200: 60 s, as cold)."""
-    why = found(r"Bypassing (?:FX Graph Cache because|autograd cache due to:) '?([^\n']+)", log)
+    why = found(r"Bypassing (?:FX Graph Cache because|autograd cache due to:) ([^\n]+)", log)  # "Won't cache ..."
     return dict(run=os.path.basename(log), **{k: len(found(line, log)) for k, line in CACHE_LINES.items()},
-                why="; ".join(sorted(set(w.strip() for w in why)))[:300])
+                why="; ".join(sorted(set(w.strip(" '") for w in why)))[:300])
 
 
 def write_tasks(folder, n):

@@ -68,17 +68,19 @@ def test_the_check_runs_every_part_on_cpu(tmp_path):
 
 def test_the_caches_table_reads_what_torch_logs(tmp_path):
     """caches() on a resumed train.py's lines, as torch 2.13 logged them (TORCH_LOGS as the check sets it) before
-    compile_model let AOTAutograd's cache take the chunked loss: two FX graph hits, AOTAutograd bypassed."""
+    compile_model let AOTAutograd's cache take the chunked loss: two FX graph hits, AOTAutograd bypassed; and the
+    reason torch 2.11 gave under torchrun on an H200 (DDP's graph), with the quote in it."""
     at = "I1127 14:43:17.312000 16224 site-packages/torch/_functorch/_aot_autograd/autograd_cache.py:1077] [0/0] "
     (tmp_path / "c_resume_2.log").write_text(
         f"{at}Bypassing autograd cache due to: Unsupported call_function target autograd_function_apply. \n"
-        f"{at} Function module: torch.ops.higher_order, \n" + "".join(
+        f"{at} Function module: torch.ops.higher_order, \n"
+        f"[rank0]:{at}Bypassing autograd cache due to: Won't cache a graph with fakify_first_call enabled\n" + "".join(
             "I1127 14:43:25.065000 16224 site-packages/torch/_inductor/codecache.py:2299] [0/0] fx graph cache hit for "
             f"key {key}\n" for key in ("faul7yq5xcnhnw6oz6647", "faeble2zp7qetn5wp6yev")) + "decay mlm step 15/68\n")
     assert gpu_check.caches(str(tmp_path / "c_resume_2.log")) == {
         "run": "c_resume_2.log", "fx_graph hits": 2, "fx_graph misses": 0, "fx_graph bypassed": 0,
-        "aot_autograd hits": 0, "aot_autograd misses": 0, "aot_autograd bypassed": 1,
-        "why": "Unsupported call_function target autograd_function_apply."}
+        "aot_autograd hits": 0, "aot_autograd misses": 0, "aot_autograd bypassed": 2, "why": "Unsupported "
+        "call_function target autograd_function_apply.; Won't cache a graph with fakify_first_call enabled"}
 
 
 def test_a_cut_short_pytest_keeps_what_its_finished_tests_printed(tmp_path):
