@@ -213,6 +213,7 @@ def report(args, s, out, task_dir, kind, timings, total):
     evals = {name: json.load(open(os.path.join(out, f"eval_{name}", "results.json"))) for name in ("clm", "mlm")}
 
     pct = lambda x: f"{100 * x['mean']:.2f} ± {100 * x['std']:.2f}"  # noqa: E731
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None  # where the scripts ran ("auto")
     lines = ["# CLM detour: demo report", "",
              f"Wall time {total / 60:.1f} min. Domain: "
              f"{', '.join(args.domain) if args.domain else 'built-in (PyTorch/NumPy docstrings)'}; "
@@ -223,11 +224,14 @@ def report(args, s, out, task_dir, kind, timings, total):
              f"- CKA: {s['cka_n']} held-out texts x seeds 42,43,44, mean pooling, float64",
              f"- eval: {s['eval_epochs']} epochs x seeds {s['eval_seeds']}, lr {s['eval_lr']} (a tiny model takes a "
              f"larger step than the paper's 5e-5), max_len {s['eval_max_len']}",
-             f"- versions: Python {platform.python_version()}, torch {torch.__version__}, numpy {numpy.__version__} "
-             "(the built-in corpora are their docstrings and the standard library's: other versions, other numbers)",
+             f"- device: {gpu + ', bfloat16' if gpu else 'CPU, float32'}; versions: Python "
+             f"{platform.python_version()}, torch {torch.__version__}, numpy {numpy.__version__} (the built-in "
+             "corpora are their docstrings and the standard library's: other versions, other numbers)",
              "- steps: " + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items()), "",
              "## Final validation loss per arm (after the decay)", "",
-             "Losses to 3 decimals: with other CPU kernels (AVX2 instead of AVX-512) they moved by up to 2e-5.", "",
+             "Losses to 3 decimals: " + ("a GPU computes in bfloat16, so they differ from a CPU run's." if gpu else
+                                         "with other CPU kernels (AVX2 instead of AVX-512) they moved by up to 2e-5."),
+             "",
              "| arm | phase 1 | val MLM loss (15%) | val CLM loss |", "|---|---|---|---|"]
     for name, (rec, _) in arms.items():
         lines.append(f"| {name} | {' '.join(ARMS[name])} | {rec['val_mlm_loss']:.3f} | {rec['val_clm_loss']:.3f} |")
