@@ -225,7 +225,7 @@ def representations(path, sample, tok, args, process, n_layers=None):
     n_layers = model.config.num_hidden_layers
     if process.rank == 0 and not args.runs:  # a trajectory's progress bar says where it is
         with autocast:
-            backend = model.eval().model.attention_backend(process.device)
+            backend = model.eval().model.attention_backend(process.device, packed=False)  # texts of any length
         print(f"{path}: {process.device}, {str(dtype).removeprefix('torch.')}, attention {backend}"
               + threads.describe())
     name = "/".join(path.rstrip("/").split("/")[-2:])

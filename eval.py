@@ -488,7 +488,7 @@ def check_model(path, tokenizer, device, dtype):
         config = ModernBertForSequenceClassification.from_pretrained(path, id2label={"0": "a", "1": "b"}).config
     check_vocab(tok.vocab_size, config, "the tokenizer", f"--model {path}",
                 "pass the tokenizer the model was trained with (--tokenizer)")
-    backend = pick_backend(config.attn_backend, device, dtype, config.attention_dropout)
+    backend = pick_backend(config.attn_backend, device, dtype, config.attention_dropout, packed=False)  # examples
     return tok, {"family": "modernbert", "max_len": config.max_position_embeddings,
                  "code": f"model.py ModernBertForSequenceClassification / ModernBertForTokenClassification, unpadded, "
                          f"attention {backend}"}

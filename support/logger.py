@@ -146,7 +146,8 @@ def announce(c, model, schedule, process, dtype, compiled, resumed_at):
     accum = c.global_batch_size // (c.micro_batch_size * process.world)
     group = f" ({dist.get_backend()} DDP)" if dist.is_initialized() else ""  # under torchrun, a world of one too
     print(f"world {process.world}{group}, accumulation {accum}; {process.device}, {str(dtype).removeprefix('torch.')}, "
-          f"attention {model.model.attention_backend(process.device)}, compile {compiled or 'off'}"
+          f"attention {model.model.attention_backend(process.device, packed=not c.split_docs)}, compile "
+          f"{compiled or 'off'}"
           + threads.describe())
     print(f"phases ({'from the phases key' if c.phases else 'the two built from objective, tokens, decay_frac'}):")
     print("\n".join(f"  {line}" for line in phase_lines(schedule, per_step, c.lr)))

@@ -38,6 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repo root, run as a script
 
 import torch  # noqa: E402
+from torch.nn.attention import SDPBackend  # noqa: E402
 from torch.nn.attention.varlen import varlen_attn  # noqa: E402
 
 from support import kernels  # noqa: E402  (first: the flash-attn it imports is the environment's, if it has one)
@@ -208,11 +209,15 @@ def _varlen_attn_backward_cpu(grad_out, query, key, value, out, lse, cu_seq_q, c
 
 # -----------------------------------------------------------------------------
 
+CUDNN_STAND_IN = [SDPBackend.FLASH_ATTENTION]
+
 
 def install(monkeypatch, backends=("flash", "varlen")):
     """Make the model see the kernels on the CPU. backends: which of the two exist (as when flash-attn is,
-    or is not, installed)."""
+    or is not, installed). cuDNN's attention, which "auto" gives the global layers of packed batches, is SDPA
+    restricted to one kernel: here SDPA's CPU flash kernel stands in for it."""
     monkeypatch.setattr(kernels, "KERNEL_DEVICE", "cpu")
+    monkeypatch.setitem(kernels.SDPA_KERNELS, "cudnn", CUDNN_STAND_IN)
     monkeypatch.setattr(kernels, "flash_attn_varlen_func", flash_attn_varlen_func if "flash" in backends else None)
     monkeypatch.setattr(kernels, "varlen_attn", varlen_attn if "varlen" in backends else None)
     monkeypatch.delenv("MODERNBERT_ATTN", raising=False)
@@ -232,6 +237,7 @@ def _report():
 if __name__ == "__main__":
     backends = os.environ.get("CPU_KERNELS", "flash,varlen").split(",")
     kernels.KERNEL_DEVICE = "cpu"
+    kernels.SDPA_KERNELS["cudnn"] = CUDNN_STAND_IN
     kernels.flash_attn_varlen_func = flash_attn_varlen_func if "flash" in backends else None
     kernels.varlen_attn = varlen_attn if "varlen" in backends else None
     atexit.register(_report)

@@ -64,20 +64,26 @@ def test_a_run_compiles_one_graph_per_mask(tiny, tmp_path, keep_signal_handlers)
         assert s == t and abs(a - b) <= 1e-5 * abs(b)
 
 
-@pytest.mark.parametrize("kernel", [pytest.param("flash", marks=needs_flash), "varlen"])
+@pytest.mark.parametrize("kernel", [pytest.param("flash", marks=needs_flash), "varlen", "cudnn"])
 def test_a_run_through_each_kernel_compiles_one_graph_per_mask(tiny, tmp_path, monkeypatch, keep_signal_handlers,
-                                                               kernel):
+                                                               capsys, kernel):
     """The real wrappers (tests/cpu_kernels.py) under torch.compile and bf16 autocast, CLM then MLM. flash-attn
     broke the graph at every layer when model.py gave it one tensor as both cu_seqlens_q and cu_seqlens_k
-    ("autograd.Function.apply: duplicate tensor input"): 14 graphs and 11 breaks for these 3 layers."""
-    cpu_kernels.install(monkeypatch, backends=(kernel,))
+    ("autograd.Function.apply: duplicate tensor input"): 14 graphs and 11 breaks for these 3 layers. cudnn: "auto"
+    on a GPU without flash-attn, SDPA restricted to one kernel in the global layers (SDPA's CPU flash kernel stands
+    in for cuDNN's), varlen_attn in the local ones."""
+    cpu_kernels.install(monkeypatch, backends=("varlen",) if kernel == "cudnn" else (kernel,))
     torch._dynamo.reset()
     counters.clear()
     over = dict(tokens=4 * 32, decay_frac=3.0, dtype="bfloat16")  # 1 CLM step, 3 MLM steps, 2 micro batches each
-    train.main(run_args(tiny, tmp_path / "compiled", compile="aot_eager", **over))
+    backend = "auto" if kernel == "cudnn" else kernel
+    train.main(run_args(tiny, tmp_path / "compiled", compile="aot_eager", attn_backend=backend, **over))
     graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     print(f"{kernel}: 4 steps (1 CLM, 3 MLM): {graphs} compiled graphs, {breaks} graph breaks")
-    assert {c["causal"] for c in cpu_kernels.calls[kernel]} == {True, False}  # the kernel ran, both masks
+    if kernel == "cudnn":  # test_kernels checks the cuDNN layers' SDPA call
+        assert "attention global cudnn, local varlen" in capsys.readouterr().out and cpu_kernels.calls["varlen"]
+    else:
+        assert {c["causal"] for c in cpu_kernels.calls[kernel]} == {True, False}  # the kernel ran, both masks
     assert breaks == 0 and graphs == 2
     train.main(run_args(tiny, tmp_path / "eager", compile=False, **over))
     for (s, a, _), (t, b, _) in zip(train_losses(tmp_path / "compiled"), train_losses(tmp_path / "eager")):

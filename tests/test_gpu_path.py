@@ -123,9 +123,9 @@ def test_model_through_each_kernel_matches_sdpa(monkeypatch, backend, causal, pa
                               num_attention_heads=4, local_attention=window, **SPECIAL)
     model = randomized(config).train()  # training mode: the backend is chosen as in a training step
     lengths = [1, 5, 37, 20] if padded else [24, 24, 24]  # packed windows all have the same length
-    out, grads = run_model(model, "auto", causal, padded, lengths)
+    out, grads = run_model(model, backend, causal, padded, lengths)
     seen = cpu_kernels.calls[backend]
-    assert len(seen) == config.num_hidden_layers, "auto did not select the kernel in every layer"
+    assert len(seen) == config.num_hidden_layers, "the kernel did not run in every layer"
     half = window // 2
     want = {(-1, 0), (half, 0)} if causal else {(-1, -1), (half, half)}
     assert {c["window"] for c in seen} == want and {c["dtype"] for c in seen} == {torch.bfloat16}
@@ -147,8 +147,8 @@ def test_float32_forward_never_reaches_a_kernel(monkeypatch):
     model(ids)  # auto: SDPA
     assert not cpu_kernels.calls["flash"] and not cpu_kernels.calls["varlen"]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert str(model.model.attention_backend(ids.device)) == "flash"
-    for backend in ("flash", "varlen"):
+        assert str(model.model.attention_backend(ids.device)) == "global cudnn, local flash"
+    for backend in ("flash", "varlen", "cudnn"):
         model.config.attn_backend = backend
         with pytest.raises(RuntimeError, match="float16 or bfloat16.*--dtype=bfloat16"):
             model(ids)

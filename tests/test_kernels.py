@@ -13,7 +13,6 @@ tests/test_gpu.py runs both kernels themselves on a GPU, with their backward.
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend
 
 import cpu_kernels
 from model import ModernBertConfig, Packing, attention
@@ -30,17 +29,16 @@ def pick(requested="auto", dtype=BF16, dropout_p=0.0, packed=True):
     return kernels.pick_backend(requested, CPU, dtype, dropout_p, packed)
 
 
-def test_auto_keeps_todays_kernel_and_the_switch_is_one_line(monkeypatch):
+def test_auto_picks_the_fastest_kernel_per_layer_type_and_falls_back(monkeypatch):
     cpu_kernels.install(monkeypatch, backends=("varlen",))  # a GPU without flash-attn, as the H200 runs were
-    assert pick() == BOTH("varlen")
-    assert pick(dtype=torch.float32) == BOTH("sdpa")  # the kernels take bf16 / fp16 only
-    assert pick(dropout_p=0.1) == BOTH("sdpa")  # varlen_attn has no attention-probability dropout
-    monkeypatch.setitem(kernels.AUTO, "global", ("cudnn", "flash", "varlen", "sdpa"))
-    assert pick() == {"global": "cudnn", "local": "varlen"}
+    assert pick() == {"global": "cudnn", "local": "varlen"}  # packed: cuDNN where there is no window
     assert pick(packed=False) == BOTH("varlen")  # documents kept apart: cuDNN would need a mask
-    assert pick(dtype=torch.float32) == BOTH("sdpa")
+    assert pick(dtype=torch.float32) == BOTH("sdpa")  # the kernels take bf16 / fp16 only
+    assert pick(dropout_p=0.1) == {"global": "cudnn", "local": "sdpa"}  # varlen_attn has no attention dropout
+    cpu_kernels.install(monkeypatch, backends=("flash", "varlen"))
+    assert pick() == {"global": "cudnn", "local": "flash"} and pick(packed=False) == BOTH("flash")
     monkeypatch.setattr(kernels, "KERNEL_DEVICE", "cuda")  # a CPU, as it is
-    assert pick() == BOTH("sdpa")
+    assert pick() == BOTH("sdpa") and pick(packed=False) == BOTH("sdpa")
 
 
 def test_forced_backends_and_their_refusals(monkeypatch):
@@ -149,7 +147,7 @@ def test_cudnn_layers_attend_the_packed_view_with_no_mask(monkeypatch, causal):
     off); the local layers SDPA with their window's mask, any kernel, as before. bf16 autocast, forward and
     backward, against SDPA in float32. A batch of documents kept apart falls back to SDPA in every layer."""
     monkeypatch.setattr(kernels, "KERNEL_DEVICE", "cpu")
-    monkeypatch.setitem(kernels.SDPA_KERNELS, "cudnn", [SDPBackend.FLASH_ATTENTION])
+    monkeypatch.setitem(kernels.SDPA_KERNELS, "cudnn", cpu_kernels.CUDNN_STAND_IN)
     monkeypatch.setitem(kernels.AUTO, "global", ("cudnn", "sdpa"))
     calls, sdpa = [], F.scaled_dot_product_attention
 
