@@ -244,10 +244,11 @@ def float32_run(tiny, tmp_path_factory):  # noqa: F811
     return train_losses(out)
 
 
-@pytest.mark.parametrize("backend", [*KERNELS, "sdpa"])
+@pytest.mark.parametrize("backend", ["auto", *KERNELS, "sdpa"])
 def test_train_steps_with_each_backend(tiny, tmp_path, float32_run, backend):  # noqa: F811
-    """train.py compiled, bf16, with each backend, against the float32 eager run: the same steps, losses within
-    bf16 noise (a run that does not learn stays at its first losses: 8% off by step 10 at this lr)."""
+    """train.py compiled, bf16, with each backend ("auto": cuDNN in the global layers, a kernel in the local ones),
+    against the float32 eager run: the same steps, losses within bf16 noise (a run that does not learn stays at its
+    first losses: 8% off by step 10 at this lr)."""
     train(tiny, tmp_path, f"--attn_backend={backend}", "--attn_out_dropout=0.0", "--compile=True")
     got, ref = train_losses(tmp_path), float32_run
     diff = max(abs(a - b) / abs(b) for (_, a, _), (_, b, _) in zip(got, ref))
