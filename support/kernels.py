@@ -33,14 +33,15 @@ BACKENDS = ("flash", "varlen", "cudnn", "flex", "sdpa")
 LAYER_TYPES = ("global", "local")
 # "auto", per layer type: the first of these that runs here. bench.py's attention section on an H200 (torch 2.11,
 # results/h200-2026-11-27/call3), forward + backward at 4 x 8192: the global layers of packed batches, cuDNN 6.7 ms
-# bidirectional and 3.9 causal against varlen_attn's 11.2 and 6.1 (FlashAttention-2; FlexAttention 15.0 and 8.8);
-# documents kept apart (cuDNN has no bounds for them) and the local layers, varlen_attn, 1.6-2.4x ahead of FlexAttention.
+# bidirectional and 3.9 causal against varlen_attn's 11.2 and 6.1 (FlashAttention-2; FlexAttention 15.0 and 8.8).
+# Documents kept apart (cuDNN has no bounds for them) and the local layers: varlen_attn, 1.6-2.4x ahead of Flex.
 AUTO = {"global": ("cudnn", "flash", "varlen", "sdpa"), "local": ("flash", "varlen", "sdpa")}
 # The fused kernels run on CUDA and take float16 / bfloat16 q, k, v only; a float32 forward attends with SDPA.
 # tests/cpu_kernels.py sets KERNEL_DEVICE to "cpu" to run the kernels' real wrappers there on an emulated kernel.
 KERNEL_DEVICE = "cuda"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 SDPA_KERNELS = {"cudnn": [SDPBackend.CUDNN_ATTENTION], "sdpa": None}  # the kernels SDPA may choose from (None: any)
+CUDNN = torch.backends.cudnn.is_available() and torch.version.hip is None  # NVIDIA's cuDNN (ROCm's "cudnn" is MIOpen)
 FLEX_BLOCK = 128  # FlexAttention's block of queries and of keys: a block mask says which (query, key) blocks to visit
 
 
@@ -126,8 +127,8 @@ def refusal(name, layer_type, device, dtype, dropout_p, packed):
     if name == "varlen" and (varlen_attn is None or not here):
         return ("attention backend 'varlen' needs CUDA and a PyTorch whose torch.nn.attention.varlen.varlen_attn has "
                 "window_size (2.10+)")
-    if name == "cudnn" and not here:
-        return "attention backend 'cudnn' (SDPA's cuDNN kernel) needs CUDA"
+    if name == "cudnn" and not (here and CUDNN):
+        return "attention backend 'cudnn' (SDPA's cuDNN kernel) needs CUDA and a PyTorch built with NVIDIA's cuDNN"
     if name == "cudnn" and (layer_type == "local" or not packed):
         return ("attention backend 'cudnn' (SDPA's cuDNN kernel) attends the global layers of packed batches only: it "
                 "has no window, and no bounds for documents kept apart; give it those alone (global=cudnn,local=varlen)"

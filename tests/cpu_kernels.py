@@ -218,6 +218,7 @@ def install(monkeypatch, backends=("flash", "varlen")):
     restricted to one kernel: here SDPA's CPU flash kernel stands in for it."""
     monkeypatch.setattr(kernels, "KERNEL_DEVICE", "cpu")
     monkeypatch.setitem(kernels.SDPA_KERNELS, "cudnn", CUDNN_STAND_IN)
+    monkeypatch.setattr(kernels, "CUDNN", True)  # as CUDA builds of PyTorch have it
     monkeypatch.setattr(kernels, "flash_attn_varlen_func", flash_attn_varlen_func if "flash" in backends else None)
     monkeypatch.setattr(kernels, "varlen_attn", varlen_attn if "varlen" in backends else None)
     monkeypatch.delenv("MODERNBERT_ATTN", raising=False)
@@ -237,7 +238,7 @@ def _report():
 if __name__ == "__main__":
     backends = os.environ.get("CPU_KERNELS", "flash,varlen").split(",")
     kernels.KERNEL_DEVICE = "cpu"
-    kernels.SDPA_KERNELS["cudnn"] = CUDNN_STAND_IN
+    kernels.SDPA_KERNELS["cudnn"], kernels.CUDNN = CUDNN_STAND_IN, True
     kernels.flash_attn_varlen_func = flash_attn_varlen_func if "flash" in backends else None
     kernels.varlen_attn = varlen_attn if "varlen" in backends else None
     atexit.register(_report)

@@ -37,6 +37,8 @@ def test_auto_picks_the_fastest_kernel_per_layer_type_and_falls_back(monkeypatch
     assert pick(dropout_p=0.1) == {"global": "cudnn", "local": "sdpa"}  # varlen_attn has no attention dropout
     cpu_kernels.install(monkeypatch, backends=("flash", "varlen"))
     assert pick() == {"global": "cudnn", "local": "flash"} and pick(packed=False) == BOTH("flash")
+    monkeypatch.setattr(kernels, "CUDNN", False)  # a ROCm build, or one without cuDNN
+    assert pick() == BOTH("flash")
     monkeypatch.setattr(kernels, "KERNEL_DEVICE", "cuda")  # a CPU, as it is
     assert pick() == BOTH("sdpa") and pick(packed=False) == BOTH("sdpa")
 
@@ -148,6 +150,7 @@ def test_cudnn_layers_attend_the_packed_view_with_no_mask(monkeypatch, causal):
     backward, against SDPA in float32. A batch of documents kept apart falls back to SDPA in every layer."""
     monkeypatch.setattr(kernels, "KERNEL_DEVICE", "cpu")
     monkeypatch.setitem(kernels.SDPA_KERNELS, "cudnn", cpu_kernels.CUDNN_STAND_IN)
+    monkeypatch.setattr(kernels, "CUDNN", True)
     monkeypatch.setitem(kernels.AUTO, "global", ("cudnn", "sdpa"))
     calls, sdpa = [], F.scaled_dot_product_attention
 
