@@ -77,7 +77,10 @@ def compile_model(model, backend="inductor", regional=False):
     A process that compiles a graph an earlier one compiled (a resume) loads it from inductor's caches
     (/tmp/torchinductor_USER, or TORCHINDUCTOR_CACHE_DIR). AOTAutograd's cache admits an autograd.Function, the
     chunked loss here, only when allowed; its forward and backward are traced into the graph that keys the cache,
-    so it is safe, and without it a resume traces the joint graph again (CPU, tiny: 10.2 s of compiling -> 5.9 s)."""
+    so it is safe, and without it a resume traces the joint graph again (CPU, tiny: 10.2 s of compiling -> 5.9 s).
+    It still refuses two graphs (torch 2.11-2.13), which then hit inductor's cache alone: DDP's (on an H200 under
+    torchrun: "fakify_first_call"), and one with SDPA restricted to a kernel, as the cuDNN layers are (pytorch#194007:
+    "_backend_from_string"); a step 1.6x faster in those layers is worth the trace a resume repeats."""
     import torch._functorch.config as functorch
     import torch._inductor.config as inductor
     if hasattr(inductor.triton, "mix_order_reduction_non_strict_mode"):
