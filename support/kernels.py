@@ -73,10 +73,10 @@ def compile_model(model, backend="inductor", regional=False):
     regional: compile each transformer block in place instead, and the head with its chunked loss, the rest eager. The
     blocks share one code, so dynamo compiles a graph per kind of block (the first, which has no attention norm;
     global; local) whatever the depth: three blocks and the loss to compile instead of the whole model. The loss's
-    passes over (rows, vocab) chunks are the costly part left to eager (CPU, Base, 1024 tokens: regional without it
-    ran MLM at 0.83x the whole compiled step, with it at 0.97x, CLM 1.02x; warm-up 35 s against 85-127 s; bench.py
-    --impls "ours compiled" "ours regional" sets them side by side). On CPU, SDPA attends documents kept apart one by one inside the blocks: a
-    graph per set of lengths.
+    passes over (rows, vocab) chunks are the costly part left to eager (CPU, Base, 1 x 1024 tokens, inductor, cold
+    caches: regional without it ran MLM at 0.83x the whole compiled step; with it MLM at 1.07x and CLM at 0.91x, after
+    warm-ups of 44 and 34 s against 144 and 73 s; bench.py --impls "ours compiled" "ours regional" measures both).
+    On CPU, SDPA attends documents kept apart one by one inside the blocks: a graph per set of lengths.
     A process that compiles a graph an earlier one compiled (a resume) loads it from inductor's caches
     (/tmp/torchinductor_USER, or TORCHINDUCTOR_CACHE_DIR). AOTAutograd's cache admits an autograd.Function, the
     chunked loss here, only when allowed; its forward and backward are traced into the graph that keys the cache,
