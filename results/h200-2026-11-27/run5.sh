@@ -6,7 +6,7 @@
 # the last only. From the H200's timings (a Base graph compiles in 45-65 s, a worker takes ~75 s): part 1 ~450 s,
 # 2 ~100 s, 3 ~260 s. `bash run5.sh [PART...]` runs those parts (default 1 2 3) in LIMIT seconds: a first call of
 # 560 s, then `bash run5.sh 3` (or what the first had no time for) on the warm machine.
-# SIZE=tiny SEQ=64 LIMIT=900 BACKENDS="auto sdpa": the same on CPU in ~8 minutes (varlen_attn is CUDA's).
+# SIZE=tiny SEQ=64 LIMIT=900 BACKENDS="auto sdpa": the same on CPU in ~6 minutes (varlen_attn is CUDA's).
 set -u
 OUT=${OUT:-/tmp/out}; END=$(( $(date +%s) + ${LIMIT:-560} )); L=$OUT/logs; mkdir -p "$L"
 left() { echo $(( END - $(date +%s) )); }
