@@ -144,14 +144,11 @@ def gradients(model, logits):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_cudnn_layers_attend_the_packed_view_with_no_mask(monkeypatch, causal):
-    """With "auto" switched to cuDNN for the global layers and SDPA's CPU flash kernel standing in for cuDNN's: the
-    global layers call SDPA on the (B, nh, S, hd) view, with no mask, restricted to that kernel (the math kernel
-    off); the local layers SDPA with their window's mask, any kernel, as before. bf16 autocast, forward and
-    backward, against SDPA in float32. A batch of documents kept apart falls back to SDPA in every layer."""
-    monkeypatch.setattr(kernels, "KERNEL_DEVICE", "cpu")
-    monkeypatch.setitem(kernels.SDPA_KERNELS, "cudnn", cpu_kernels.CUDNN_STAND_IN)
-    monkeypatch.setattr(kernels, "CUDNN", True)
-    monkeypatch.setitem(kernels.AUTO, "global", ("cudnn", "sdpa"))
+    """"auto" with neither flash-attn nor varlen_attn, SDPA's CPU flash kernel standing in for cuDNN's: the global
+    layers call SDPA on the (B, nh, S, hd) view, with no mask, restricted to that kernel (the math kernel off); the
+    local layers SDPA with their window's mask, any kernel. bf16 autocast, forward and backward, against SDPA in
+    float32. A batch of documents kept apart falls back to SDPA in every layer."""
+    cpu_kernels.install(monkeypatch, backends=())
     calls, sdpa = [], F.scaled_dot_product_attention
 
     def spy(q, k, v, attn_mask=None, **kw):  # (shape, no mask, causal, the math kernel allowed)
