@@ -1,7 +1,7 @@
 """
 The whole study of the paper, small, on CPU, with no download: one command.
 
-    python demo.py                       # 10-14 minutes on 2 free CPU cores -> out/demo/report.md
+    python demo.py                       # 10-15 minutes on 2 free CPU cores -> out/demo/report.md
     python demo.py --domain ../shared/data/biomed_sentences.txt --task ../shared/data/ncbi_disease \\
                    --out out/biomed      # a small biomedical replication
     python demo.py --base path/to/ModernBERT-base --domain corpus.jsonl --task my_task/
