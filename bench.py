@@ -809,10 +809,16 @@ def main(argv=None):
                         if args.profile and name == profiled:
                             spec["profile"] = os.path.join(args.profile, f"profile_{case}_{objective}.txt")
                         try:
-                            measured[name] = run_worker(spec)
+                            r = measured[name] = run_worker(spec)
                         except SystemExit as e:  # the other rows still count; the exit status says it at the end
                             print(e, file=sys.stderr)
                             failed.append(f"{case} {objective} {name}")
+                            continue
+                        # One line per worker, before the table: a run cut at its time limit keeps what finished.
+                        print(f"  {case} {objective} {name}: {r['tokens_per_s']:,.0f} tok/s, "
+                              f"{1000 * r['seconds']:.1f} ms/step, MFU {100 * r['flops_per_s'] / peak:.1f}%, "
+                              f"warm-up {r['warmup_seconds']:.1f} s"
+                              + ("" if r["compiles"] is None else f", {r['compiles']} graphs"), flush=True)
                     hf = measured.get("transformers") or measured.get("transformers compiled")
                     for name, r in measured.items():
                         rows.append({"case": case, "objective": objective, "impl": name,
@@ -825,8 +831,6 @@ def main(argv=None):
                                      "mem_vs_transformers": f"{r['peak_memory'] / max(hf['peak_memory'], 1):.2f}"
                                      if hf else "-", "warmup_s": f"{r['warmup_seconds']:.1f}",
                                      "compiles": "-" if r["compiles"] is None else r["compiles"], "raw": r})
-                    print(f"  {case} {objective}: " + ", ".join(f"{name} {r['tokens_per_s']:,.0f} tok/s"
-                                                               for name, r in measured.items()), flush=True)
         print(f"\n1. Training step (forward + backward + AdamW), median of {args.steps} steps; transformers with "
               f"attn_implementation={hf_backend} (CLM: bidirectional, it has no causal mask); memory: peak "
               f"{'allocated during' if device.type == 'cuda' else 'RSS added by'} the timed steps; MFU = training_flops "
