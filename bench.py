@@ -709,8 +709,8 @@ def parse_args(argv=None):
                    help="section 1's batches (tests/gpu_check.py runs one case and objective per process)")
     p.add_argument("--objectives", nargs="+", default=["mlm", "clm"], choices=["mlm", "clm"])
     p.add_argument("--impls", nargs="+", choices=IMPLS, help="section 1's implementations (default: ours, ours "
-                   "compiled where --compile is on, transformers); regional: each transformer block compiled, the rest "
-                   "eager")
+                   "compiled where --compile is on, transformers); regional: each transformer block and the loss "
+                   "compiled, the rest eager")
     p.add_argument("--attn_backends", nargs="+", default=["auto"], help="section 1: ours with each of these "
                    "attn_backend values, e.g. varlen (today's) global=cudnn,local=varlen")
     p.add_argument("--attn_sizes", nargs="+", choices=list(SIZES), help="section 2's heads (default: --size's)")
