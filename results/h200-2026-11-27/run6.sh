@@ -2,8 +2,8 @@
 # Prepared for the next device call (issue 57's report, what call5 had no time for), not yet run on a GPU. Sized from
 # call5's H200 timings: a bench.py worker of ours at Base 4 x 8192 takes its warm-up (40-57 s compiled) + ~20 s;
 # transformers' compiled MLM took over 114 s (on CPU it compiles 5 graphs).
-# 1. packed CLM: today's step (the loss's bias gradient a matmul, 076db89) with the profile, then the step before
-#    that change (fe14b4a, from `git archive`): ~160 s
+# 1. packed CLM: today's step (the loss's bias gradient a matmul, 076db89) with the profile, then the same tree with
+#    support/loss.py as it was before that change (fe14b4a's): ~160 s
 # 2. packed MLM, ours compiled, with the profile: ~70 s
 # 3. regional compilation, CLM and MLM: its warm-up and step against 1 and 2's: ~130 s
 # 4. packed MLM, transformers compiled (call5 measured its CLM: 98k tok/s, ours 2.74x): the rest of the call
@@ -14,7 +14,6 @@
 # SIZE=tiny SEQ=64 LIMIT=900: the same on CPU (every part exited 0, 8.5 minutes in all).
 set -u
 OUT=${OUT:-/tmp/out}; END=$(( $(date +%s) + ${LIMIT:-560} )); L=$OUT/logs; mkdir -p "$L"
-BEFORE=fe14b4a
 left() { echo $(( END - $(date +%s) )); }
 step() {  # NAME SECONDS COMMAND...: its log, exit code and seconds; SIGINT at the limit, SIGKILL 10 s later
     local name=$1 limit=$2 t0; shift 2; t0=$(date +%s)
@@ -34,7 +33,8 @@ export PYTHONUNBUFFERED=1
  git rev-parse HEAD; git status --short) > "$OUT/env.txt" 2>&1
 for part in ${@:-1 2 3 4}; do case $part in
 1)  bench packed_clm "$(cap 110)" --cases packed --objectives clm --impls "ours compiled" --profile "$L/profile"
-    mkdir -p /tmp/before && git archive "$BEFORE" | tar -x -C /tmp/before
+    mkdir -p /tmp/before && git archive HEAD | tar -x -C /tmp/before && git show fe14b4a:support/loss.py \
+        > /tmp/before/support/loss.py
     BENCH=/tmp/before/bench.py bench packed_clm_before "$(cap 100)" --cases packed --objectives clm \
         --impls "ours compiled" ;;
 2)  bench packed_mlm "$(cap 90)" --cases packed --objectives mlm --impls "ours compiled" --profile "$L/profile" ;;
