@@ -3,7 +3,7 @@
 # call5's H200 timings: a bench.py worker of ours at Base 4 x 8192 takes its warm-up (40-57 s compiled) + ~20 s;
 # transformers' compiled MLM took over 114 s (on CPU it compiles 5 graphs).
 # 1. packed CLM: today's step (the loss's bias gradient a matmul, 076db89) with the profile, then the same tree with
-#    support/loss.py as it was before that change (fe14b4a's): ~160 s
+#    support/loss.py as it was before that change (fe14b4a's), in a copy of the tree: ~160 s
 # 2. packed MLM, ours compiled, with the profile: ~70 s
 # 3. regional compilation, CLM and MLM: its warm-up and step against 1 and 2's: ~130 s
 # 4. packed MLM, transformers compiled (call5 measured its CLM: 98k tok/s, ours 2.74x): the rest of the call
@@ -33,10 +33,10 @@ export PYTHONUNBUFFERED=1
  git rev-parse HEAD; git status --short) > "$OUT/env.txt" 2>&1
 for part in ${@:-1 2 3 4}; do case $part in
 1)  bench packed_clm "$(cap 110)" --cases packed --objectives clm --impls "ours compiled" --profile "$L/profile"
-    mkdir -p /tmp/before && git archive HEAD | tar -x -C /tmp/before && git show fe14b4a:support/loss.py \
-        > /tmp/before/support/loss.py
-    BENCH=/tmp/before/bench.py bench packed_clm_before "$(cap 100)" --cases packed --objectives clm \
-        --impls "ours compiled" ;;
+    if rm -rf /tmp/before && cp -a . /tmp/before && git show fe14b4a:support/loss.py > /tmp/before/support/loss.py
+    then BENCH=/tmp/before/bench.py bench packed_clm_before "$(cap 100)" --cases packed --objectives clm \
+        --impls "ours compiled"
+    else echo "packed_clm_before: not run, no tree with fe14b4a's loss.py" >> "$OUT/steps.txt"; fi ;;
 2)  bench packed_mlm "$(cap 90)" --cases packed --objectives mlm --impls "ours compiled" --profile "$L/profile" ;;
 3)  bench packed_regional "$(cap 140)" --cases packed --objectives clm mlm --impls "ours regional" ;;
 4)  bench packed_mlm_transformers "$(cap 300)" --cases packed --objectives mlm --impls "transformers compiled" ;;
@@ -48,7 +48,7 @@ for part in ${@:-1 2 3 4}; do case $part in
     done ;;
 *)  echo "unknown part $part (1 to 6)" >> "$OUT/steps.txt" ;;
 esac; done
+grep -HE '^  (packed|variable) ' "$L"/*.log  # every finished worker's line, with its run's name
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$L"
 cat "$OUT/steps.txt"
-tar xzOf "$OUT/logs.tgz" --wildcards '*.log' | grep -E '^  (packed|variable) '  # every finished worker's line
 ls "$OUT"
