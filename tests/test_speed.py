@@ -226,9 +226,9 @@ def test_attention_pairs_match_a_brute_force_count():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_training_flops_counts_every_matmul(causal):
-    """6 x the block matmul weights (counted on a real model) x tokens + 6 x the head's on the predicted
-    rows + 12 x H x the pairs each layer's mask keeps (built here per layer, as the float64 reference
-    of test_model does), per real sequence length."""
+    """6 x the block matmul weights (counted on a real model) x tokens + (6 x the head's + 2 x the decoder bias's,
+    whose gradient is a matrix product) on the predicted rows + 12 x H x the pairs each layer's mask keeps (built
+    here per layer, as the float64 reference of test_model does), per real sequence length."""
     c = small_config("long_seqs")  # 4 layers: global, local, local, global; window +-4
     m = ModernBertForMaskedLM(c)
     block_weights = sum(p.numel() for n, p in m.named_parameters() if n.startswith("model.layers.") and p.ndim == 2)
@@ -244,7 +244,8 @@ def test_training_flops_counts_every_matmul(causal):
             if not c.is_global(layer):
                 allowed &= (q - k).abs() <= c.local_attention // 2
             pairs += int(allowed.sum())
-    expected = 6 * block_weights * sum(lengths) + 6 * head * R + 12 * c.hidden_size * pairs
+    head_rows = (6 * head + 2 * m.decoder.bias.numel()) * R
+    expected = 6 * block_weights * sum(lengths) + head_rows + 12 * c.hidden_size * pairs
     assert training_flops(c, lengths, causal, R) == expected
     assert training_flops(c, torch.tensor(lengths), causal, R) == expected  # cu_seqlens.diff() works too
 
