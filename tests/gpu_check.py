@@ -45,10 +45,10 @@ CACHE_LOGS = dict(TORCH_LOGS="torch._inductor.codecache,torch._functorch._aot_au
 CACHE_LINES = {"fx_graph hits": "fx graph cache hit for key", "fx_graph misses": "fx graph cache miss for key",
                "fx_graph bypassed": "Bypassing FX Graph Cache", "aot_autograd hits": "AOTAutograd cache hit",
                "aot_autograd misses": "AOTAutograd cache miss", "aot_autograd bypassed": "Bypassing autograd cache"}
-SIZES = {  # every: b's runs, all or every other; phases: c's steps, the decay outlasting a SIGTERM; examples: e's
+SIZES = {  # every: b's runs, all or the first; phases: c's steps, the decay outlasting a SIGTERM; examples: e's
     "full": dict(bench="base", every=1, seq_len=8192, micro=4, phases=(4, 4, 8), probe=["base", "large"], cap=64,
                  examples=64, model={"vocab_size": 50368}),
-    "tiny": dict(bench="tiny", every=2, seq_len=64, micro=2, phases=(4, 4, 60), probe=["tiny"], cap=4, examples=32,
+    "tiny": dict(bench="tiny", every=4, seq_len=64, micro=2, phases=(4, 4, 60), probe=["tiny"], cap=4, examples=32,
                  model=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2,
                             local_attention=16)),
 }

@@ -109,7 +109,7 @@ def wait_for(condition, proc, log, seconds=120):
         time.sleep(0.05)
 
 
-LONG = [f"--tokens={400 * 8 * 64}", "--ckpt_interval=20", "--eval_interval=100"]  # 500 steps: tens of seconds
+LONG = [f"--tokens={100 * 8 * 64}", "--ckpt_interval=20", "--eval_interval=100"]  # 125 steps: seconds
 
 
 def test_a_second_run_on_one_out_dir_is_refused_and_a_killed_one_resumes(data_dir, tmp_path):
@@ -123,7 +123,7 @@ def test_a_second_run_on_one_out_dir_is_refused_and_a_killed_one_resumes(data_di
     assert "choose another out_dir" in line and "step" not in second.stdout  # refused before any work
     assert first.wait() == 0  # undisturbed
     steps = [m["step"] for m in metrics(out)]
-    assert steps == sorted(set(steps)) and steps[-1] == 500  # each step logged once
+    assert steps == sorted(set(steps)) and steps[-1] == 125  # each step logged once
     print(f"second run refused: {line[:120]}...")
 
     # SIGKILL the holder: the kernel drops its lock, and the same command resumes with no manual step.
