@@ -297,7 +297,7 @@ def main(argv=None):
         print("3. base model: MLM on the general text", flush=True)
         timings["base"] = run(common + [f"--data_dir={data('general')}", f"--out_dir={os.path.join(out, 'base')}",
                                         "--init_from=scratch", "--objective=mlm", f"--tokens={s['base_tokens']}",
-                                        "--keep_every=0"],  # no trajectory of the base
+                                        "--keep_every=0", "--eval_interval=100"],  # no trajectory; no curve drawn
                               os.path.join(logs, "base.log"))
         base = os.path.join(out, "base", "final")
 
