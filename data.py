@@ -124,6 +124,9 @@ def _text(value, where):
                      "fix the line or choose another field with --text_field")
 
 
+BODIES = (ast.stmt, ast.excepthandler, ast.match_case)  # the nodes that hold statements: where definitions are
+
+
 def demo_documents(part):
     """The built-in demo corpus: docstrings of code installed with Python and this project's
     dependencies, read with `ast` (nothing imported, nothing downloaded, no text copied
@@ -137,6 +140,7 @@ def demo_documents(part):
     else:
         raise ValueError(f"unknown demo corpus part {part!r}: 'general' or 'domain'")
     skip = {"test", "tests", "testing", "idlelib", "lib2to3", "site-packages", "dist-packages", "_vendor"}
+    seen = set()  # a docstring repeated (a wrapper's, an alias's) is one document, so no task split shares a text
     for root, base in roots:
         for dirpath, dirnames, filenames in os.walk(root):
             dirnames[:] = sorted(d for d in dirnames if d not in skip and not d.startswith("."))
@@ -150,11 +154,14 @@ def demo_documents(part):
                         tree = ast.parse(f.read())
                 except (SyntaxError, UnicodeDecodeError, ValueError):
                     continue
-                for node in [tree, *ast.walk(tree)]:
+                nodes = [tree]  # breadth first, as ast.walk, but through statements only: no definition is in an expression
+                for node in nodes:
                     if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                         doc = ast.get_docstring(node)
-                        if doc and len(doc) >= 40:
+                        if doc and len(doc) >= 40 and doc not in seen:
+                            seen.add(doc)
                             yield module, doc
+                    nodes += [n for n in ast.iter_child_nodes(node) if isinstance(n, BODIES)]
 
 
 # -----------------------------------------------------------------------------

@@ -1,16 +1,18 @@
 """data.py: the objectives, the loader, prepare."""
 
+import ast
 import json
 import math
 import os
 import subprocess
 import sys
+import sysconfig
 
 import numpy as np
 import pytest
 import torch
 
-from data import Loader, clm_batch, load_meta, mlm_batch, prepare, read_documents
+from data import Loader, clm_batch, demo_documents, load_meta, mlm_batch, prepare, read_documents
 from support.tokenizer import load_tokenizer, train_bpe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -132,6 +134,25 @@ def test_loader_errors(tmp_path, shards):
 
 # -----------------------------------------------------------------------------
 # 3. prepare
+
+
+def test_demo_corpus_is_each_docstring_once_in_ast_walk_order():
+    """The built-in general corpus against ast.walk over some of the standard library's files (definitions in if
+    blocks, in except handlers, nested in classes): each module gives the docstrings of 40 characters or more that
+    ast.walk finds, in its order, less those an earlier module gave; no text twice in the corpus."""
+    corpus = list(demo_documents("general"))
+    texts = [doc for _, doc in corpus]
+    assert len(texts) > 1000 and len(set(texts)) == len(texts)
+    stdlib = sysconfig.get_paths()["stdlib"]
+    for module, path in (("os", "os.py"), ("hashlib", "hashlib.py"), ("queue", "queue.py"), ("argparse", "argparse.py"),
+                         ("json", "json/__init__.py"), ("json.decoder", "json/decoder.py")):
+        with open(os.path.join(stdlib, path), encoding="utf-8") as f:
+            nodes = ast.walk(ast.parse(f.read()))
+        docs = [ast.get_docstring(n) for n in nodes if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))]
+        first = next(i for i, (m, _) in enumerate(corpus) if m == module)
+        earlier = set(texts[:first])
+        expected = list(dict.fromkeys(d for d in docs if d and len(d) >= 40 and d not in earlier))
+        assert [doc for m, doc in corpus if m == module] == expected, module
 
 
 def test_prepare_writes_shards_and_meta(tmp_path):

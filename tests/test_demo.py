@@ -2,6 +2,7 @@
 (small), and every command the README gives after it, run on what the demo left."""
 
 import importlib
+import json
 import math
 import os
 import re
@@ -66,6 +67,10 @@ def test_demo_pipeline_quick(checkout):
     for png in ("loss.png", "divergence.png", "trajectory.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"({png})" in report
+    # The task's splits and the domain's texts (pretraining, held-out) share no text: nothing the test scores is seen
+    texts = {name: [json.loads(line)["text"] for line in (out / name).read_text().splitlines()] for name in
+             ("task/train.jsonl", "task/validation.jsonl", "task/test.jsonl", "text/domain.jsonl", "text/heldout.jsonl")}
+    assert all(texts.values()) and sum(map(len, texts.values())) == len(set().union(*texts.values()))
 
 
 def test_readme_table_has_the_digits_the_demo_prints_and_its_time(checkout):
