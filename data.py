@@ -124,7 +124,8 @@ def _text(value, where):
                      "fix the line or choose another field with --text_field")
 
 
-BODIES = (ast.stmt, ast.excepthandler, ast.match_case)  # the nodes that hold statements: where definitions are
+# The nodes that hold statements, where definitions are: none is in an expression, so the walk skips those.
+BODIES = (ast.stmt, ast.excepthandler, ast.match_case)
 
 
 def demo_documents(part):
@@ -154,7 +155,7 @@ def demo_documents(part):
                         tree = ast.parse(f.read())
                 except (SyntaxError, UnicodeDecodeError, ValueError):
                     continue
-                nodes = [tree]  # breadth first, as ast.walk, but through statements only: no definition is in an expression
+                nodes = [tree]  # breadth first, as ast.walk, through BODIES only
                 for node in nodes:
                     if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                         doc = ast.get_docstring(node)

@@ -148,7 +148,8 @@ def test_demo_corpus_is_each_docstring_once_in_ast_walk_order():
                          ("json", "json/__init__.py"), ("json.decoder", "json/decoder.py")):
         with open(os.path.join(stdlib, path), encoding="utf-8") as f:
             nodes = ast.walk(ast.parse(f.read()))
-        docs = [ast.get_docstring(n) for n in nodes if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))]
+        kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+        docs = [ast.get_docstring(n) for n in nodes if isinstance(n, kinds)]
         first = next(i for i, (m, _) in enumerate(corpus) if m == module)
         earlier = set(texts[:first])
         expected = list(dict.fromkeys(d for d in docs if d and len(d) >= 40 and d not in earlier))

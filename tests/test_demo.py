@@ -68,8 +68,8 @@ def test_demo_pipeline_quick(checkout):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"({png})" in report
     # The task's splits and the domain's texts (pretraining, held-out) share no text: nothing the test scores is seen
-    texts = {name: [json.loads(line)["text"] for line in (out / name).read_text().splitlines()] for name in
-             ("task/train.jsonl", "task/validation.jsonl", "task/test.jsonl", "text/domain.jsonl", "text/heldout.jsonl")}
+    files = ("task/train.jsonl", "task/validation.jsonl", "task/test.jsonl", "text/domain.jsonl", "text/heldout.jsonl")
+    texts = {name: [json.loads(line)["text"] for line in (out / name).read_text().splitlines()] for name in files}
     assert all(texts.values()) and sum(map(len, texts.values())) == len(set().union(*texts.values()))
 
 
