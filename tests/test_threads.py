@@ -122,4 +122,7 @@ def test_busy_seconds_counts_a_process_that_spins():
         spinner.kill()
         spinner.wait()
     tick = 1 / os.sysconf("SC_CLK_TCK")
-    assert spun >= 0.5 and 0.95 * spun - 2 * tick <= busy <= len(cpus) * wall + 2 * tick, (spun, busy, wall)
+    # Per CPU, /proc/stat truncates each of six fields to a tick at each read, the kernel charges time a tick at a time,
+    # and a VM's stolen time comes in late chunks (10 ticks in 0.8 s seen): on CPUs busy all along (the tests beside
+    # this one), busy passes CPUs x wall by that much, while counting one CPU too many would add a whole wall.
+    assert spun >= 0.5 and 0.95 * spun - 2 * tick <= busy <= len(cpus) * (1.25 * wall + 7 * tick), (spun, busy, wall)
