@@ -18,6 +18,7 @@ import ast
 import contextlib
 import functools
 import json
+import lzma
 import math
 import multiprocessing as mp
 import os
@@ -40,8 +41,8 @@ from support.tokenizer import SPECIAL_NAMES, TOKENIZER_FILES, load_tokenizer, to
 
 # -----------------------------------------------------------------------------
 # Reading documents: .txt (a document per line, or per blank-line-separated
-# paragraph), .jsonl (a text field), .parquet (if pyarrow is installed), and the
-# built-in demo corpus.
+# paragraph), .jsonl (a text field), either xz-compressed (.txt.xz, .jsonl.xz),
+# .parquet (if pyarrow is installed), and the built-in demo corpus.
 
 
 def check_inputs(paths):
@@ -50,9 +51,19 @@ def check_inputs(paths):
         if not os.path.isfile(path):
             raise SystemExit(f"input file {path!r} " + ("is a directory: give its files (e.g. dir/*.jsonl)"
                                                          if os.path.isdir(path) else "does not exist; check the path"))
-        ext = os.path.splitext(path)[1].lower()
-        if ext not in (".txt", ".jsonl", ".parquet"):
-            raise SystemExit(f"{path}: unknown extension {ext!r}; prepare reads .txt, .jsonl and .parquet")
+        if extension(path) not in (".txt", ".jsonl", ".parquet", ".txt.xz", ".jsonl.xz"):
+            raise SystemExit(f"{path}: unknown extension {extension(path)!r}; prepare reads .txt, .jsonl, .parquet, "
+                             ".txt.xz and .jsonl.xz")
+
+
+def extension(path):
+    """".txt", ".jsonl.xz", ...: the format, and the compression where there is one."""
+    stem, ext = os.path.splitext(path.lower())
+    return os.path.splitext(stem)[1] + ext if ext == ".xz" else ext
+
+
+def open_text(path):
+    return (lzma.open if path.lower().endswith(".xz") else open)(path, "rt", encoding="utf-8")
 
 
 def read_documents(paths, text_field="text", blank_line_docs=False):
@@ -60,7 +71,7 @@ def read_documents(paths, text_field="text", blank_line_docs=False):
     skips and counts those). A text that is not a string is refused with its file and line."""
     check_inputs(paths)
     for path in paths:
-        ext = os.path.splitext(path)[1].lower()
+        ext = extension(path).removesuffix(".xz")
         try:
             if ext == ".txt":
                 yield from _read_txt(path, blank_line_docs)
@@ -68,12 +79,13 @@ def read_documents(paths, text_field="text", blank_line_docs=False):
                 yield from _read_jsonl(path, text_field)
             else:
                 yield from _read_parquet(path, text_field)
-        except (OSError, UnicodeDecodeError) as e:
-            raise SystemExit(f"{path}: cannot be read as UTF-8 text ({e})") from None
+        except (OSError, EOFError, lzma.LZMAError, UnicodeDecodeError) as e:  # EOFError: an .xz file cut short
+            raise SystemExit(f"{path}: cannot be read as {'xz-compressed ' * (ext != extension(path))}UTF-8 text "
+                             f"({e})") from None
 
 
 def _read_txt(path, blank_line_docs):
-    with open(path, encoding="utf-8") as f:
+    with open_text(path) as f:
         if not blank_line_docs:
             yield from (line.rstrip("\n") for line in f if line.strip())
             return
@@ -89,7 +101,7 @@ def _read_txt(path, blank_line_docs):
 
 
 def _read_jsonl(path, field):
-    with open(path, encoding="utf-8") as f:
+    with open_text(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -654,7 +666,7 @@ def prefetch(produce, steps):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--input", nargs="+", help=".txt / .jsonl / .parquet files")
+    src.add_argument("--input", nargs="+", help=".txt / .jsonl (either may be .xz-compressed) / .parquet files")
     src.add_argument("--demo", choices=["general", "domain"], help="the built-in docstring corpus")
     p.add_argument("--tokenizer", required=True,
                     help="tokenizer.json, a checkpoint directory, an encoding name (gpt2), or bpe:N to train one here")

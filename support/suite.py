@@ -216,6 +216,21 @@ def paired_delta(a, b):
     return {"mean": mean, "low": mean - half, "high": mean + half, "n": len(d)}
 
 
+def nested_delta(a, b):
+    """b - a over two seed levels: a[p][f] and b[p][f] come from pretraining seed p and fine-tuning seed f, the same
+    seeds on both sides. Each pretraining seed's mean difference over the fine-tuning seeds varies with the pretraining
+    seed and with the fine-tuning noise left in the mean of F, so the interval over those P means, paired_delta's
+    t_{P-1}, holds both levels (the one-way random-effects interval: its between-seeds mean square over P x F).
+    Pairing the fine-tuning seeds alone would take P x F differences as independent and miss the pretraining seeds'
+    own spread. Adds half, the interval's half-width (the smallest difference this design tells from 0), and each
+    pretraining seed's mean difference."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)  # (P, F)
+    delta = paired_delta(a.mean(axis=1), b.mean(axis=1))
+    half = None if delta["low"] is None else delta["high"] - delta["mean"]
+    return {**delta, "half": half, "per_pretraining_seed": (b - a).mean(axis=1).tolist(),
+            "finetuning_seeds": a.shape[1]}
+
+
 def summarize(suite, seeds, tasks, models, scores):
     """models: {name: path}, the first one the reference. scores[(task name, model name)]: the test
     metrics of each seed, in the order of seeds. -> everything results.json holds."""

@@ -52,6 +52,27 @@ def test_paired_interval_and_t_quantile_equal_scipy():
         assert (d["low"], d["high"]) == pytest.approx((ci.low, ci.high), abs=1e-6)
 
 
+def test_nested_interval_is_the_random_effects_anova_interval():
+    """Two seed levels: against the one-way random-effects ANOVA's interval for the grand mean, from the sums of
+    squares (mean ± t_{0.975, P-1} sqrt(MS_between / (P F))) and scipy's t; and a hand-computed example."""
+    stats = pytest.importorskip("scipy.stats")
+    rng = np.random.default_rng(1)
+    for P, F in ((2, 3), (3, 3), (5, 2)):
+        a = rng.normal(60, 2, (P, F))
+        b = a + rng.normal(0.5, 0.3, (P, 1)) + rng.normal(0, 1, (P, F))  # a pretraining seed's own shift, then noise
+        d = b - a
+        ms_between = F * ((d.mean(axis=1) - d.mean()) ** 2).sum() / (P - 1)
+        half = stats.t.ppf(0.975, P - 1) * np.sqrt(ms_between / (P * F))
+        r = suite.nested_delta(a, b)
+        assert r["mean"] == pytest.approx(d.mean()) and r["half"] == pytest.approx(half, abs=1e-6)
+        assert (r["low"], r["high"]) == pytest.approx((d.mean() - half, d.mean() + half), abs=1e-6)
+    # pretraining seeds' mean differences 2, 3, 4: 3 ± 4.302653 / sqrt(3). Taking the 9 differences as independent
+    # fine-tuning pairs would give 3 ± 0.94 (t_8 x 1.2247 / 3): narrower, and wrong by the pretraining seeds' spread.
+    r = suite.nested_delta(np.zeros((3, 3)), [[1, 2, 3], [2, 3, 4], [3, 4, 5]])
+    assert r["per_pretraining_seed"] == [2, 3, 4] and r["half"] == pytest.approx(2.484138, abs=1e-6)
+    assert suite.nested_delta([[0.0, 1.0]], [[1.0, 1.0]])["low"] is None  # one pretraining seed: no interval
+
+
 # -----------------------------------------------------------------------------
 # The suite file and model names
 
