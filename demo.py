@@ -23,6 +23,7 @@ Steps, each a command a user could type (printed as it runs):
 
 import argparse
 import json
+import math
 import os
 import platform
 import random
@@ -32,6 +33,11 @@ import sys
 import time
 from collections import Counter
 from itertools import islice
+
+import numpy as np
+
+from support.config import load_file
+from support.suite import nested_delta
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -51,31 +57,46 @@ ARMS = {  # name -> train.py overrides on top of configs/demo.py; identical budg
 }
 
 
-def run(cmd, log):
-    """Run one step as a user would, echoing the command. Its output goes to the log file and its latest
-    line to the console as it comes: rewritten in place on a terminal, one line every 30 s on a pipe (CI)."""
+def run(steps, parallel=1):
+    """Run steps as a user would, `parallel` at a time, each command echoed as it starts. A step is (command, log):
+    its output goes to the log, and the latest line of the oldest step running to the console as it comes: rewritten
+    in place on a terminal, one line every 30 s on a pipe (CI). Side by side, the steps share the CPUs (OpenMP's team,
+    inductor's compile workers) unless OMP_NUM_THREADS says otherwise. -> the seconds each took, in order."""
     here = lambda text: text.replace(ROOT + os.sep, "")  # noqa: E731  (paths from the repo root, where it runs)
-    print("$ " + here(" ".join(cmd[1:] if cmd[0] == sys.executable else cmd)), flush=True)
-    t0 = shown = time.time()
     tty, width = sys.stdout.isatty(), shutil.get_terminal_size().columns - 1  # a wrapped line is not rewritten
-    # Unbuffered, so each line arrives when the child prints it; text mode also splits \r updates into lines.
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    with open(log, "w") as f:
-        for line in p.stdout:
-            f.write(line)
-            status = f"  {time.time() - t0:.0f}s  {line.strip()}"
-            if tty and line.strip():
-                print("\r" + status[:width] + "\033[K", end="", flush=True)  # \033[K clears the rest of the line
-            elif line.strip() and time.time() - shown >= 30:
-                print(status, flush=True)
-                shown = time.time()
-    ok = p.wait() == 0
-    end = f"  {'done' if ok else 'failed'} in {time.time() - t0:.0f}s, log: {here(log)}"
-    print(("\r\033[K" if tty else "") + end, flush=True)
-    if not ok:
-        raise SystemExit(f"step failed (exit {p.returncode}); the end of {log}:\n{open(log).read()[-3000:]}")
-    return time.time() - t0
+    share = str(max(1, (os.cpu_count() or 1) // parallel))
+    env = {**({"OMP_NUM_THREADS": share, "TORCHINDUCTOR_COMPILE_THREADS": share} if parallel > 1 else {}),
+           **os.environ, "PYTHONUNBUFFERED": "1"}  # unbuffered: each line reaches the log when the child prints it
+    waiting, running, took, shown = list(enumerate(steps)), {}, {}, time.time()
+    while waiting or running:
+        while waiting and len(running) < parallel:
+            k, (cmd, log) = waiting.pop(0)
+            print(("\r\033[K" if tty else "") + "$ " + here(" ".join(cmd[1:] if cmd[0] == sys.executable else cmd)),
+                  flush=True)
+            with open(log, "w") as f:
+                running[k] = (subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env), log,
+                              time.time())
+        time.sleep(0.2)
+        for k, (p, log, t0) in list(running.items()):
+            if p.poll() is None:
+                continue
+            del running[k]
+            took[k] = time.time() - t0
+            print(("\r\033[K" if tty else "") + f"  {'done' if p.returncode == 0 else 'failed'} in {took[k]:.0f}s, "
+                  f"log: {here(log)}", flush=True)
+            if p.returncode != 0:
+                for q, _, _ in running.values():  # a train.py checkpoints on SIGTERM: a rerun resumes it
+                    q.terminate()
+                raise SystemExit(f"step failed (exit {p.returncode}); the end of {log}:\n{open(log).read()[-3000:]}")
+        if running and (tty or time.time() - shown >= 30):
+            p, log, t0 = running[min(running)]
+            with open(log, "rb") as f:  # its latest line: tqdm rewrites its bar with \r
+                f.seek(max(0, os.path.getsize(log) - 2000))
+                lines = [x.strip() for x in f.read().decode(errors="replace").replace("\r", "\n").split("\n")]
+            status = f"  {time.time() - t0:.0f}s  " + next((x for x in reversed(lines) if x), "")
+            print("\r" + status[:width] + "\033[K" if tty else status, end="" if tty else "\n", flush=True)
+            shown = time.time()
+    return [took[k] for k in range(len(steps))]
 
 
 def write_jsonl(path, rows):
@@ -102,32 +123,34 @@ def builtin_task(docs, per_class, rng):
     return task
 
 
-def build_corpora(args, s, out):
-    """general.jsonl, domain.jsonl, heldout.jsonl and, for the built-in task, task/{train,validation,test}.jsonl."""
+def build_corpora(out, s, general, domain):
+    """text/general.jsonl (unless general is None: a base is given), text/heldout.jsonl and text/domain.jsonl: the
+    domain's texts, each once, shuffled (seed 0), s["heldout"] of them held out for CKA, the rest to pretrain on.
+    general and domain are text files, or "builtin": the docstrings; the domain's with its task,
+    task/{train,validation,test}.jsonl, whose texts stay out of both."""
     from data import demo_documents, read_documents
 
-    docs = lambda part: islice(demo_documents(part), s["docs"])  # noqa: E731
+    def docs(source, part):  # (module, text) pairs, the first s["docs"]
+        return islice(demo_documents(part) if source == "builtin" else ((None, d) for d in read_documents(source)),
+                      s["docs"])
+
     rng = random.Random(0)
     os.makedirs(os.path.join(out, "text"), exist_ok=True)
     path = lambda name: os.path.join(out, "text", name)  # noqa: E731
-    if not args.base:
-        write_jsonl(path("general.jsonl"), ({"text": d} for _, d in docs("general")))
-    if args.domain:
-        domain = list(read_documents(args.domain))
-        task_docs = set()
-    else:
-        labelled = list(docs("domain"))
+    if general:
+        write_jsonl(path("general.jsonl"), ({"text": d} for _, d in docs(general, "general")))
+    labelled = list(docs(domain, "domain"))
+    task_docs = set()
+    if domain == "builtin":
         task = builtin_task(labelled, s["task_per_class"], rng)
         os.makedirs(os.path.join(out, "task"), exist_ok=True)
         for split, rows in task.items():
             write_jsonl(os.path.join(out, "task", f"{split}.jsonl"), rows)
         task_docs = {row["text"] for rows in task.values() for row in rows}
-        domain = [d for _, d in labelled]
-    domain = [d for d in dict.fromkeys(domain) if d not in task_docs]  # the task's texts stay unseen
+    domain = [d for d in dict.fromkeys(d for _, d in labelled) if d not in task_docs]  # task texts stay unseen
     rng.shuffle(domain)
     write_jsonl(path("heldout.jsonl"), ({"text": d} for d in domain[:s["heldout"]]))
     write_jsonl(path("domain.jsonl"), ({"text": d} for d in domain[s["heldout"]:]))
-    return args.task or os.path.join(out, "task")
 
 
 def task_type(task_dir):
@@ -154,7 +177,7 @@ def loss_figure(arms, main_tokens, path):
 
     fig, (left, mid, right) = plt.subplots(1, 3, figsize=(16, 4))
     kilo = lambda records: [r["tokens"] / 1e3 for r in records]  # noqa: E731
-    for (name, records), color in zip(arms.items(), ("C3", "C0", "C2")):  # each arm counts tokens from 0
+    for (name, records), color in zip(arms.items(), ("C3", "C0", "C2", "C1", "C4", "C5", "C6", "C7")):  # tokens from 0
         val = [r for r in records if "val_mlm_loss" in r]
         left.plot(kilo(records), [r["loss"] for r in records], color=color, label=name)
         mid.plot(kilo(val), [r["val_mlm_loss"] for r in val], "o-", ms=3, color=color, label=name)
@@ -259,24 +282,19 @@ def report(args, s, out, task_dir, kind, timings, total):
         f.write("\n".join(lines))
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="out/demo")
-    p.add_argument("--domain", nargs="+", help="domain text files (.txt, .jsonl, .parquet) instead of the built-in")
-    p.add_argument("--task", help="a task directory for eval.py instead of the built-in")
-    p.add_argument("--base", help="a Hugging Face ModernBERT directory to continue from instead of pretraining one")
-    p.add_argument("--quick", action="store_true", help="a tiny run of every step (what the tests use)")
-    args = p.parse_args(argv)
+def demo(args):
     s = SCALES["quick" if args.quick else "full"]
     out = os.path.abspath(args.out)
     logs = os.path.join(out, "logs")
     os.makedirs(logs, exist_ok=True)
     py = sys.executable
     t_start, timings = time.time(), {}
+    step = lambda cmd, log: run([(cmd, os.path.join(logs, log))])[0]  # noqa: E731  (one step, its seconds)
 
     print("1. corpora", flush=True)
     t0 = time.time()
-    task_dir = build_corpora(args, s, out)
+    build_corpora(out, s, None if args.base else "builtin", args.domain or "builtin")
+    task_dir = args.task or os.path.join(out, "task")
     kind = task_type(task_dir)
     timings["corpora"] = time.time() - t0
 
@@ -285,51 +303,347 @@ def main(argv=None):
     data = lambda name: os.path.join(out, "data", name)  # noqa: E731
     timings["prepare"] = 0.0
     if not args.base:
-        timings["prepare"] += run([py, "data.py", "--input", text("general.jsonl"), "--tokenizer", "bpe:4096",
-                                   "--out", data("general"), "--val_docs", "200"], os.path.join(logs, "prepare_general.log"))
+        timings["prepare"] += step([py, "data.py", "--input", text("general.jsonl"), "--tokenizer", "bpe:4096",
+                                    "--out", data("general"), "--val_docs", "200"], "prepare_general.log")
     tokenizer = args.base or data("general")
-    timings["prepare"] += run([py, "data.py", "--input", text("domain.jsonl"), "--tokenizer", tokenizer,
-                               "--out", data("domain"), "--val_docs", "200"], os.path.join(logs, "prepare_domain.log"))
+    timings["prepare"] += step([py, "data.py", "--input", text("domain.jsonl"), "--tokenizer", tokenizer,
+                                "--out", data("domain"), "--val_docs", "200"], "prepare_domain.log")
 
     common = [py, "train.py", "configs/demo.py", *s["train"]]
     base = args.base
     if not base:
         print("3. base model: MLM on the general text", flush=True)
-        timings["base"] = run(common + [f"--data_dir={data('general')}", f"--out_dir={os.path.join(out, 'base')}",
-                                        "--init_from=scratch", "--objective=mlm", f"--tokens={s['base_tokens']}",
-                                        "--keep_every=0", "--eval_interval=100"],  # no trajectory; no curve drawn
-                              os.path.join(logs, "base.log"))
+        timings["base"] = step(common + [f"--data_dir={data('general')}", f"--out_dir={os.path.join(out, 'base')}",
+                                         "--init_from=scratch", "--objective=mlm", f"--tokens={s['base_tokens']}",
+                                         "--keep_every=0", "--eval_interval=100"],  # no trajectory; no curve drawn
+                               "base.log")
         base = os.path.join(out, "base", "final")
 
     print("4. continued pretraining: the detour, the MLM arm, the MLM seed twin", flush=True)
     for name, overrides in ARMS.items():
-        timings[name] = run(common + [f"--data_dir={data('domain')}", f"--out_dir={os.path.join(out, name)}",
-                                      f"--init_from={base}", f"--tokens={s['arm_tokens']}", *overrides],
-                            os.path.join(logs, f"{name}.log"))
+        timings[name] = step(common + [f"--data_dir={data('domain')}", f"--out_dir={os.path.join(out, name)}",
+                                       f"--init_from={base}", f"--tokens={s['arm_tokens']}", *overrides], f"{name}.log")
 
     print("5. CKA: pair (clm vs mlm) and control (mlm vs mlm_twin), at the end and over training", flush=True)
     final = lambda name: os.path.join(out, name, "final")  # noqa: E731
     cka = [py, "cka.py", "--texts", text("heldout.jsonl"), "--n", str(s["cka_n"]), "--max_len", "256"]
-    timings["cka"] = run(cka + ["--pair", final("clm"), final("mlm"), "--control", final("mlm"), final("mlm_twin"),
-                                "--out", os.path.join(out, "cka")], os.path.join(logs, "cka.log"))
-    run(cka + ["--pair", final("clm"), final("clm"), "--seeds", "42", "--out", os.path.join(out, "cka_self")],
-        os.path.join(logs, "cka_self.log"))
+    timings["cka"] = step(cka + ["--pair", final("clm"), final("mlm"), "--control", final("mlm"), final("mlm_twin"),
+                                 "--out", os.path.join(out, "cka")], "cka.log")
+    step(cka + ["--pair", final("clm"), final("clm"), "--seeds", "42", "--out", os.path.join(out, "cka_self")],
+         "cka_self.log")
     arm = lambda name: os.path.join(out, name)  # noqa: E731
-    timings["trajectory"] = run(cka + ["--runs", arm("clm"), arm("mlm"), "--control", arm("mlm"), arm("mlm_twin"),
-                                       "--out", os.path.join(out, "trajectory")], os.path.join(logs, "trajectory.log"))
+    timings["trajectory"] = step(cka + ["--runs", arm("clm"), arm("mlm"), "--control", arm("mlm"), arm("mlm_twin"),
+                                        "--out", os.path.join(out, "trajectory")], "trajectory.log")
 
     print(f"6. fine-tuning on the task ({kind}) over seeds {s['eval_seeds']}", flush=True)
     timings["eval"] = 0.0
     for name in ("clm", "mlm"):
-        timings["eval"] += run([py, "eval.py", "--model", final(name), "--task", kind, "--data", task_dir,
-                                "--seeds", s["eval_seeds"], "--epochs", str(s["eval_epochs"]), "--lr", str(s["eval_lr"]),
-                                "--max_len", str(s["eval_max_len"]), "--out", os.path.join(out, f"eval_{name}")],
-                               os.path.join(logs, f"eval_{name}.log"))
+        timings["eval"] += step([py, "eval.py", "--model", final(name), "--task", kind, "--data", task_dir,
+                                 "--seeds", s["eval_seeds"], "--epochs", str(s["eval_epochs"]), "--lr", str(s["eval_lr"]),
+                                 "--max_len", str(s["eval_max_len"]), "--out", os.path.join(out, f"eval_{name}")],
+                                f"eval_{name}.log")
 
     print("7. report", flush=True)
     report(args, s, out, task_dir, kind, timings, time.time() - t_start)
     print(open(os.path.join(out, "report.md")).read())
     print(f"wrote {os.path.join(out, 'report.md')} ({(time.time() - t_start) / 60:.1f} min)")
+
+
+# -----------------------------------------------------------------------------
+# The study on real text (python demo.py --study ../shared/data): the demo's steps at the size one GPU call of 9
+# minutes allows. A byte-level BPE trained on the general corpus (Gutenberg books); the base pretrained with MLM on
+# it; from the base, on the biomedical corpus, the detour and the MLM arm with 3 seeds each (the same data order);
+# CKA between them and the seed control, at the end and over the run; every arm fine-tuned on three real tasks over
+# 3 seeds; the detour's difference with an interval that holds both seed levels. Fixed before the GPU run.
+
+TASKS = {"ncbi_disease": "ner", "anatem": "ner", "gad": "cls"}  # ../shared/data: diseases, anatomy (NER), GAD (cls)
+STUDY = {
+    # bpe: vocab (16,384 keeps the head cheap beside a 22M-parameter body); heldout: biomedical texts kept for CKA,
+    # of which cka_n per sampling seed (the paper's 500); seeds: each arm's pretraining seeds (the paper's 17 and
+    # 42, and one more for an interval with 2 degrees of freedom), the data order fixed (data_seed 42).
+    # The time rule (study_scale): every run's tokens (configs/study.py's arm, configs/study_base.py's base) times one
+    # factor, at most 1, so that the pretraining ends reserve_s before `minutes` have passed.
+    # finetune: ELECTRA-small's GLUE recipe (Clark et al. 2020: lr 3e-4, batch 32, 3 epochs, 10% warmup), a small
+    # model's in place of the paper's Base one (5e-5, 16, 10-20 epochs), which would take this call 10 times over.
+    "full": dict(docs=None, examples=None, bpe=16384, val_docs=500, heldout=1500, cka_n=500, cka_len=512,
+                 seeds=(17, 42, 43),
+                 scale=1.0, minutes=8.25, reserve_s=180, start_s=20, probe_steps=60, trajectory_points=8,
+                 finetune=dict(seeds=[42, 43, 44], epochs=3, lr=3e-4, batch_size=32, warmup_ratio=0.1), train=[]),
+    # the test's: every step, tiny, on the first documents of each corpus and the first examples of each split
+    "quick": dict(docs=300, examples=40, bpe=1024, val_docs=20, heldout=40, cka_n=16, cka_len=128, seeds=(17, 42),
+                  scale=1 / 5000, minutes=60, reserve_s=60, start_s=5, probe_steps=4, trajectory_points=2,
+                  finetune=dict(seeds=[42, 43], epochs=1, lr=3e-4, batch_size=8, warmup_ratio=0.1),
+                  train=["--model_config={'hidden_size': 64, 'intermediate_size': 96, 'num_hidden_layers': 4, "
+                         "'num_attention_heads': 2, 'max_position_embeddings': 128}", "--seq_len=128",
+                         "--global_batch_size=4", "--micro_batch_size=4", "--warmup_tokens=1024", "--eval_windows=8",
+                         "--eval_interval=10", "--log_interval=2"]),
+}
+
+
+def study_scale(s, elapsed, rate, sizes):
+    """The time rule, written before the GPU run: the factor of every run's tokens. Pretraining gets what is left of
+    `minutes` after `elapsed`, the reserve (CKA, fine-tuning, the report) and a start-up per stage (base, arms); it
+    runs at the probe's MLM tokens/s (CLM steps cost about the same: the paper; H200 Base: CLM 269k, MLM 250k
+    tokens/s, results/h200-2026-11-27), the arms side by side no faster than one after another, plus 10% for
+    evaluations and checkpoints. sizes: every run's phase-1 tokens; each adds a 10% decay."""
+    seconds = 1.1 * 1.1 * sum(sizes) / rate
+    left = 60 * s["minutes"] - elapsed - s["reserve_s"] - 2 * s["start_s"]
+    if left < 0.05 * seconds:
+        raise SystemExit(f"the study does not fit in {s['minutes']} minutes here: {elapsed:.0f} s gone, pretraining "
+                         f"at {rate:,.0f} tokens/s needs {seconds:.0f} s at full size and {left:.0f} s are left")
+    return min(1.0, left / seconds)
+
+
+def slice_task(src, dst, n):
+    """The first n examples of each split of a task folder: a CoNLL sentence is a block, a JSONL example a line."""
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        sep = "\n\n" if name.endswith(".tsv") else "\n"
+        with open(os.path.join(src, name), encoding="utf-8") as f:
+            examples = f.read().strip("\n").split(sep)[:n]
+        with open(os.path.join(dst, name), "w", encoding="utf-8") as f:
+            f.write(sep.join(examples) + "\n")
+
+
+def steady_rate(records, objective=None):
+    """The median tokens/s (and MFU) of a run's log records, those that counted compiling left out."""
+    rows = [r for r in records if "compile_s" not in r and (objective is None or r["objective"] == objective)]
+    return {k: float(np.median([r[k] for r in rows])) for k in ("tokens_per_s", "mfu") if rows and k in rows[0]}
+
+
+def study_report(out, s, design, stages, total):
+    """report.md and study.json (every number), loss.png, and CKA's divergence.png and trajectory.png copied beside."""
+    import torch
+
+    seeds, ft_seeds, names = list(s["seeds"]), s["finetune"]["seeds"], list(design["arms"])
+    runs = {name: last_val(os.path.join(out, name, "metrics.jsonl"))[1] for name in ["base", *names]}
+    loss_figure({name: runs[name] for name in names}, design["arm_tokens"], os.path.join(out, "loss.png"))
+    for sub, png in (("cka", "divergence.png"), ("trajectory", "trajectory.png")):
+        shutil.copyfile(os.path.join(out, sub, png), os.path.join(out, png))
+    cka = json.load(open(os.path.join(out, "cka", "results.json")))
+    trajectory = json.load(open(os.path.join(out, "trajectory", "trajectory.json")))
+
+    def val(records, phase):  # the last evaluation of a phase: (MLM loss, CLM loss)
+        r = [r for r in records if "val_mlm_loss" in r and r["phase"] == phase][-1]
+        return {"val_mlm_loss": r["val_mlm_loss"], "val_clm_loss": r["val_clm_loss"]}
+
+    pretraining = {name: {"tokens": records[-1]["tokens"], "steps": records[-1]["step"],
+                          "end_of_phase_1": val(records, "main"), "after_decay": val(records, "decay"),
+                          "phase_1": steady_rate([r for r in records if r["phase"] == "main"]),
+                          "decay": steady_rate([r for r in records if r["phase"] == "decay"])}
+                   for name, records in runs.items()}
+
+    # Fine-tuning: scores[task][arm objective] is (pretraining seeds, fine-tuning seeds) of test macro F1 in points
+    scores, upstream = {t: {} for t in TASKS}, {t: {} for t in TASKS}
+    for name, (objective, seed) in design["arms"].items():
+        results = json.load(open(os.path.join(out, "eval", name, "results.json")))
+        for t in TASKS:
+            row = next(iter(results["tasks"][t]["models"].values()))
+            for table, key in ((scores, "macro_f1"), (upstream, results["tasks"][t]["upstream"])):
+                table[t].setdefault(objective, []).append([100 * x for x in row[key]["per_seed"]])
+    scores["average"] = {o: np.mean([scores[t][o] for t in TASKS], axis=0).tolist() for o in ("clm", "mlm")}
+    delta = {t: nested_delta(x["mlm"], x["clm"]) for t, x in scores.items()}
+    twins = {t: {o: float(np.ptp(np.mean(x[o], axis=1))) for o in x} for t, x in scores.items()}  # seed range
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    results = dict(design=design, device=device, torch=torch.__version__, python=platform.python_version(),
+                   minutes=total / 60, stages_s=stages, pretraining=pretraining, cka_regions=cka["regions"],
+                   cka_layers=cka["layers"], trajectory=trajectory["steps"], finetune=dict(
+                       metric="test macro F1 (points)", seeds=ft_seeds, pretraining_seeds=seeds, scores=scores,
+                       upstream=upstream, detour_minus_mlm=delta, twin_range=twins))
+    with open(os.path.join(out, "study.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+    mean = lambda x: float(np.mean(x))  # noqa: E731
+    avg = delta["average"]
+    verdict = (f"the detour {'leads' if avg['mean'] > 0 else 'trails'} the MLM arm by {abs(avg['mean']):.2f} points "
+               "on average, beyond the seeds' noise" if avg["low"] is not None and (avg["low"] > 0 or avg["high"] < 0)
+               else f"no difference this design tells from 0 on average ({avg['mean']:+.2f} points)")
+    detect = "" if avg["half"] is None else \
+        f"; the interval's half-width, {avg['half']:.2f} points, is the smallest difference this design tells from 0"
+    lines = ["# The CLM detour on real text: the study's report", "",
+             f"{device}, torch {torch.__version__}: {total / 60:.1f} minutes from `{design['command']}` to this "
+             "report. One run, reported as it came out; its design was fixed before it ran (configs/study.py, "
+             f"configs/study_base.py, demo.py's STUDY). Result: {verdict}{detect}.",
+             "", "## Fine-tuning: the detour minus the MLM arm (test macro F1, points)", "",
+             f"Each arm's {len(seeds)} pretraining seeds ({', '.join(map(str, seeds))}) fine-tuned on each task over "
+             f"{len(ft_seeds)} seeds ({', '.join(map(str, ft_seeds))}). Δ: detour minus MLM, paired by pretraining and "
+             f"fine-tuning seed; its 95% interval is over the pretraining seeds' mean differences (t, "
+             f"{len(seeds) - 1} df), so it holds both seed levels (support/suite.nested_delta). Twins' range: how far "
+             "apart an arm's own pretraining seeds land (the spread of their means), beside Δ.", "",
+             "| task | detour | MLM | Δ [95% interval] | ± | Δ per pretraining seed | twins' range: detour, MLM |",
+             "|---|---|---|---|---|---|---|"]
+    for t, d in delta.items():
+        x = scores[t]
+        interval = f"[{d['low']:+.2f}, {d['high']:+.2f}]" if d["low"] is not None else "(one seed: none)"
+        lines.append(f"| {t}{f' ({TASKS[t]})' if t in TASKS else ''} | {mean(x['clm']):.2f} | {mean(x['mlm']):.2f} | "
+                     f"{d['mean']:+.2f} {interval} | {d['half'] or 0:.2f} | "
+                     f"{' / '.join(f'{v:+.2f}' for v in d['per_pretraining_seed'])} | "
+                     f"{twins[t]['clm']:.2f}, {twins[t]['mlm']:.2f} |")
+    pct = lambda x: f"{100 * x['mean']:.2f} ± {100 * x['std']:.2f}"  # noqa: E731
+    lines += ["", f"## CKA: divergence (1 - CKA, %) by layer region, pair = {' vs '.join(design['pair'])}, control = "
+              f"{' vs '.join(design['control'])}", "",
+              f"{s['cka_n']} held-out biomedical texts x sampling seeds 42, 43, 44 (mean ± std), {s['cka_len']} tokens, "
+              "mean pooling, float64.", "", "| layers | pair (%) | control (%) | ratio |", "|---|---|---|---|"]
+    for r in cka["regions"]:
+        ratio = "n/a" if r["ratio"] is None else f"{r['ratio']['mean']:.2f}x"
+        lines.append(f"| {r['layers']} | {pct(r['pair_divergence'])} | {pct(r['control_divergence'])} | {ratio} |")
+    lines += ["", "![per-layer divergence](divergence.png)", "", "## CKA over the run", "",
+              open(os.path.join(out, "trajectory", "trajectory.md")).read().split("\n", 4)[4].strip(), "",
+              "![trajectory](trajectory.png)", "",
+              "## Validation losses (the base on general text, the arms on biomedical text; MLM at 15%)", "",
+              "| run | tokens | end of phase 1: MLM / CLM | after the decay: MLM / CLM |", "|---|---|---|---|"]
+    for name, p in pretraining.items():
+        e, d = p["end_of_phase_1"], p["after_decay"]
+        lines.append(f"| {name} | {p['tokens']:,} | {e['val_mlm_loss']:.3f} / {e['val_clm_loss']:.3f} | "
+                     f"{d['val_mlm_loss']:.3f} / {d['val_clm_loss']:.3f} |")
+    lines += ["", "![loss curves](loss.png)", "", "## Time and throughput", "",
+              "| stage | minutes |", "|---|---|", *(f"| {k} | {v / 60:.2f} |" for k, v in stages.items()),
+              f"| **total** | {total / 60:.2f} |", "",
+              "| run | tokens/s phase 1 | tokens/s decay | MFU phase 1 |", "|---|---|---|---|"]
+    for name, p in pretraining.items():
+        mfu = f"{100 * p['phase_1']['mfu']:.1f}%" if "mfu" in p["phase_1"] else "-"
+        lines.append(f"| {name} | {p['phase_1']['tokens_per_s']:,.0f} | {p['decay']['tokens_per_s']:,.0f} | {mfu} |")
+    ft = s["finetune"]
+    lines += ["", "The arms ran side by side, their tokens/s each its own share of the device.", "",
+              "## Design (fixed before the run)", "",
+              "- Corpora: ../shared/data/study (general: Gutenberg books; biomedical: MedQuAD, CRAFT, PubMedQA, "
+              f"BioNLP; no 13-gram shared with the tasks); {s['heldout']} biomedical texts held out for CKA; a "
+              f"{s['bpe']:,}-token byte-level BPE trained on the general text (a general tokenizer meets the domain, "
+              "as ModernBERT's does in the paper).",
+              "- Model and optimizer: configs/study.py (the arms) and configs/study_base.py (the base).",
+              f"- Sizes by the time rule (demo.py study_scale): the probe ran the base at "
+              f"{design['probe_tokens_per_s']:,.0f} tokens/s, factor {design['factor']:.3f}: base "
+              f"{design['base_tokens']:,} tokens, each arm {design['arm_tokens']:,}, each + a 10% MLM decay.",
+              f"- Arms: {', '.join(names)}: the same base, data and data order (data_seed 42); the seed drives dropout "
+              "and masking only (every arm starts from the base's weights).",
+              f"- Fine-tuning: {', '.join(TASKS)}; {ft['epochs']} epoch(s), lr {ft['lr']}, batch {ft['batch_size']}, "
+              f"warmup {ft['warmup_ratio']:.0%}, weight decay 0.01, best epoch by validation macro F1, seeds "
+              f"{', '.join(map(str, ft_seeds))} (suite.py).", "",
+              "study.json holds every number; logs/ every run's output.", ""]
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write("\n".join(lines))
+
+
+def study(args):
+    import torch
+
+    s, t_start, stages = STUDY["quick" if args.quick else "full"], time.time(), {}
+    out, py, data_dir = os.path.abspath(args.out), sys.executable, os.path.abspath(args.study)
+    logs, text, data = (lambda name, sub=sub: os.path.join(out, sub, name) for sub in ("logs", "text", "data"))
+    corpora = {name: os.path.join(data_dir, "study", f"{name}.txt.xz") for name in ("general", "biomed")}
+    tasks = {t: os.path.join(data_dir, t) for t in TASKS}
+    missing = [p for p in [*corpora.values(), *tasks.values()] if not os.path.exists(p)]
+    if missing:
+        raise SystemExit(f"--study {args.study}: no {', '.join(missing)}; give the folder that holds study/ and the "
+                         "tasks (../shared/data)")
+    os.makedirs(logs(""), exist_ok=True)
+    lanes = lambda n: n if torch.cuda.is_available() else min(n, os.cpu_count() or 1)  # noqa: E731  (side by side)
+    arms = {f"{objective}_s{seed}": (objective, seed) for objective in ("clm", "mlm") for seed in s["seeds"]}
+
+    def stage(name, t0):
+        stages[name] = time.time() - t0
+        print(f"{name}: {stages[name]:.0f} s ({(time.time() - t_start) / 60:.1f} min in)", flush=True)
+
+    print("1. corpora: general (Gutenberg) and biomedical text, held-out biomedical texts, the tasks", flush=True)
+    t0 = time.time()
+    build_corpora(out, s, [corpora["general"]], [corpora["biomed"]])
+    if s["examples"]:
+        for t, src in tasks.items():
+            slice_task(src, text(t), s["examples"])
+            tasks[t] = text(t)
+    stage("corpora", t0)
+
+    print(f"2. token shards: a {s['bpe']:,}-token byte-level BPE trained on the general text", flush=True)
+    t0 = time.time()
+    run([([py, "data.py", "--input", text("general.jsonl"), "--tokenizer", f"bpe:{s['bpe']}", "--out",
+           data("general"), "--val_docs", str(s["val_docs"])], logs("prepare_general.log"))])
+    run([([py, "data.py", "--input", text("domain.jsonl"), "--tokenizer", data("general"), "--out", data("biomed"),
+           "--val_docs", str(s["val_docs"])], logs("prepare_biomed.log"))])
+    stage("prepare", t0)
+
+    print("3. the probe: MLM steps of the base (tokens/s for the time rule), and a CLM warm-up beside it whose "
+          "compiled graph the detour arms then load from inductor's cache", flush=True)
+    t0 = time.time()
+    train = [py, "train.py", "configs/study.py"]
+    probe = lambda name, objective, steps: ([  # noqa: E731
+        *train, "configs/study_base.py", *s["train"], f"--data_dir={data('general')}",
+        f"--out_dir={os.path.join(out, name)}", f"--phases=[{{'name': '{name}', 'objective': '{objective}', 'steps': "
+        f"{steps}, 'warmup_steps': {steps}, 'mask_prob': {0.3 if objective == 'mlm' else 0}}}]"], logs(f"{name}.log"))
+    run([probe("probe", "mlm", s["probe_steps"]), probe("clm_compile", "clm", 2)], parallel=2)
+    records = last_val(os.path.join(out, "probe", "metrics.jsonl"))[1]
+    rate, per_step = steady_rate(records[1:])["tokens_per_s"], records[-1]["tokens"] // records[-1]["step"]
+    sizes = {"base": load_file(os.path.join(ROOT, "configs/study_base.py"))["tokens"],
+             "arm": load_file(os.path.join(ROOT, "configs/study.py"))["tokens"]}
+    factor = study_scale(s, time.time() - t_start, rate, [s["scale"] * sizes["base"]] + [s["scale"] * sizes["arm"]]
+                         * len(arms))
+    base_tokens, arm_tokens = (round(factor * s["scale"] * sizes[k]) for k in ("base", "arm"))
+    keep_every = max(1, math.ceil(arm_tokens / per_step) // s["trajectory_points"])
+    stage("probe", t0)
+    print(f"the time rule: {rate:,.0f} tokens/s -> factor {factor:.3f}: base {base_tokens:,} tokens, each arm "
+          f"{arm_tokens:,} (+10% decay each); pretraining planned to end {s['reserve_s']} s before "
+          f"{s['minutes']} minutes", flush=True)
+
+    print("4. the base: MLM on the general text", flush=True)
+    t0 = time.time()
+    run([([*train, "configs/study_base.py", *s["train"], f"--data_dir={data('general')}",
+           f"--out_dir={os.path.join(out, 'base')}", f"--tokens={base_tokens}"], logs("base.log"))])
+    stage("base", t0)
+
+    print(f"5. the arms, side by side: {', '.join(arms)}", flush=True)
+    t0 = time.time()
+    run([([*train, *s["train"], f"--data_dir={data('biomed')}", f"--out_dir={os.path.join(out, name)}",
+           f"--init_from={os.path.join(out, 'base', 'final')}", f"--objective={objective}", f"--seed={seed}",
+           f"--tokens={arm_tokens}", f"--keep_every={keep_every}"], logs(f"{name}.log"))
+         for name, (objective, seed) in arms.items()], parallel=lanes(len(arms)))
+    stage("arms", t0)
+
+    print("6. CKA (the pair and the control, at the end and over the run) and fine-tuning, side by side", flush=True)
+    t0 = time.time()
+    ft = s["finetune"]
+    with open(os.path.join(out, "suite.py"), "w") as f:
+        f.write(f"# The study's fine-tuning (written by demo.py --study): eval.py --suite {out}/suite.py --models "
+                f"ARM/final\nseeds = {ft['seeds']}\ntasks = [\n" + "".join(
+                    f"    dict(name={t!r}, task={kind!r}, data={tasks[t]!r}, epochs={ft['epochs']}, lr={ft['lr']}, "
+                    f"batch_size={ft['batch_size']}, warmup_ratio={ft['warmup_ratio']}),\n"
+                    for t, kind in TASKS.items()) + "]\n")
+    first, twin = s["seeds"][:2]
+    pair, control = [f"clm_s{first}", f"mlm_s{first}"], [f"mlm_s{first}", f"mlm_s{twin}"]
+    cka = [py, "cka.py", "--texts", text("heldout.jsonl"), "--n", str(s["cka_n"]), "--max_len", str(s["cka_len"])]
+    at = lambda names, sub="": [os.path.join(out, n, sub) for n in names]  # noqa: E731
+    steps = [([*cka, "--pair", *at(pair, "final"), "--control", *at(control, "final"), "--out",
+               os.path.join(out, "cka")], logs("cka.log")),
+             ([*cka, "--runs", *at(pair), "--control", *at(control), "--out", os.path.join(out, "trajectory")],
+              logs("trajectory.log"))]
+    steps += [([py, "eval.py", "--suite", os.path.join(out, "suite.py"), "--models", os.path.join(out, name, "final"),
+                "--out", os.path.join(out, "eval", name)], logs(f"eval_{name}.log")) for name in arms]
+    run(steps, parallel=lanes(len(steps)))
+    stage("cka and fine-tuning", t0)
+
+    print("7. report", flush=True)
+    command = f"python demo.py --study {args.study}" + " --quick" * args.quick + f" --out {args.out}"
+    design = dict(command=command, factor=factor, probe_tokens_per_s=rate,
+                  base_tokens=base_tokens, arm_tokens=arm_tokens, keep_every=keep_every, pair=pair, control=control,
+                  arms=arms, tasks=TASKS, study={k: v for k, v in s.items()}, sizes=sizes)
+    study_report(out, s, design, stages, time.time() - t_start)
+    print(open(os.path.join(out, "report.md")).read())
+    print(f"wrote {os.path.join(out, 'report.md')} and study.json ({(time.time() - t_start) / 60:.1f} min)")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None, help="default out/demo (out/study with --study)")
+    p.add_argument("--domain", nargs="+", help="domain text files (.txt, .jsonl, .parquet) instead of the built-in")
+    p.add_argument("--task", help="a task directory for eval.py instead of the built-in")
+    p.add_argument("--base", help="a Hugging Face ModernBERT directory to continue from instead of pretraining one")
+    p.add_argument("--study", metavar="DATA", help="the study on real text instead: DATA holds study/general.txt.xz, "
+                   f"study/biomed.txt.xz and the tasks {', '.join(TASKS)} (../shared/data)")
+    p.add_argument("--quick", action="store_true", help="a tiny run of every step (what the tests use)")
+    args = p.parse_args(argv)
+    if args.study and (args.domain or args.task or args.base):
+        p.error("--study brings its own corpora, tasks and base; --domain, --task and --base are for the demo")
+    args.out = args.out or ("out/study" if args.study else "out/demo")
+    (study if args.study else demo)(args)
 
 
 if __name__ == "__main__":
