@@ -5,6 +5,7 @@ The whole study of the paper, small, on CPU, with no download: one command.
     python demo.py --domain ../shared/data/biomed_sentences.txt --task ../shared/data/ncbi_disease \\
                    --out out/biomed      # a small biomedical replication
     python demo.py --base path/to/ModernBERT-base --domain corpus.jsonl --task my_task/
+    python demo.py --study ../shared/data    # the study on real text, sized for one GPU and 8.25 minutes (--minutes)
 
 Steps, each a command a user could type (printed as it runs):
   1. corpora: general and domain text (built-in: docstrings of the standard library, and of
@@ -19,6 +20,8 @@ Steps, each a command a user could type (printed as it runs):
      over training (the checkpoints each arm kept every 100 steps: keep_every in configs/demo.py);
   6. eval.py: fine-tuning of both arms on the task over 3 seeds;
   7. report.md with the tables, loss.png, divergence.png and trajectory.png.
+With --study the same steps run on real text (the last section below): a Gutenberg base, biomedical arms with 3
+seeds each side by side, three real tasks, and the detour's difference with an interval over both seed levels.
 """
 
 import argparse
@@ -37,7 +40,8 @@ from itertools import islice
 import numpy as np
 
 from support.config import load_file
-from support.suite import nested_delta
+from support.files import read_json
+from support.suite import UPSTREAM, nested_delta, run_file
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -362,12 +366,14 @@ STUDY = {
     # of which cka_n per sampling seed (the paper's 500); seeds: each arm's pretraining seeds (the paper's 17 and
     # 42, and one more for an interval with 2 degrees of freedom), the data order fixed (data_seed 42).
     # The time rule (study_scale): every run's tokens (configs/study.py's arm, configs/study_base.py's base) times one
-    # factor, at most 1, so that the pretraining ends reserve_s before `minutes` have passed.
+    # factor, at most 1, so that the pretraining ends reserve_s before `minutes` (--minutes) have passed. An H200
+    # (results/h200-2026-11-28, which kept 180 s and 20 s and was cut in its fine-tuning) took 48 s to start the arms,
+    # 26 s the base, and 220 s to fine-tune them all (CKA beside it).
     # finetune: ELECTRA-small's GLUE recipe (Clark et al. 2020: lr 3e-4, batch 32, 3 epochs, 10% warmup), a small
     # model's in place of the paper's Base one (5e-5, 16, 10-20 epochs), which would take this call 10 times over.
     "full": dict(docs=None, examples=None, bpe=16384, val_docs=500, heldout=1500, cka_n=500, cka_len=512,
                  seeds=(17, 42, 43),
-                 scale=1.0, minutes=8.25, reserve_s=180, start_s=20, probe_steps=60, trajectory_points=8,
+                 scale=1.0, minutes=8.25, reserve_s=260, start_s=35, probe_steps=60, trajectory_points=8,
                  finetune=dict(seeds=[42, 43, 44], epochs=3, lr=3e-4, batch_size=32, warmup_ratio=0.1), train=[]),
     # the test's: every step, tiny, on the first documents of each corpus and the first examples of each split
     "quick": dict(docs=300, examples=40, bpe=1024, val_docs=20, heldout=40, cka_n=16, cka_len=128, seeds=(17, 42),
@@ -411,11 +417,27 @@ def steady_rate(records, objective=None):
     return {k: float(np.median([r[k] for r in rows])) for k in ("tokens_per_s", "mfu") if rows and k in rows[0]}
 
 
-def study_report(out, s, design, stages, total):
-    """report.md and study.json (every number), loss.png, and CKA's divergence.png and trajectory.png copied beside."""
-    import torch
-
-    seeds, ft_seeds, names = list(s["seeds"]), s["finetune"]["seeds"], list(design["arms"])
+def study_report(out):
+    """report.md and study.json (every number), loss.png, and CKA's divergence.png and trajectory.png copied beside,
+    from what `out` holds: design.json, each run's metrics.jsonl, CKA's results and the fine-tuning runs eval.py stored
+    as each finished. A run cut short reports the tasks every arm finished for every seed. -> report.md's text."""
+    keys = ("command", "started", "study", "arms", "pair", "control", "stages_s", "device", "torch", "factor")
+    try:
+        design = read_json(os.path.join(out, "design.json"))
+        if not set(keys) <= set(design):
+            raise ValueError(f"{out}/design.json lacks {', '.join(sorted(set(keys) - set(design)))}")
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--out {out}: {e}; give the folder of a study that ran past its probe") from None
+    stages, names = dict(design["stages_s"]), list(design["arms"])
+    if "ended" not in design:  # to the last line a step wrote (a run cut short), kept for the next report
+        logs = os.path.join(out, "logs")
+        design["ended"] = max(os.path.getmtime(os.path.join(logs, f)) for f in os.listdir(logs))
+        with open(os.path.join(out, "design.json"), "w") as f:
+            json.dump(design, f, indent=1)
+    total = design["ended"] - design["started"]
+    cut = "cka and fine-tuning" not in stages
+    if cut:
+        stages["cka and fine-tuning (cut)"] = total - sum(stages.values())
     runs = {name: last_val(os.path.join(out, name, "metrics.jsonl"))[1] for name in ["base", *names]}
     loss_figure({name: runs[name] for name in names}, design["arm_tokens"], os.path.join(out, "loss.png"))
     for sub, png in (("cka", "divergence.png"), ("trajectory", "trajectory.png")):
@@ -433,59 +455,98 @@ def study_report(out, s, design, stages, total):
                           "decay": steady_rate([r for r in records if r["phase"] == "decay"])}
                    for name, records in runs.items()}
 
-    # Fine-tuning: scores[task][arm objective] is (pretraining seeds, fine-tuning seeds) of test macro F1 in points
-    scores, upstream = {t: {} for t in TASKS}, {t: {} for t in TASKS}
-    for name, (objective, seed) in design["arms"].items():
-        results = json.load(open(os.path.join(out, "eval", name, "results.json")))
-        for t in TASKS:
-            row = next(iter(results["tasks"][t]["models"].values()))
-            for table, key in ((scores, "macro_f1"), (upstream, results["tasks"][t]["upstream"])):
-                table[t].setdefault(objective, []).append([100 * x for x in row[key]["per_seed"]])
-    scores["average"] = {o: np.mean([scores[t][o] for t in TASKS], axis=0).tolist() for o in ("clm", "mlm")}
-    delta = {t: nested_delta(x["mlm"], x["clm"]) for t, x in scores.items()}
-    twins = {t: {o: float(np.ptp(np.mean(x[o], axis=1))) for o in x} for t, x in scores.items()}  # seed range
-
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    results = dict(design=design, device=device, torch=torch.__version__, python=platform.python_version(),
-                   minutes=total / 60, stages_s=stages, pretraining=pretraining, cka_regions=cka["regions"],
-                   cka_layers=cka["layers"], trajectory=trajectory["steps"], finetune=dict(
-                       metric="test macro F1 (points)", seeds=ft_seeds, pretraining_seeds=seeds, scores=scores,
-                       upstream=upstream, detour_minus_mlm=delta, twin_range=twins))
+    results = dict(design=design, minutes=total / 60, cut=cut, stages_s=stages, pretraining=pretraining,
+                   cka_regions=cka["regions"], cka_layers=cka["layers"], trajectory=trajectory["steps"],
+                   finetune=finetune_results(out, design))
     with open(os.path.join(out, "study.json"), "w") as f:
         json.dump(results, f, indent=1)
+    text = "\n".join(study_markdown(out, results))
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write(text)
+    return text
 
-    mean = lambda x: float(np.mean(x))  # noqa: E731
-    avg = delta["average"]
-    verdict = (f"the detour {'leads' if avg['mean'] > 0 else 'trails'} the MLM arm by {abs(avg['mean']):.2f} points "
-               "on average, beyond the seeds' noise" if avg["low"] is not None and (avg["low"] > 0 or avg["high"] < 0)
-               else f"no difference this design tells from 0 on average ({avg['mean']:+.2f} points)")
-    detect = "" if avg["half"] is None else \
-        f"; the interval's half-width, {avg['half']:.2f} points, is the smallest difference this design tells from 0"
+
+def finetune_results(out, design):
+    """The fine-tuning runs eval.py stored as each finished, of the tasks that every arm finished for every seed:
+    scores[task][objective] (pretraining seeds x fine-tuning seeds) of test macro F1 in points, the metric other
+    papers report beside it, and the detour's difference over both seed levels, per task and on their average."""
+    ft_seeds, scores, upstream = design["study"]["finetune"]["seeds"], {}, {}
+    for t, kind in TASKS.items():
+        files = {(name, f): run_file(os.path.join(out, "eval", name), t, f"{name}/final", f)
+                 for name in design["arms"] for f in ft_seeds}
+        if not all(os.path.isfile(path) for path in files.values()):
+            continue
+        for name, (objective, _) in design["arms"].items():
+            tests = [json.load(open(files[name, f]))["result"]["test"] for f in ft_seeds]
+            scores.setdefault(t, {}).setdefault(objective, []).append([100 * r["macro_f1"] for r in tests])
+            upstream.setdefault(t, {}).setdefault(objective, []).append([100 * r[UPSTREAM[kind]] for r in tests])
+    finished = list(scores)
+    if finished:
+        scores["average"] = {o: np.mean([scores[t][o] for t in finished], axis=0).tolist() for o in ("clm", "mlm")}
+    return dict(metric="test macro F1 (points)", seeds=ft_seeds, pretraining_seeds=design["study"]["seeds"],
+                finished=finished, scores=scores, upstream=upstream,
+                detour_minus_mlm={t: nested_delta(x["mlm"], x["clm"]) for t, x in scores.items()},
+                twin_range={t: {o: float(np.ptp(np.mean(x[o], axis=1))) for o in x} for t, x in scores.items()})
+
+
+def study_verdict(finetune):
+    """The report's one sentence: the detour's difference on average over the finished tasks, and what it could see."""
+    if not finetune["finished"]:
+        return "no task finished its fine-tuning"
+    avg, over = finetune["detour_minus_mlm"]["average"], " on average"
+    if len(finetune["finished"]) < len(TASKS):
+        over = f" over {', '.join(finetune['finished'])}"
+    if avg["low"] is not None and (avg["low"] > 0 or avg["high"] < 0):
+        verdict = (f"the detour {'leads' if avg['mean'] > 0 else 'trails'} the MLM arm by {abs(avg['mean']):.2f} "
+                   f"points{over}, beyond the seeds' noise")
+    else:
+        verdict = f"no difference this design tells from 0{over} ({avg['mean']:+.2f} points)"
+    if avg["half"] is None:
+        return verdict
+    return f"{verdict}; the interval's half-width, {avg['half']:.2f} points, is the smallest difference it tells from 0"
+
+
+def study_markdown(out, results):
+    """report.md's lines: the result, the fine-tuning table, then CKA, the losses, the time and the design."""
+    design, finetune, s = results["design"], results["finetune"], results["design"]["study"]
+    seeds, ft_seeds, finished = s["seeds"], finetune["seeds"], finetune["finished"]
+    unfinished = [t for t in TASKS if t not in finished]
     lines = ["# The CLM detour on real text: the study's report", "",
-             f"{device}, torch {torch.__version__}: {total / 60:.1f} minutes from `{design['command']}` to this "
-             "report. One run, reported as it came out; its design was fixed before it ran (configs/study.py, "
-             f"configs/study_base.py, demo.py's STUDY). Result: {verdict}{detect}.",
-             "", "## Fine-tuning: the detour minus the MLM arm (test macro F1, points)", "",
-             f"Each arm's {len(seeds)} pretraining seeds ({', '.join(map(str, seeds))}) fine-tuned on each task over "
-             f"{len(ft_seeds)} seeds ({', '.join(map(str, ft_seeds))}). Δ: detour minus MLM, paired by pretraining and "
-             f"fine-tuning seed; its 95% interval is over the pretraining seeds' mean differences (t, "
-             f"{len(seeds) - 1} df), so it holds both seed levels (support/suite.nested_delta). Twins' range: how far "
-             "apart an arm's own pretraining seeds land (the spread of their means), beside Δ.", "",
-             "| task | detour | MLM | Δ [95% interval] | ± | Δ per pretraining seed | twins' range: detour, MLM |",
-             "|---|---|---|---|---|---|---|"]
-    for t, d in delta.items():
-        x = scores[t]
+             f"{design['device']}, torch {design['torch']}: {results['minutes']:.1f} minutes from "
+             f"`{design['command']}` to {'the time limit that cut it' if results['cut'] else 'this report'}. One run, "
+             "reported as it came out; its design was fixed before it ran (configs/study.py, configs/study_base.py, "
+             f"demo.py's STUDY, as design.json records them). Result: {study_verdict(finetune)}.", ""]
+    if results["cut"]:
+        lines += [f"The run was cut during fine-tuning: {', '.join(unfinished)} did not finish for every arm and seed "
+                  f"and {'is' if len(unfinished) == 1 else 'are'} left out of the table (the runs that finished are in "
+                  "eval/); everything else ran to its end.", ""]
+    lines += ["## Fine-tuning: the detour minus the MLM arm (test macro F1, points)", "",
+              f"Each arm's {len(seeds)} pretraining seeds ({', '.join(map(str, seeds))}) fine-tuned on each task over "
+              f"{len(ft_seeds)} seeds ({', '.join(map(str, ft_seeds))}). Δ: detour minus MLM, paired by pretraining "
+              f"and fine-tuning seed; its 95% interval is over the pretraining seeds' mean differences (t, "
+              f"{len(seeds) - 1} df), so it holds both seed levels (support/suite.nested_delta); ±: its half-width. "
+              "Twins' range: how far apart an arm's own pretraining seeds land (the spread of their means).", "",
+              "| task | detour | MLM | Δ [95% interval] | ± | Δ per pretraining seed | twins' range: detour, MLM |",
+              "|---|---|---|---|---|---|---|"]
+    for t, d in finetune["detour_minus_mlm"].items():
+        x, twins = finetune["scores"][t], finetune["twin_range"][t]
         interval = f"[{d['low']:+.2f}, {d['high']:+.2f}]" if d["low"] is not None else "(one seed: none)"
-        lines.append(f"| {t}{f' ({TASKS[t]})' if t in TASKS else ''} | {mean(x['clm']):.2f} | {mean(x['mlm']):.2f} | "
-                     f"{d['mean']:+.2f} {interval} | {d['half'] or 0:.2f} | "
-                     f"{' / '.join(f'{v:+.2f}' for v in d['per_pretraining_seed'])} | "
-                     f"{twins[t]['clm']:.2f}, {twins[t]['mlm']:.2f} |")
+        name = f"{t} ({TASKS[t]})" if t in TASKS else f"average ({len(finished)} of {len(TASKS)} tasks)"
+        lines.append(f"| {name} | {np.mean(x['clm']):.2f} | {np.mean(x['mlm']):.2f} | {d['mean']:+.2f} {interval} | "
+                     f"{d['half'] or 0:.2f} | {' / '.join(f'{v:+.2f}' for v in d['per_pretraining_seed'])} | "
+                     f"{twins['clm']:.2f}, {twins['mlm']:.2f} |")
+    return lines + study_tables(out, results)
+
+
+def study_tables(out, results):
+    """report.md below the result: CKA at the end and over the run, the losses, the time, the design."""
+    design, s = results["design"], results["design"]["study"]
     pct = lambda x: f"{100 * x['mean']:.2f} ± {100 * x['std']:.2f}"  # noqa: E731
-    lines += ["", f"## CKA: divergence (1 - CKA, %) by layer region, pair = {' vs '.join(design['pair'])}, control = "
-              f"{' vs '.join(design['control'])}", "",
-              f"{s['cka_n']} held-out biomedical texts x sampling seeds 42, 43, 44 (mean ± std), {s['cka_len']} tokens, "
-              "mean pooling, float64.", "", "| layers | pair (%) | control (%) | ratio |", "|---|---|---|---|"]
-    for r in cka["regions"]:
+    lines = ["", f"## CKA: divergence (1 - CKA, %) by layer region, pair = {' vs '.join(design['pair'])}, control = "
+             f"{' vs '.join(design['control'])}", "",
+             f"{s['cka_n']} held-out biomedical texts x sampling seeds 42, 43, 44 (mean ± std), {s['cka_len']} "
+             "tokens, mean pooling, float64.", "", "| layers | pair (%) | control (%) | ratio |", "|---|---|---|---|"]
+    for r in results["cka_regions"]:
         ratio = "n/a" if r["ratio"] is None else f"{r['ratio']['mean']:.2f}x"
         lines.append(f"| {r['layers']} | {pct(r['pair_divergence'])} | {pct(r['control_divergence'])} | {ratio} |")
     lines += ["", "![per-layer divergence](divergence.png)", "", "## CKA over the run", "",
@@ -493,141 +554,167 @@ def study_report(out, s, design, stages, total):
               "![trajectory](trajectory.png)", "",
               "## Validation losses (the base on general text, the arms on biomedical text; MLM at 15%)", "",
               "| run | tokens | end of phase 1: MLM / CLM | after the decay: MLM / CLM |", "|---|---|---|---|"]
-    for name, p in pretraining.items():
+    for name, p in results["pretraining"].items():
         e, d = p["end_of_phase_1"], p["after_decay"]
         lines.append(f"| {name} | {p['tokens']:,} | {e['val_mlm_loss']:.3f} / {e['val_clm_loss']:.3f} | "
                      f"{d['val_mlm_loss']:.3f} / {d['val_clm_loss']:.3f} |")
-    lines += ["", "![loss curves](loss.png)", "", "## Time and throughput", "",
-              "| stage | minutes |", "|---|---|", *(f"| {k} | {v / 60:.2f} |" for k, v in stages.items()),
-              f"| **total** | {total / 60:.2f} |", "",
+    lines += ["", "![loss curves](loss.png)", "", "## Time and throughput", "", "| stage | minutes |", "|---|---|",
+              *(f"| {k} | {v / 60:.2f} |" for k, v in results["stages_s"].items()),
+              f"| **total** | {results['minutes']:.2f} |", "",
               "| run | tokens/s phase 1 | tokens/s decay | MFU phase 1 |", "|---|---|---|---|"]
-    for name, p in pretraining.items():
+    for name, p in results["pretraining"].items():
         mfu = f"{100 * p['phase_1']['mfu']:.1f}%" if "mfu" in p["phase_1"] else "-"
         lines.append(f"| {name} | {p['phase_1']['tokens_per_s']:,.0f} | {p['decay']['tokens_per_s']:,.0f} | {mfu} |")
     ft = s["finetune"]
-    lines += ["", "The arms ran side by side, their tokens/s each its own share of the device.", "",
-              "## Design (fixed before the run)", "",
-              "- Corpora: ../shared/data/study (general: Gutenberg books; biomedical: MedQuAD, CRAFT, PubMedQA, "
-              f"BioNLP; no 13-gram shared with the tasks); {s['heldout']} biomedical texts held out for CKA; a "
-              f"{s['bpe']:,}-token byte-level BPE trained on the general text (a general tokenizer meets the domain, "
-              "as ModernBERT's does in the paper).",
-              "- Model and optimizer: configs/study.py (the arms) and configs/study_base.py (the base).",
-              f"- Sizes by the time rule (demo.py study_scale): the probe ran the base at "
-              f"{design['probe_tokens_per_s']:,.0f} tokens/s, factor {design['factor']:.3f}: base "
-              f"{design['base_tokens']:,} tokens, each arm {design['arm_tokens']:,}, each + a 10% MLM decay.",
-              f"- Arms: {', '.join(names)}: the same base, data and data order (data_seed 42); the seed drives dropout "
-              "and masking only (every arm starts from the base's weights).",
-              f"- Fine-tuning: {', '.join(TASKS)}; {ft['epochs']} epoch(s), lr {ft['lr']}, batch {ft['batch_size']}, "
-              f"warmup {ft['warmup_ratio']:.0%}, weight decay 0.01, best epoch by validation macro F1, seeds "
-              f"{', '.join(map(str, ft_seeds))} (suite.py).", "",
-              "study.json holds every number; logs/ every run's output.", ""]
-    with open(os.path.join(out, "report.md"), "w") as f:
-        f.write("\n".join(lines))
+    return lines + [
+        "", "The arms ran side by side, their tokens/s each its own share of the device.", "",
+        "## Design (fixed before the run)", "",
+        "- Corpora: ../shared/data/study (general: Gutenberg books; biomedical: MedQuAD, CRAFT, PubMedQA, BioNLP; no "
+        f"13-gram shared with the tasks); {s['heldout']:,} biomedical texts held out for CKA; a {s['bpe']:,}-token "
+        "byte-level BPE trained on the general text (a general tokenizer meets the domain, as ModernBERT's does in "
+        "the paper).",
+        "- Model and optimizer: configs/study.py (the arms) and configs/study_base.py (the base).",
+        f"- Sizes by the time rule (demo.py study_scale, {s['minutes']} minutes, {s['reserve_s']} s kept for CKA and "
+        f"fine-tuning): the probe ran the base at {design['probe_tokens_per_s']:,.0f} tokens/s, factor "
+        f"{design['factor']:.3f}: base {design['base_tokens']:,} tokens, each arm {design['arm_tokens']:,}, each + a "
+        "10% MLM decay.",
+        f"- Arms: {', '.join(design['arms'])}: the same base, data and data order (data_seed 42); the seed drives "
+        "dropout and masking only (every arm starts from the base's weights).",
+        f"- Fine-tuning: {', '.join(TASKS)}; {ft['epochs']} epoch(s), lr {ft['lr']}, batch {ft['batch_size']}, warmup "
+        f"{ft['warmup_ratio']:.0%}, weight decay 0.01, best epoch by validation macro F1, seeds "
+        f"{', '.join(map(str, ft['seeds']))} (suite.py).", "",
+        "study.json holds every number; logs/ every run's output.", ""]
+
+
+class Study:
+    """One run of the study in `out`: its steps as methods, and its design (the settings, the sizes the time rule gave,
+    each stage's seconds) in design.json, written again as each stage ends: what the report is made from, also when
+    the run is cut short."""
+
+    def __init__(self, args):
+        import torch
+
+        self.s = s = {**STUDY["quick" if args.quick else "full"], **({"minutes": args.minutes} if args.minutes else {})}
+        self.out, self.py, data_dir = os.path.abspath(args.out), sys.executable, os.path.abspath(args.study)
+        self.corpora = {name: os.path.join(data_dir, "study", f"{name}.txt.xz") for name in ("general", "biomed")}
+        self.tasks = {t: os.path.join(data_dir, t) for t in TASKS}
+        missing = [p for p in [*self.corpora.values(), *self.tasks.values()] if not os.path.exists(p)]
+        if missing:
+            raise SystemExit(f"--study {args.study}: no {', '.join(missing)}; give the folder that holds study/ and "
+                             "the tasks (../shared/data)")
+        os.makedirs(self.at("logs"), exist_ok=True)
+        self.gpu = torch.cuda.is_available()
+        self.arms = {f"{objective}_s{seed}": (objective, seed) for objective in ("clm", "mlm") for seed in s["seeds"]}
+        first, twin = s["seeds"][:2]
+        self.design = dict(
+            command=f"python demo.py --study {args.study}" + " --quick" * args.quick + f" --out {args.out}"
+            + (f" --minutes {args.minutes}" if args.minutes else ""), started=time.time(), study=s, arms=self.arms,
+            pair=[f"clm_s{first}", f"mlm_s{first}"], control=[f"mlm_s{first}", f"mlm_s{twin}"], stages_s={},
+            torch=torch.__version__, python=platform.python_version(),
+            device=torch.cuda.get_device_name(0) if self.gpu else "CPU")
+
+    def at(self, *parts):
+        return os.path.join(self.out, *parts)
+
+    def run(self, steps):
+        """run() with the steps side by side: as many as there are on a GPU, one per CPU on CPU."""
+        return run(steps, parallel=len(steps) if self.gpu else min(len(steps), os.cpu_count() or 1))
+
+    def stage(self, name, t0):
+        self.design["stages_s"][name] = time.time() - t0
+        print(f"{name}: {time.time() - t0:.0f} s ({(time.time() - self.design['started']) / 60:.1f} min in)",
+              flush=True)
+        with open(self.at("design.json"), "w") as f:
+            json.dump(self.design, f, indent=1)
+
+    def data(self):
+        s, t0 = self.s, time.time()
+        print("1. corpora: general (Gutenberg) and biomedical text, held-out biomedical texts, the tasks", flush=True)
+        build_corpora(self.out, s, [self.corpora["general"]], [self.corpora["biomed"]])
+        if s["examples"]:  # quick: the first examples of each split
+            for t, src in self.tasks.items():
+                self.tasks[t] = self.at("text", t)
+                slice_task(src, self.tasks[t], s["examples"])
+        self.stage("corpora", t0)
+        print(f"2. token shards: a {s['bpe']:,}-token byte-level BPE trained on the general text", flush=True)
+        t0 = time.time()
+        for corpus, text, tokenizer in (("general", "general", f"bpe:{s['bpe']}"),
+                                        ("biomed", "domain", self.at("data", "general"))):
+            run([([self.py, "data.py", "--input", self.at("text", f"{text}.jsonl"), "--tokenizer", tokenizer,
+                   "--out", self.at("data", corpus), "--val_docs", str(s["val_docs"])],
+                  self.at("logs", f"prepare_{corpus}.log"))])
+        self.stage("prepare", t0)
+
+    def pretraining(self):
+        s, design, t0 = self.s, self.design, time.time()
+        print("3. the probe: MLM steps of the base (tokens/s for the time rule), and a CLM warm-up beside it whose "
+              "compiled graph the detour arms then load from inductor's cache", flush=True)
+        train, general = [self.py, "train.py", "configs/study.py"], f"--data_dir={self.at('data', 'general')}"
+        probe = lambda name, objective, steps: ([  # noqa: E731
+            *train, "configs/study_base.py", *s["train"], general, f"--out_dir={self.at(name)}",
+            f"--phases=[{{'name': '{name}', 'objective': '{objective}', 'steps': {steps}, 'warmup_steps': {steps}, "
+            f"'mask_prob': {0.3 if objective == 'mlm' else 0}}}]"], self.at("logs", f"{name}.log"))
+        run([probe("probe", "mlm", s["probe_steps"]), probe("clm_compile", "clm", 2)], parallel=2)
+        records = last_val(self.at("probe", "metrics.jsonl"))[1]
+        rate, per_step = steady_rate(records[1:])["tokens_per_s"], records[-1]["tokens"] // records[-1]["step"]
+        sizes = {k: load_file(os.path.join(ROOT, f"configs/{name}.py"))["tokens"]
+                 for k, name in (("base", "study_base"), ("arm", "study"))}
+        factor = study_scale(s, time.time() - design["started"], rate,
+                             [s["scale"] * sizes["base"]] + [s["scale"] * sizes["arm"]] * len(self.arms))
+        base, arm = (round(factor * s["scale"] * sizes[k]) for k in ("base", "arm"))
+        design.update(probe_tokens_per_s=rate, sizes=sizes, factor=factor, base_tokens=base, arm_tokens=arm,
+                      keep_every=max(1, math.ceil(arm / per_step) // s["trajectory_points"]))
+        self.stage("probe", t0)
+        print(f"the time rule: {rate:,.0f} tokens/s -> factor {factor:.3f}: base {base:,} tokens, each arm {arm:,} "
+              f"(+10% decay each); pretraining planned to end {s['reserve_s']} s before {s['minutes']} minutes",
+              flush=True)
+
+        print("4. the base: MLM on the general text", flush=True)
+        t0 = time.time()
+        run([([*train, "configs/study_base.py", *s["train"], general, f"--out_dir={self.at('base')}",
+               f"--tokens={base}"], self.at("logs", "base.log"))])
+        self.stage("base", t0)
+        print(f"5. the arms, side by side: {', '.join(self.arms)}", flush=True)
+        t0 = time.time()
+        self.run([([*train, *s["train"], f"--data_dir={self.at('data', 'biomed')}", f"--out_dir={self.at(name)}",
+                    f"--init_from={self.at('base', 'final')}", f"--objective={objective}", f"--seed={seed}",
+                    f"--tokens={arm}", f"--keep_every={design['keep_every']}"], self.at("logs", f"{name}.log"))
+                  for name, (objective, seed) in self.arms.items()])
+        self.stage("arms", t0)
+
+    def analysis(self):
+        s, ft, t0 = self.s, self.s["finetune"], time.time()
+        print("6. CKA (the pair and the control, at the end and over the run) and fine-tuning, side by side",
+              flush=True)
+        with open(self.at("suite.py"), "w") as f:
+            f.write(f"# The study's fine-tuning (written by demo.py --study): eval.py --suite {self.at('suite.py')} "
+                    f"--models ARM/final\nseeds = {ft['seeds']}\ntasks = [\n" + "".join(
+                        f"    dict(name={t!r}, task={kind!r}, data={self.tasks[t]!r}, epochs={ft['epochs']}, "
+                        f"lr={ft['lr']}, batch_size={ft['batch_size']}, warmup_ratio={ft['warmup_ratio']}),\n"
+                        for t, kind in TASKS.items()) + "]\n")
+        cka = [self.py, "cka.py", "--texts", self.at("text", "heldout.jsonl"), "--n", str(s["cka_n"]), "--max_len",
+               str(s["cka_len"])]
+        runs = lambda key, sub="": [self.at(name, sub) for name in self.design[key]]  # noqa: E731
+        self.run([([*cka, "--pair", *runs("pair", "final"), "--control", *runs("control", "final"), "--out",
+                    self.at("cka")], self.at("logs", "cka.log")),
+                  ([*cka, "--runs", *runs("pair"), "--control", *runs("control"), "--out", self.at("trajectory")],
+                   self.at("logs", "trajectory.log")),
+                  *(([self.py, "eval.py", "--suite", self.at("suite.py"), "--models", self.at(name, "final"),
+                      "--out", self.at("eval", name)], self.at("logs", f"eval_{name}.log")) for name in self.arms)])
+        self.design["ended"] = time.time()
+        self.stage("cka and fine-tuning", t0)
 
 
 def study(args):
-    import torch
-
-    s, t_start, stages = STUDY["quick" if args.quick else "full"], time.time(), {}
-    out, py, data_dir = os.path.abspath(args.out), sys.executable, os.path.abspath(args.study)
-    logs, text, data = (lambda name, sub=sub: os.path.join(out, sub, name) for sub in ("logs", "text", "data"))
-    corpora = {name: os.path.join(data_dir, "study", f"{name}.txt.xz") for name in ("general", "biomed")}
-    tasks = {t: os.path.join(data_dir, t) for t in TASKS}
-    missing = [p for p in [*corpora.values(), *tasks.values()] if not os.path.exists(p)]
-    if missing:
-        raise SystemExit(f"--study {args.study}: no {', '.join(missing)}; give the folder that holds study/ and the "
-                         "tasks (../shared/data)")
-    os.makedirs(logs(""), exist_ok=True)
-    lanes = lambda n: n if torch.cuda.is_available() else min(n, os.cpu_count() or 1)  # noqa: E731  (side by side)
-    arms = {f"{objective}_s{seed}": (objective, seed) for objective in ("clm", "mlm") for seed in s["seeds"]}
-
-    def stage(name, t0):
-        stages[name] = time.time() - t0
-        print(f"{name}: {stages[name]:.0f} s ({(time.time() - t_start) / 60:.1f} min in)", flush=True)
-
-    print("1. corpora: general (Gutenberg) and biomedical text, held-out biomedical texts, the tasks", flush=True)
-    t0 = time.time()
-    build_corpora(out, s, [corpora["general"]], [corpora["biomed"]])
-    if s["examples"]:
-        for t, src in tasks.items():
-            slice_task(src, text(t), s["examples"])
-            tasks[t] = text(t)
-    stage("corpora", t0)
-
-    print(f"2. token shards: a {s['bpe']:,}-token byte-level BPE trained on the general text", flush=True)
-    t0 = time.time()
-    run([([py, "data.py", "--input", text("general.jsonl"), "--tokenizer", f"bpe:{s['bpe']}", "--out",
-           data("general"), "--val_docs", str(s["val_docs"])], logs("prepare_general.log"))])
-    run([([py, "data.py", "--input", text("domain.jsonl"), "--tokenizer", data("general"), "--out", data("biomed"),
-           "--val_docs", str(s["val_docs"])], logs("prepare_biomed.log"))])
-    stage("prepare", t0)
-
-    print("3. the probe: MLM steps of the base (tokens/s for the time rule), and a CLM warm-up beside it whose "
-          "compiled graph the detour arms then load from inductor's cache", flush=True)
-    t0 = time.time()
-    train = [py, "train.py", "configs/study.py"]
-    probe = lambda name, objective, steps: ([  # noqa: E731
-        *train, "configs/study_base.py", *s["train"], f"--data_dir={data('general')}",
-        f"--out_dir={os.path.join(out, name)}", f"--phases=[{{'name': '{name}', 'objective': '{objective}', 'steps': "
-        f"{steps}, 'warmup_steps': {steps}, 'mask_prob': {0.3 if objective == 'mlm' else 0}}}]"], logs(f"{name}.log"))
-    run([probe("probe", "mlm", s["probe_steps"]), probe("clm_compile", "clm", 2)], parallel=2)
-    records = last_val(os.path.join(out, "probe", "metrics.jsonl"))[1]
-    rate, per_step = steady_rate(records[1:])["tokens_per_s"], records[-1]["tokens"] // records[-1]["step"]
-    sizes = {"base": load_file(os.path.join(ROOT, "configs/study_base.py"))["tokens"],
-             "arm": load_file(os.path.join(ROOT, "configs/study.py"))["tokens"]}
-    factor = study_scale(s, time.time() - t_start, rate, [s["scale"] * sizes["base"]] + [s["scale"] * sizes["arm"]]
-                         * len(arms))
-    base_tokens, arm_tokens = (round(factor * s["scale"] * sizes[k]) for k in ("base", "arm"))
-    keep_every = max(1, math.ceil(arm_tokens / per_step) // s["trajectory_points"])
-    stage("probe", t0)
-    print(f"the time rule: {rate:,.0f} tokens/s -> factor {factor:.3f}: base {base_tokens:,} tokens, each arm "
-          f"{arm_tokens:,} (+10% decay each); pretraining planned to end {s['reserve_s']} s before "
-          f"{s['minutes']} minutes", flush=True)
-
-    print("4. the base: MLM on the general text", flush=True)
-    t0 = time.time()
-    run([([*train, "configs/study_base.py", *s["train"], f"--data_dir={data('general')}",
-           f"--out_dir={os.path.join(out, 'base')}", f"--tokens={base_tokens}"], logs("base.log"))])
-    stage("base", t0)
-
-    print(f"5. the arms, side by side: {', '.join(arms)}", flush=True)
-    t0 = time.time()
-    run([([*train, *s["train"], f"--data_dir={data('biomed')}", f"--out_dir={os.path.join(out, name)}",
-           f"--init_from={os.path.join(out, 'base', 'final')}", f"--objective={objective}", f"--seed={seed}",
-           f"--tokens={arm_tokens}", f"--keep_every={keep_every}"], logs(f"{name}.log"))
-         for name, (objective, seed) in arms.items()], parallel=lanes(len(arms)))
-    stage("arms", t0)
-
-    print("6. CKA (the pair and the control, at the end and over the run) and fine-tuning, side by side", flush=True)
-    t0 = time.time()
-    ft = s["finetune"]
-    with open(os.path.join(out, "suite.py"), "w") as f:
-        f.write(f"# The study's fine-tuning (written by demo.py --study): eval.py --suite {out}/suite.py --models "
-                f"ARM/final\nseeds = {ft['seeds']}\ntasks = [\n" + "".join(
-                    f"    dict(name={t!r}, task={kind!r}, data={tasks[t]!r}, epochs={ft['epochs']}, lr={ft['lr']}, "
-                    f"batch_size={ft['batch_size']}, warmup_ratio={ft['warmup_ratio']}),\n"
-                    for t, kind in TASKS.items()) + "]\n")
-    first, twin = s["seeds"][:2]
-    pair, control = [f"clm_s{first}", f"mlm_s{first}"], [f"mlm_s{first}", f"mlm_s{twin}"]
-    cka = [py, "cka.py", "--texts", text("heldout.jsonl"), "--n", str(s["cka_n"]), "--max_len", str(s["cka_len"])]
-    at = lambda names, sub="": [os.path.join(out, n, sub) for n in names]  # noqa: E731
-    steps = [([*cka, "--pair", *at(pair, "final"), "--control", *at(control, "final"), "--out",
-               os.path.join(out, "cka")], logs("cka.log")),
-             ([*cka, "--runs", *at(pair), "--control", *at(control), "--out", os.path.join(out, "trajectory")],
-              logs("trajectory.log"))]
-    steps += [([py, "eval.py", "--suite", os.path.join(out, "suite.py"), "--models", os.path.join(out, name, "final"),
-                "--out", os.path.join(out, "eval", name)], logs(f"eval_{name}.log")) for name in arms]
-    run(steps, parallel=lanes(len(steps)))
-    stage("cka and fine-tuning", t0)
-
-    print("7. report", flush=True)
-    command = f"python demo.py --study {args.study}" + " --quick" * args.quick + f" --out {args.out}"
-    design = dict(command=command, factor=factor, probe_tokens_per_s=rate,
-                  base_tokens=base_tokens, arm_tokens=arm_tokens, keep_every=keep_every, pair=pair, control=control,
-                  arms=arms, tasks=TASKS, study={k: v for k, v in s.items()}, sizes=sizes)
-    study_report(out, s, design, stages, time.time() - t_start)
-    print(open(os.path.join(out, "report.md")).read())
-    print(f"wrote {os.path.join(out, 'report.md')} and study.json ({(time.time() - t_start) / 60:.1f} min)")
+    """python demo.py --study DATA: the steps, then the report; --report: the report alone, of what --out holds."""
+    if not args.report:
+        steps = Study(args)
+        steps.data()
+        steps.pretraining()
+        steps.analysis()
+        print("7. report", flush=True)
+    print(study_report(os.path.abspath(args.out)))
+    print(f"wrote {os.path.join(os.path.abspath(args.out), 'report.md')} and study.json")
 
 
 def main(argv=None):
@@ -639,9 +726,16 @@ def main(argv=None):
     p.add_argument("--study", metavar="DATA", help="the study on real text instead: DATA holds study/general.txt.xz, "
                    f"study/biomed.txt.xz and the tasks {', '.join(TASKS)} (../shared/data)")
     p.add_argument("--quick", action="store_true", help="a tiny run of every step (what the tests use)")
+    p.add_argument("--minutes", type=float, help="with --study: its time budget (default "
+                   f"{STUDY['full']['minutes']}, one 9-minute GPU call); more makes the pretraining longer, up to the "
+                   "full sizes of configs/study*.py")
+    p.add_argument("--report", action="store_true", help="with --study: write the report again from what --out holds "
+                   "(a run cut short reports the tasks every arm finished)")
     args = p.parse_args(argv)
     if args.study and (args.domain or args.task or args.base):
         p.error("--study brings its own corpora, tasks and base; --domain, --task and --base are for the demo")
+    if not args.study and (args.minutes or args.report):
+        p.error("--minutes and --report are for the study (--study DATA)")
     args.out = args.out or ("out/study" if args.study else "out/demo")
     (study if args.study else demo)(args)
 

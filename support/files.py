@@ -31,6 +31,7 @@ test_links.py, test_history.py and test_hold.py build such files.
 - out_dir/config.json (support/checkpoint.check_same_run, under the hold): an object. One line.
 - stored suite runs, task .jsonl/.tsv (support/suite.py, eval.py): their shapes, metrics in [0, 1], field types.
   Named in the suite's one refusal; one line.
+- design.json of a study (demo.py --study --report): an object with the keys a report needs. One line.
 - every file or folder the project writes, renames or deletes: the Writing section below. A link, FIFO or hard
   link there: one line.
 """

@@ -2,6 +2,7 @@
 
 import ast
 import json
+import lzma
 import math
 import os
 import subprocess
@@ -189,6 +190,23 @@ def test_prepare_is_deterministic_across_workers(tmp_path):
     assert outs[0] == outs[1]
 
 
+def test_xz_compressed_inputs_give_the_shards_of_their_text(tmp_path):
+    """.txt.xz and .jsonl.xz (Python's lzma, the xz format) are read as the text they hold."""
+    docs = [f"text {i} " + "word " * (i % 9) for i in range(120)]
+    plain = {"a.txt": "\n".join(docs[:60]) + "\n", "b.jsonl": "\n".join(json.dumps({"text": d}) for d in docs[60:])}
+    for name, text in plain.items():
+        (tmp_path / name).write_text(text)
+        (tmp_path / f"{name}.xz").write_bytes(lzma.compress(text.encode()))
+    train_bpe(iter(docs), 300, str(tmp_path / "tok.json"))
+    shards = []
+    for suffix in ("", ".xz"):
+        src = [str(tmp_path / f"{name}{suffix}") for name in plain]
+        assert list(read_documents(src)) == docs
+        prepare(lambda: read_documents(src), str(tmp_path / "tok.json"), str(tmp_path / f"out{suffix}"), val_docs=10)
+        shards.append((tmp_path / f"out{suffix}" / "train.bin").read_bytes())
+    assert shards[0] == shards[1]
+
+
 def run_prepare(*args, cwd):
     return subprocess.run([sys.executable, os.path.join(ROOT, "data.py"), *args], cwd=cwd,
                           capture_output=True, text=True)
@@ -200,8 +218,10 @@ def test_prepare_errors(tmp_path):
     (tmp_path / "x.csv").write_text("a,b")
     (tmp_path / "bad.jsonl").write_text('{"content": "hi"}\n')
     (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    (tmp_path / "cut.txt.xz").write_bytes(lzma.compress(b"some text\n" * 100)[:40])
     cases = [("missing.txt", "does not exist"), ("empty.txt", "no documents"), ("x.csv", "unknown extension"),
-             ("bad.jsonl", "no 'text' field"), ("latin1.txt", "cannot be read as UTF-8")]
+             ("bad.jsonl", "no 'text' field"), ("latin1.txt", "cannot be read as UTF-8"),
+             ("cut.txt.xz", "cannot be read as xz-compressed UTF-8 text")]
     for name, message in cases:
         r = run_prepare("--input", name, "--tokenizer", "tok.json", "--out", "o", "--workers", "1", cwd=tmp_path)
         assert r.returncode != 0 and message in r.stderr, (name, r.stderr[-500:])

@@ -191,3 +191,11 @@ def test_study_quick_runs_every_step_on_slices_of_the_real_data(tmp_path):
         assert heading in report
     for png in ("loss.png", "divergence.png", "trajectory.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"({png})" in report
+    # A run cut short in its fine-tuning: --report tables the tasks every arm finished for every seed
+    next((out / "eval" / "mlm_s42" / "runs" / "gad").rglob("seed43.json")).unlink()
+    r = subprocess.run([sys.executable, "demo.py", "--study", STUDY_DATA, "--out", str(out), "--report"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    again = json.loads((out / "study.json").read_text())["finetune"]
+    assert again["finished"] == ["ncbi_disease", "anatem"] and "gad" not in again["detour_minus_mlm"]
+    assert "| average (2 of 3 tasks) |" in (out / "report.md").read_text()
