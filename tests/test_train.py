@@ -488,7 +488,8 @@ def test_every_config_parses_and_ablations_stack():
     bases = [f for f in configs if f.startswith(("fr_", "en_"))]
     assert bases == ["en_base.py", "en_large.py", "fr_base.py", "fr_large.py"]
     for base in bases:
-        for extra in [[]] + [[f] for f in configs if f not in bases and f != "demo.py"]:
+        for extra in [[]] + [[f] for f in configs if f not in bases and f not in ("demo.py", "study.py",
+                                                                                  "study_base.py")]:
             c = parse_config([os.path.join(ROOT, "configs", f) for f in [base, *extra]])
             assert c.seq_len == 8192 and c.global_batch_size == 384 and c.lr == 2e-4 and c.data_seed == 42
             assert c.global_batch_size % (4 * c.micro_batch_size) == 0  # 4 GPUs
@@ -497,6 +498,10 @@ def test_every_config_parses_and_ablations_stack():
     mlm = parse_config([os.path.join(ROOT, "configs", f) for f in ("fr_base.py", "mlm_baseline.py")])
     assert (twin.objective, twin.seed, mlm.objective, mlm.seed) == ("mlm", 42, "mlm", 17)
     assert parse_config([os.path.join(ROOT, "configs", "demo.py")]).device == "cpu"
+    study, base = (parse_config([os.path.join(ROOT, "configs", f) for f in files])  # demo.py --study's two stacks
+                   for files in (["study.py"], ["study.py", "study_base.py"]))
+    assert (study.init_from, base.init_from, base.objective, study.seq_len, base.seq_len) == (
+        "scratch", "scratch", "mlm", 1024, 1024) and study.tokens < base.tokens
     ten, fifty = (parse_config([os.path.join(ROOT, "configs", f) for f in files])
                   for files in (["en_base.py"], ["en_base.py", "tokens_50b.py"]))
     assert (ten.tokens, fifty.tokens) == (10 ** 10, 5 * 10 ** 10)  # the English 10B and 50B runs share no folder
