@@ -246,7 +246,8 @@ def report(args, s, out, task_dir, kind, timings, total):
              f"{', '.join(args.domain) if args.domain else 'built-in (PyTorch/NumPy docstrings)'}; "
              f"task: {task_dir} ({kind}); base: {args.base or 'tiny MLM on general text'}.",
              "", "## Settings", "",
-             f"- model: configs/demo.py; base pretraining {s['base_tokens']:,} tokens" + (" (skipped: --base)" if args.base else ""),
+             f"- model: configs/demo.py; base pretraining {s['base_tokens']:,} tokens"
+             + (" (skipped: --base)" if args.base else ""),
              f"- each arm: {s['arm_tokens']:,} tokens of phase 1 + 10% MLM decay (15% masking), same data order",
              f"- CKA: {s['cka_n']} held-out texts x seeds 42,43,44, mean pooling, float64",
              f"- eval: {s['eval_epochs']} epochs x seeds {s['eval_seeds']}, lr {s['eval_lr']} (a tiny model takes a "
@@ -287,12 +288,10 @@ def report(args, s, out, task_dir, kind, timings, total):
 
 
 def demo(args):
-    s = SCALES["quick" if args.quick else "full"]
-    out = os.path.abspath(args.out)
+    s, out, py, t_start, timings = SCALES["quick" if args.quick else "full"], os.path.abspath(args.out), \
+        sys.executable, time.time(), {}
     logs = os.path.join(out, "logs")
     os.makedirs(logs, exist_ok=True)
-    py = sys.executable
-    t_start, timings = time.time(), {}
     step = lambda cmd, log: run([(cmd, os.path.join(logs, log))])[0]  # noqa: E731  (one step, its seconds)
 
     print("1. corpora", flush=True)
@@ -306,12 +305,9 @@ def demo(args):
     text = lambda name: os.path.join(out, "text", name)  # noqa: E731
     data = lambda name: os.path.join(out, "data", name)  # noqa: E731
     timings["prepare"] = 0.0
-    if not args.base:
-        timings["prepare"] += step([py, "data.py", "--input", text("general.jsonl"), "--tokenizer", "bpe:4096",
-                                    "--out", data("general"), "--val_docs", "200"], "prepare_general.log")
-    tokenizer = args.base or data("general")
-    timings["prepare"] += step([py, "data.py", "--input", text("domain.jsonl"), "--tokenizer", tokenizer,
-                                "--out", data("domain"), "--val_docs", "200"], "prepare_domain.log")
+    for name, tokenizer in [("general", "bpe:4096")] * (not args.base) + [("domain", args.base or data("general"))]:
+        timings["prepare"] += step([py, "data.py", "--input", text(f"{name}.jsonl"), "--tokenizer", tokenizer,
+                                    "--out", data(name), "--val_docs", "200"], f"prepare_{name}.log")
 
     common = [py, "train.py", "configs/demo.py", *s["train"]]
     base = args.base
@@ -342,8 +338,8 @@ def demo(args):
     print(f"6. fine-tuning on the task ({kind}) over seeds {s['eval_seeds']}", flush=True)
     timings["eval"] = 0.0
     for name in ("clm", "mlm"):
-        timings["eval"] += step([py, "eval.py", "--model", final(name), "--task", kind, "--data", task_dir,
-                                 "--seeds", s["eval_seeds"], "--epochs", str(s["eval_epochs"]), "--lr", str(s["eval_lr"]),
+        timings["eval"] += step([py, "eval.py", "--model", final(name), "--task", kind, "--data", task_dir, "--seeds",
+                                 s["eval_seeds"], "--epochs", str(s["eval_epochs"]), "--lr", str(s["eval_lr"]),
                                  "--max_len", str(s["eval_max_len"]), "--out", os.path.join(out, f"eval_{name}")],
                                 f"eval_{name}.log")
 

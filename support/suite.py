@@ -49,7 +49,7 @@ PROTOCOL = dict(
     # keeps the head transformers gives it (BERT: its pooler on [CLS]; RoBERTa: a dense layer on <s>)
     select="macro_f1",  # the paper keeps the best epoch "by validation F1"; we read it as its reported metric
 )
-MAX_TOKENS = {"cuda": 16384, "cpu": 4096}  # our choice, per device type (python bench.py finetune_memory)
+MAX_TOKENS = {"cuda": 16384, "cpu": 4096}  # our choice, per device type (results/cpu-2026-11-28: memory)
 EPOCHS = {"cls": 10, "multilabel": 10, "ner": 20}  # the paper
 SEEDS = [42, 43, 44, 45, 46]  # the paper: 5 seeds for English; which five is our choice (the French 42-50 begin so)
 TASK_KEYS = {"name": str, "task": str, "data": str, "epochs": int, "lr": float, "batch_size": int, "max_len": int,

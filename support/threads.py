@@ -6,7 +6,7 @@ which meets at a barrier at the end of every op, and the demo's small model runs
 A thread that arrives first spins at the barrier for ~300,000 pause instructions (libgomp's default, milliseconds
 on recent Intel cores) before it sleeps. Alone on the machine that is what makes 2 threads faster than one; beside
 other jobs, the thread it waits for is off its core, and the spinner burns its own time slice waiting for it: the
-run takes many times its fair share of the machine (`python bench.py share` measures it). Waiting passively
+run takes many times its fair share of the machine (results/cpu-2026-11-28 measured it). Waiting passively
 (OMP_WAIT_POLICY=PASSIVE) still pays a wake-up per op; one thread has no barrier at all.
 
 So: as many threads as CPUs are free for this process, at most the usable ones (its affinity mask, capped by its

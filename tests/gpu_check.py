@@ -45,10 +45,12 @@ CACHE_LOGS = dict(TORCH_LOGS="torch._inductor.codecache,torch._functorch._aot_au
 CACHE_LINES = {"fx_graph hits": "fx graph cache hit for key", "fx_graph misses": "fx graph cache miss for key",
                "fx_graph bypassed": "Bypassing FX Graph Cache", "aot_autograd hits": "AOTAutograd cache hit",
                "aot_autograd misses": "AOTAutograd cache miss", "aot_autograd bypassed": "Bypassing autograd cache"}
-SIZES = {  # every: b's runs, all or the first; phases: c's steps, the decay outlasting a SIGTERM; examples: e's
-    "full": dict(bench="base", every=1, seq_len=8192, micro=4, phases=(4, 4, 8), probe=["base", "large"], cap=64,
-                 examples=64, model={"vocab_size": 50368}),
-    "tiny": dict(bench="tiny", every=4, seq_len=64, micro=2, phases=(4, 4, 60), probe=["tiny"], cap=4, examples=32,
+SIZES = {  # every: b's runs, all or the first; bench_s: the seconds each of its rows is timed; phases: c's steps, the
+    # decay outlasting a SIGTERM; examples: e's
+    "full": dict(bench="base", bench_s=3, every=1, seq_len=8192, micro=4, phases=(4, 4, 8), probe=["base", "large"],
+                 cap=64, examples=64, model={"vocab_size": 50368}),
+    "tiny": dict(bench="tiny", bench_s=0.02, every=4, seq_len=64, micro=2, phases=(4, 4, 60), probe=["tiny"], cap=4,
+                 examples=32,
                  model=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2,
                             local_attention=16)),
 }
@@ -137,8 +139,8 @@ def correctness(ctx, deadline):
 def bench(ctx, deadline, name, *args):
     """bench.py ARGS at this check's sizes -> (its JSON, {} if it failed; what ran)."""
     s, out = ctx.size, ctx.log(f"{name}.json")
-    code, seconds = run([PY, "bench.py", "--seq_len", str(s["seq_len"]), "--batch_size", str(s["micro"]), "--steps",
-                         "5", "--warmup", "2", *args, "--out", out], ctx.log(f"{name}.log"), deadline)
+    code, seconds = run([PY, "bench.py", "--seq_len", str(s["seq_len"]), "--batch_size", str(s["micro"]), "--min_time",
+                         str(s["bench_s"]), "--warmup", "2", *args, "--out", out], ctx.log(f"{name}.log"), deadline)
     return json.load(open(out)) if code == 0 else {}, dict(run=name, outcome=outcome(code), seconds=round(seconds))
 
 
@@ -146,7 +148,7 @@ def speed(ctx, deadline):
     rows, runs, each = [], [], [("packed", "clm"), ("packed", "mlm"), ("variable", "mlm"), ("variable", "clm")]
     for case, objective in each[::ctx.size["every"]]:  # a bench.py process each, train.py's packed batches first
         out, ran = bench(ctx, deadline, f"b_{case}_{objective}", "--size", ctx.size["bench"], "--cases", case,
-                         "--objectives", objective, "--skip", "attention", "loss", "data")
+                         "--objectives", objective, "--skip", "attention")
         rows, runs = rows + out.get("step", []), runs + [ran]
     done = sum(r["outcome"] == "done" for r in runs)
     return dict(ok=False if "exit" in str(runs) else done == len(runs) or None, rows=rows, runs=runs, summary=f"{done}"
@@ -158,7 +160,7 @@ def memory(ctx, deadline):
     rows = []
     for size in ctx.size["probe"]:
         out, ran = bench(ctx, deadline, f"d_{size}", "--size", size, "--largest", str(ctx.size["cap"]), "--skip",
-                         "step", "attention", "loss", "data")
+                         "step", "attention")
         rows += [dict(size=size, **r) for r in out.get("largest", [dict(largest=ran["outcome"])])]
     return dict(ok=all(isinstance(r["largest"], int) for r in rows) or None, rows=rows, summary=", ".join(
         f"{r['size']} {r.get('objective', '')} {r['largest']}" for r in rows))

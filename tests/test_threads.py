@@ -1,7 +1,7 @@
 """support/threads.py: CPU threads follow the CPUs this process may use (affinity, a cgroup's quota) and the load of
 the other processes on them; a thread count the user set wins, and compiled code keeps one. The load is faked or made
 and measured by the test itself, so that what else runs on the machine changes nothing. Its speed beside other jobs:
-`python bench.py share`."""
+results/cpu-2026-11-28/README.md."""
 
 import os
 import re
