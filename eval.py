@@ -502,13 +502,10 @@ def full_context(max_len, positions, where):
     return max_len or positions
 
 
-def run_suite(args, process, autocast, dtype):
-    """eval.py --suite FILE --models DIR ...: every task x model x seed, then results.md/.json/.png."""
-    rank, world, device = process.rank, process.world, process.device
-    seeds, tasks = suite.load_suite(args.suite)
-    names = suite.model_names(args.models)
-
-    # Check everything before training anything: a problem in the last task must not surface hours in.
+def check_suite(args, tasks, device, dtype):
+    """Every model and task of a suite checked before anything trains (a problem in the last task must not surface
+    hours in) -> ({model: tokenizer}, {model: what the table records of it}, {task: (splits, labels)},
+    {(task, model): max_len}), or one SystemExit listing every problem."""
     problems, toks, about, data, max_len = [], {}, {}, {}, {}
     for path in args.models:
         try:
@@ -524,11 +521,13 @@ def run_suite(args, process, autocast, dtype):
             problems.append(f"task {t['name']!r}: {e}")
     if problems:
         raise SystemExit(f"{args.suite}: nothing was trained; first fix:\n  " + "\n  ".join(problems))
-    hold(args.out, process)  # one suite writes --out at a time; a killed one's successor goes on where it stopped
+    return toks, about, data, max_len
 
-    # The runs, in order. A run's options are what finetune() sees (the task's protocol, the model, the
-    # dtype, max_len and max_tokens resolved) less where it runs and writes: they identify its file, so
-    # that a changed suite never reuses a stale run.
+
+def suite_runs(args, seeds, tasks, names, max_len, device, dtype):
+    """The runs, in order. A run's options are what finetune() sees (the task's protocol, the model, the dtype, max_len
+    and max_tokens resolved) less where it runs and writes: they identify its file, so that a changed suite never
+    reuses a stale run."""
     runs = []
     for t in tasks:
         for path, name in zip(args.models, names):
@@ -540,6 +539,17 @@ def run_suite(args, process, autocast, dtype):
             options["dtype"] = str(dtype).removeprefix("torch.")
             runs += [dict(task=t, model=path, name=name, seed=seed, args=run_args, options={**options, "seed": seed},
                           file=suite.run_file(args.out, t["name"], name, seed)) for seed in seeds]
+    return runs
+
+
+def run_suite(args, process, autocast, dtype):
+    """eval.py --suite FILE --models DIR ...: every task x model x seed, then results.md/.json/.png."""
+    rank, world, device = process.rank, process.world, process.device
+    seeds, tasks = suite.load_suite(args.suite)
+    names = suite.model_names(args.models)
+    toks, about, data, max_len = check_suite(args, tasks, device, dtype)
+    hold(args.out, process)  # one suite writes --out at a time; a killed one's successor goes on where it stopped
+    runs = suite_runs(args, seeds, tasks, names, max_len, device, dtype)
     # Rank 0's disk says which runs are finished and the other ranks take its word: every rank must skip
     # the same runs, or the ranks that train one wait forever for those that skipped it.
     done, stale = distributed.on_rank0(lambda: suite.finished_runs([(r["file"], r["options"]) for r in runs]), process)

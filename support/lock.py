@@ -98,6 +98,25 @@ def holder(path):
     return info if named and info["state"] in ("running", "stopping") and math.isfinite(info["beat"]) else {}
 
 
+def waiting_for(info, seen, now, where, what):
+    """A holder's record, seen at `now` (on this side's clock; `seen` keeps its heartbeat's moves between looks) ->
+    (who it is, why this run may wait: "stopping", "silent" or "watched", in words); a live holder is a SystemExit."""
+    seen.pop("unreadable", None)
+    if info["beat"] != seen.get("beat"):  # its first sight, or a move
+        seen["moves"], seen["beat"], seen["moved"] = seen.get("moves", -1) + 1, info["beat"], now
+    who = f"pid {info['pid']} on {info['host']} (`{info['command']}`, since {info['since']})"
+    age = time.time() - info["beat"]  # by its clock against ours: a first guess only
+    if info["state"] == "stopping":
+        return who, "stopping", "stopping: it is writing its last checkpoint"
+    if age < STALE or seen["moves"]:
+        raise SystemExit(f"{where} is in use by {who}: one run writes a directory at a time. Wait for it to end (or "
+                         f"stop it: kill -TERM {info['pid']} on {info['host']}, or scancel its job), or choose another "
+                         f"{what}.")
+    if now - seen["moved"] > STALE:
+        return who, "silent", f"silent for {now - seen['moved']:.0f} s: its node may be lost"
+    return who, "watched", f"its heartbeat {age:.0f} s old by its clock (lost, or its clock is not ours)"
+
+
 def take(directory, what, check=None):
     """-> a Hold on `directory` (made if missing), or None where the filesystem has no locks (with a warning); a
     SystemExit naming the holder if another run holds it. check(): what must hold of the directory for this run,
@@ -135,21 +154,7 @@ def take(directory, what, check=None):
             if now - seen.setdefault("unreadable", now) > UNNAMED:
                 raise SystemExit(f"{what}={directory} is held by a process that {path} does not name. {gone}")
         else:
-            seen.pop("unreadable", None)
-            if info["beat"] != seen.get("beat"):  # its first sight, or a move
-                seen["moves"], seen["beat"], seen["moved"] = seen.get("moves", -1) + 1, info["beat"], now
-            who = f"pid {info['pid']} on {info['host']} (`{info['command']}`, since {info['since']})"
-            age = time.time() - info["beat"]  # by its clock against ours: a first guess only
-            if info["state"] == "stopping":
-                state, why = "stopping", "stopping: it is writing its last checkpoint"
-            elif age < STALE or seen["moves"]:
-                raise SystemExit(f"{what}={directory} is in use by {who}: one run writes a directory at a time. Wait "
-                                 f"for it to end (or stop it: kill -TERM {info['pid']} on {info['host']}, or scancel "
-                                 f"its job), or choose another {what}.")
-            elif now - seen["moved"] > STALE:
-                state, why = "silent", f"silent for {now - seen['moved']:.0f} s: its node may be lost"
-            else:
-                state, why = "watched", f"its heartbeat {age:.0f} s old by its clock (lost, or its clock is not ours)"
+            who, state, why = waiting_for(info, seen, now, f"{what}={directory}", what)
             if said != state:
                 said = state
                 print(f"{what}={directory} is held by {who}, {why}; waiting up to {WAIT / 60:.0f} minutes for it",
