@@ -407,9 +407,9 @@ def slice_task(src, dst, n):
             f.write(sep.join(examples) + "\n")
 
 
-def steady_rate(records, objective=None):
+def steady_rate(records):
     """The median tokens/s (and MFU) of a run's log records, those that counted compiling left out."""
-    rows = [r for r in records if "compile_s" not in r and (objective is None or r["objective"] == objective)]
+    rows = [r for r in records if "compile_s" not in r]
     return {k: float(np.median([r[k] for r in rows])) for k in ("tokens_per_s", "mfu") if rows and k in rows[0]}
 
 
@@ -438,8 +438,8 @@ def study_report(out):
     loss_figure({name: runs[name] for name in names}, design["arm_tokens"], os.path.join(out, "loss.png"))
     for sub, png in (("cka", "divergence.png"), ("trajectory", "trajectory.png")):
         shutil.copyfile(os.path.join(out, sub, png), os.path.join(out, png))
-    cka = json.load(open(os.path.join(out, "cka", "results.json")))
-    trajectory = json.load(open(os.path.join(out, "trajectory", "trajectory.json")))
+    cka = read_json(os.path.join(out, "cka", "results.json"))
+    trajectory = read_json(os.path.join(out, "trajectory", "trajectory.json"))
 
     def val(records, phase):  # the last evaluation of a phase: (MLM loss, CLM loss)
         r = [r for r in records if "val_mlm_loss" in r and r["phase"] == phase][-1]
@@ -473,7 +473,7 @@ def finetune_results(out, design):
         if not all(os.path.isfile(path) for path in files.values()):
             continue
         for name, (objective, _) in design["arms"].items():
-            tests = [json.load(open(files[name, f]))["result"]["test"] for f in ft_seeds]
+            tests = [read_json(files[name, f])["result"]["test"] for f in ft_seeds]
             scores.setdefault(t, {}).setdefault(objective, []).append([100 * r["macro_f1"] for r in tests])
             upstream.setdefault(t, {}).setdefault(objective, []).append([100 * r[UPSTREAM[kind]] for r in tests])
     finished = list(scores)
@@ -612,8 +612,8 @@ class Study:
     def at(self, *parts):
         return os.path.join(self.out, *parts)
 
-    def run(self, steps):
-        """run() with the steps side by side: as many as there are on a GPU, one per CPU on CPU."""
+    def side_by_side(self, steps):
+        """run() with the steps at once: all of them on a GPU, one per CPU on CPU."""
         return run(steps, parallel=len(steps) if self.gpu else min(len(steps), os.cpu_count() or 1))
 
     def stage(self, name, t0):
@@ -672,10 +672,11 @@ class Study:
         self.stage("base", t0)
         print(f"5. the arms, side by side: {', '.join(self.arms)}", flush=True)
         t0 = time.time()
-        self.run([([*train, *s["train"], f"--data_dir={self.at('data', 'biomed')}", f"--out_dir={self.at(name)}",
-                    f"--init_from={self.at('base', 'final')}", f"--objective={objective}", f"--seed={seed}",
-                    f"--tokens={arm}", f"--keep_every={design['keep_every']}"], self.at("logs", f"{name}.log"))
-                  for name, (objective, seed) in self.arms.items()])
+        self.side_by_side([([*train, *s["train"], f"--data_dir={self.at('data', 'biomed')}",
+                             f"--out_dir={self.at(name)}", f"--init_from={self.at('base', 'final')}",
+                             f"--objective={objective}", f"--seed={seed}", f"--tokens={arm}",
+                             f"--keep_every={design['keep_every']}"], self.at("logs", f"{name}.log"))
+                           for name, (objective, seed) in self.arms.items()])
         self.stage("arms", t0)
 
     def analysis(self):
@@ -691,12 +692,13 @@ class Study:
         cka = [self.py, "cka.py", "--texts", self.at("text", "heldout.jsonl"), "--n", str(s["cka_n"]), "--max_len",
                str(s["cka_len"])]
         runs = lambda key, sub="": [self.at(name, sub) for name in self.design[key]]  # noqa: E731
-        self.run([([*cka, "--pair", *runs("pair", "final"), "--control", *runs("control", "final"), "--out",
-                    self.at("cka")], self.at("logs", "cka.log")),
-                  ([*cka, "--runs", *runs("pair"), "--control", *runs("control"), "--out", self.at("trajectory")],
-                   self.at("logs", "trajectory.log")),
-                  *(([self.py, "eval.py", "--suite", self.at("suite.py"), "--models", self.at(name, "final"),
-                      "--out", self.at("eval", name)], self.at("logs", f"eval_{name}.log")) for name in self.arms)])
+        steps = [([*cka, "--pair", *runs("pair", "final"), "--control", *runs("control", "final"), "--out",
+                   self.at("cka")], self.at("logs", "cka.log")),
+                 ([*cka, "--runs", *runs("pair"), "--control", *runs("control"), "--out", self.at("trajectory")],
+                  self.at("logs", "trajectory.log"))]
+        self.side_by_side(steps + [([self.py, "eval.py", "--suite", self.at("suite.py"), "--models",
+                                     self.at(name, "final"), "--out", self.at("eval", name)],
+                                    self.at("logs", f"eval_{name}.log")) for name in self.arms])
         self.design["ended"] = time.time()
         self.stage("cka and fine-tuning", t0)
 
