@@ -131,10 +131,6 @@ def measure_step(spec):
     step_fn = kernels.compile_model(model, regional=spec["compile"] == "regional") if spec["compile"] else model
     batches = [make_inputs(batch_lengths(spec["case"], spec["batch_size"], spec["seq_len"], rng),
                            config.vocab_size, spec["objective"], device, rng) for _ in range(3)]
-    if ours and spec["compile"]:  # as train.py: one graph for every number of MLM targets
-        for x in batches:
-            torch._dynamo.mark_dynamic(x["rows"], 0)
-            torch._dynamo.mark_dynamic(x["targets"], 0)
 
     def step(x):
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
@@ -256,7 +252,7 @@ def attention_reference(q, k, v, dout, lengths, window):
     outs = []
     for start, n in zip(np.cumsum([0, *lengths[:-1]]), lengths):
         offset = torch.arange(n, device=q.device)[None, :] - torch.arange(n, device=q.device)[:, None]  # key - query
-        ok = ((offset >= -window[0]) | (window[0] < 0)) & ((offset <= window[1]) | (window[1] < 0))
+        ok = kernels.window_mask(offset, *window)
         x = (t[start:start + n].transpose(0, 1)[None] for t in (q, k, v))  # (1, nh, n, hd)
         outs.append(F.scaled_dot_product_attention(*x, attn_mask=ok)[0].transpose(0, 1))
     out = torch.cat(outs)

@@ -33,9 +33,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from support.checkpoint import sha256
 from support.config import check_out_dir
-from support.files import fresh_dir, open_file, remove
+from support.files import fresh_dir, json_lines, open_file, remove, sha256
 from support.shards import load_meta, split_tokens
 from support.tokenizer import SPECIAL_NAMES, TOKENIZER_FILES, load_tokenizer, tokenizer_file, train_bpe
 
@@ -102,13 +101,7 @@ def _read_txt(path, blank_line_docs):
 
 def _read_jsonl(path, field):
     with open_text(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"{path}:{n}: not valid JSON ({e})") from None
+        for n, obj in json_lines(f, path):
             if not isinstance(obj, dict) or field not in obj:
                 raise SystemExit(f"{path}:{n}: no {field!r} field; choose the text field with --text_field")
             yield _text(obj[field], f"{path}:{n}")
@@ -576,11 +569,15 @@ class Batch:
     targets: torch.Tensor  # (N,) the target ids
 
     def map(self, fn):
-        """The same batch with fn applied to each of its tensors (to a device, to pinned memory)."""
+        """The same batch with fn applied to each of its tensors."""
         return Batch(fn(self.tokens), fn(self.cu_seqlens), self.max_seqlen, fn(self.rows), fn(self.targets))
 
     def to(self, device, non_blocking=False):
         return self.map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pinned(self, device):
+        """In pinned memory if bound for a GPU: the copy there is then asynchronous."""
+        return self.map(torch.Tensor.pin_memory) if device.type == "cuda" else self
 
 
 def _layout(windows, eos_id, split_docs):

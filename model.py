@@ -1,8 +1,6 @@
 """
 ModernBERT, written out by hand (Warner et al., 2024), for the CLM-detour recipe.
 
-Read top to bottom: config -> the unpadded layout -> attention -> RoPE -> Block -> encoder -> heads.
-
 The whole model runs on *unpadded* tokens: a flat (T,) tensor of token ids from B sequences laid end to end, with
 `cu_seqlens` (int32, B+1) marking where each sequence starts. No FLOP is spent on padding. The one switch `causal`
 turns the bidirectional encoder into a causal language model: every layer gets a causal mask and local layers see
@@ -67,9 +65,8 @@ class ModernBertConfig:
         return layer % self.global_attn_every_n_layers == 0
 
     def check_positions(self, length, what, fix, whose=""):
-        """`what` (`length` tokens, "{}" in it where the number goes) within RoPE's tables, which end at
-        max_position_embeddings; else a ValueError. The message is made only then: compiled with dynamic shapes,
-        length is symbolic, and formatting it would break the graph."""
+        """`what` ("{}" where the number goes) of `length` tokens is within RoPE's tables, else a ValueError. The
+        message is made only then: compiled with dynamic shapes, formatting a symbolic length would break the graph."""
         if length > self.max_position_embeddings:
             raise ValueError(f"{what.format(length)} is beyond {whose}max_position_embeddings="
                              f"{self.max_position_embeddings}: {fix}")
@@ -159,11 +156,6 @@ def attention(q, k, v, packing, layer_type, dropout_p):
 # Rotary position embedding (rotate-half / NeoX style, on the full head dim)
 
 
-def compute_dtype(device_type, default):
-    """The dtype of matmul outputs (q, k, v) on this device type now: autocast's when it is on, else `default`."""
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else default
-
-
 def rope_cos_sin(positions, head_dim, theta):
     """cos and signed sin, (2, P, head_dim) float32, for apply_rope at `positions`: the angles in float32 (bf16
     positions would be off by whole tokens)."""
@@ -193,9 +185,8 @@ class Attention(nn.Module):
         self.layer_type = "global" if config.is_global(layer) else "local"
         self.Wqkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=False)
         self.Wo = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
-        self.dropout_p = config.attention_dropout
-        out_p = config.attention_dropout if config.attn_out_dropout is None else config.attn_out_dropout
-        self.out_drop = nn.Dropout(out_p)
+        self.dropout_p, out_p = config.attention_dropout, config.attn_out_dropout
+        self.out_drop = nn.Dropout(config.attention_dropout if out_p is None else out_p)
 
     def forward(self, x, packing, rope):
         T = x.shape[0]
@@ -261,10 +252,15 @@ class ModernBertModel(nn.Module):
         for kind, theta in (("global", config.global_rope_theta), ("local", config.local_rope_theta)):
             self.register_buffer(f"rope_{kind}", rope_cos_sin(positions, config.head_dim, theta), persistent=False)
 
+    def compute_dtype(self, device):
+        """The dtype of matmul outputs (q, k, v) on `device` now: autocast's when it is on, else the weights'."""
+        on = torch.is_autocast_enabled(device.type)
+        return torch.get_autocast_dtype(device.type) if on else self.embeddings.tok_embeddings.weight.dtype
+
     def attention_backend(self, device, packed=True):
         """Each layer type's kernel in a forward on `device` now: by the dtype it gets, and if the batch is packed."""
-        dtype, c = compute_dtype(device.type, self.embeddings.tok_embeddings.weight.dtype), self.config
-        return kernels.pick_backend(c.attn_backend, device, dtype, c.attention_dropout if self.training else 0, packed)
+        c, dropout_p = self.config, self.config.attention_dropout if self.training else 0
+        return kernels.pick_backend(c.attn_backend, device, self.compute_dtype(device), dropout_p, packed)
 
     def forward(self, tokens, cu_seqlens, max_seqlen, causal=False, return_layers=False):
         """tokens (T,) -> hidden states (T, H) after the final norm; with return_layers, also the L layer outputs,
@@ -273,9 +269,8 @@ class ModernBertModel(nn.Module):
         c.check_positions(max_seqlen, "a sequence of {} tokens", "cut sequences to that length")
         backend = self.attention_backend(tokens.device, packed=tokens.shape[0] == max_seqlen * (len(cu_seqlens) - 1))
         packing = Packing(tokens.shape[0], cu_seqlens, max_seqlen, causal, c.local_attention // 2, backend)
-        # The rows of this batch's positions, cast once to the dtype q and k have (autocast's, else the weights'):
-        # the rotation then runs in that dtype in every layer, with no float32 copy of q and k.
-        dtype = compute_dtype(tokens.device.type, self.embeddings.tok_embeddings.weight.dtype)
+        # The rows of this batch's positions, cast once to q and k's dtype: no float32 copy of q and k in any layer.
+        dtype = self.compute_dtype(tokens.device)
         rope = {kind: tuple(getattr(self, f"rope_{kind}")[:, packing.positions].to(dtype))  # cos, sin: (T, hd) each
                 for kind in ("global", "local")}
         x = self.embeddings(tokens)
@@ -292,8 +287,6 @@ class ModernBertModel(nn.Module):
 
 
 class PredictionHead(nn.Module):
-    """dense -> GELU -> LayerNorm; shared by the MLM/CLM head and the classifiers."""
-
     def __init__(self, config):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
@@ -318,11 +311,8 @@ class PreTrained(nn.Module):
 
         if isinstance(module, Embeddings):
             trunc(module.tok_embeddings.weight, std_in)
-        elif isinstance(module, Attention):
-            trunc(module.Wqkv.weight, std_in)
-            trunc(module.Wo.weight, std_out)
-        elif isinstance(module, MLP):
-            trunc(module.Wi.weight, std_in)
+        elif isinstance(module, (Attention, MLP)):  # in: Wqkv or Wi; out: Wo
+            trunc((module.Wqkv if isinstance(module, Attention) else module.Wi).weight, std_in)
             trunc(module.Wo.weight, std_out)
         elif isinstance(module, PredictionHead):
             trunc(module.dense.weight, std_out)
@@ -334,24 +324,19 @@ class PreTrained(nn.Module):
         elif module is getattr(self, "decoder", None):
             nn.init.zeros_(module.bias)
 
-    def encode(self, flat, causal=False):
-        """Flat -> final hidden states (T, H): the encoder, called once whatever form the input came in."""
+    def encode(self, flat, causal=False):  # Flat -> final hidden states (T, H), whatever form the input came in
         return self.model(flat.tokens, flat.cu_seqlens, flat.max_seqlen, causal=causal)
 
-    def num_params(self):
-        """Parameter count with the tied decoder weight counted once (as transformers reports)."""
+    def num_params(self):  # the tied decoder weight once, as transformers counts
         return sum(p.numel() for p in self.parameters())
 
     def param_groups(self, weight_decay):
-        """AdamW groups of the trainable parameters: weight_decay on the matrices, none on biases and norm
-        weights (the 1-D parameters)."""
+        """AdamW groups of the trainable parameters: weight_decay on the matrices, none on biases and norms (1-D)."""
         params = [p for p in self.parameters() if p.requires_grad]
         return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
                 {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
 
-    def save_pretrained(self, path):
-        """config.json and model.safetensors, loaded by transformers as they are (support/hf.py)."""
-        hf.save(self, path)
+    save_pretrained = hf.save  # (self, path): config.json and model.safetensors, as transformers loads them
 
     @classmethod
     def from_pretrained(cls, path, **overrides):
@@ -375,17 +360,6 @@ class ModernBertForMaskedLM(PreTrained):
         self.apply(self._init_weights)
         self.decoder.weight = self.model.embeddings.tok_embeddings.weight  # tied: one tensor
 
-    def logits(self, hidden):
-        """(N, H) -> (N, V). Apply to selected rows only for sparse prediction."""
-        return self.decoder(self.head(hidden))
-
-    def cross_entropy_sum(self, hidden, targets, chunk_rows=CHUNK_ROWS, max_rows=None):
-        """(N, H) final hidden states of the predicted rows and their (N,) targets -> the float32 sum of the N
-        cross-entropies, with the decoder and the softmax in chunks of rows (support/loss.py): the (N, V)
-        logits are never held."""
-        return chunked_cross_entropy(self.head(hidden), self.decoder.weight, self.decoder.bias, targets, chunk_rows,
-                                     max_rows)
-
     def forward(self, input_ids, attention_mask=None, causal=False, *, cu_seqlens=None, max_seqlen=None, rows=None,
                 targets=None):
         """By input form:
@@ -393,18 +367,24 @@ class ModernBertForMaskedLM(PreTrained):
         - padded (B, S) ids (and attention_mask) -> (B, S, V) logits; rows at padded positions are zero;
         - flat (T,) ids with cu_seqlens and max_seqlen, and `rows` (N,), the positions that have a target -> their
           (N, V) logits (sparse prediction: the head runs on those rows only; all T rows if rows is None);
-        - the same with `targets` (N,) -> the float32 sum of their cross-entropies (cross_entropy_sum), which is how
-          training gets its loss: through forward, so that DDP's hooks see the call.
+        - the same with `targets` (N,) -> the float32 sum of their cross-entropies (cross_entropy_sum): training's
+          loss, through forward, so that DDP's hooks see the call.
         """
         flat = Flat.of(input_ids, attention_mask, cu_seqlens, max_seqlen)
         hidden = self.encode(flat, causal)
         hidden = hidden if rows is None else hidden[rows]
-        if targets is not None:
-            if flat.shape is not None:
-                raise ValueError("targets need the unpadded call: flat ids with cu_seqlens, max_seqlen and the "
-                                 "rows that have a target (see data.py's Batch)")
-            return self.cross_entropy_sum(hidden, targets, max_rows=input_ids.shape[0])  # T: fixed between steps
-        return flat.restore(self.logits(hidden))
+        if targets is None:
+            return flat.restore(self.decoder(self.head(hidden)))
+        if flat.shape is not None:
+            raise ValueError("targets need the unpadded call: flat ids with cu_seqlens, max_seqlen and the rows that "
+                             "have a target (see data.py's Batch)")
+        return self.cross_entropy_sum(hidden, targets, max_rows=input_ids.shape[0])  # T: fixed between steps
+
+    def cross_entropy_sum(self, hidden, targets, chunk_rows=CHUNK_ROWS, max_rows=None):
+        """(N, H) final hidden states of the predicted rows, (N,) targets -> the float32 sum of their cross-entropies,
+        the decoder and the softmax in chunks of rows (support/loss.py): the (N, V) logits are never held."""
+        return chunked_cross_entropy(self.head(hidden), self.decoder.weight, self.decoder.bias, targets, chunk_rows,
+                                     max_rows)
 
 
 def mean_pool(hidden, cu_seqlens):
@@ -436,18 +416,13 @@ class ModernBertForSequenceClassification(Classifier):
         """(B, S) padded or flat (T,) with cu_seqlens -> (B, num_labels) logits."""
         flat = Flat.of(input_ids, attention_mask, cu_seqlens, max_seqlen)
         hidden = self.encode(flat)
-        if self.config.classifier_pooling == "cls":
-            pooled = hidden[flat.cu_seqlens[:-1].long()]
-        else:
-            pooled = mean_pool(hidden, flat.cu_seqlens)
+        cls = self.config.classifier_pooling == "cls"
+        pooled = hidden[flat.cu_seqlens[:-1].long()] if cls else mean_pool(hidden, flat.cu_seqlens)
         return self.classifier(self.drop(self.head(pooled)))
 
 
 class ModernBertForTokenClassification(Classifier):
-    """The classifier on every token."""
-
     def forward(self, input_ids, attention_mask=None, *, cu_seqlens=None, max_seqlen=None):
         """(B, S) padded -> (B, S, num_labels); flat (T,) with cu_seqlens -> (T, num_labels)."""
         flat = Flat.of(input_ids, attention_mask, cu_seqlens, max_seqlen)
         return flat.restore(self.classifier(self.drop(self.head(self.encode(flat)))))
-

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data import Loader, clm_batch, mlm_batch, prefetch
 from model import ModernBertConfig, ModernBertForMaskedLM
-from support import checks, config, distributed, kernels, threads
+from support import checks, config, distributed, kernels
 from support.checkpoint import Checkpointer
 from support.flops import batch_flops
 from support.freeze import Freeze
@@ -211,17 +211,15 @@ def build_model(c, meta, path):
 
 
 def make_optimizer(model, c, device):
-    """Decoupled AdamW. torch's AdamW decays p <- p * (1 - lr_t * wd); with wd = weight_decay / lr
-    that is exactly p <- p * (1 - weight_decay * lr_t / lr), the ModernBERT/Composer form.
-    No decay on biases and norm weights (the 1-D parameters)."""
+    """Decoupled AdamW. torch's AdamW decays p <- p * (1 - lr_t * wd); with wd = weight_decay / lr that is exactly
+    p <- p * (1 - weight_decay * lr_t / lr), the ModernBERT/Composer form. No decay on biases and norm weights."""
     fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
     return torch.optim.AdamW(model.param_groups(c.weight_decay / c.lr), lr=c.lr, betas=c.betas, eps=c.eps, **fast)
 
 
 # -----------------------------------------------------------------------------
-# One step: the phase's batches, forward and backward with its mask. The head runs only on the rows
-# that have a target; each loss sum is divided by the number of targets in the whole global batch,
-# so every target weighs the same whatever the micro batch or world size.
+# One step: the phase's batches, forward and backward with its mask. The head runs only on the rows that have a
+# target; each loss sum is divided by the global batch's number of targets: every target weighs the same.
 
 
 def make_batch(windows, phase, meta, seed, split_docs):
@@ -237,20 +235,17 @@ def step_batches(step, phase, loader, meta, c, process, config):
     alone) -> (the batches, the loader position a checkpoint after them resumes from, their FLOPs for MFU)."""
     accum = c.global_batch_size // (c.micro_batch_size * process.world)
     micro = [make_batch(loader.next(), phase, meta, [c.seed, step, k * process.world + process.rank], c.split_docs)
-             for k in range(accum)]
-    pin = process.device.type == "cuda"  # pinned memory: the copy to the GPU is then asynchronous
-    return ([b.map(torch.Tensor.pin_memory) if pin else b for b in micro], loader.state_dict(),
-            batch_flops(config, micro, phase.causal))
+             .pinned(process.device) for k in range(accum)]
+    return micro, loader.state_dict(), batch_flops(config, micro, phase.causal)
 
 
 def batch_loss(model, batch, causal):
-    """Sum of the cross-entropies over the batch's targets, in float32, computed by the model in chunks of
-    rows (never holding (rows, vocab) logits); through forward, so that DDP's gradient hooks see the call."""
+    """The float32 sum of the cross-entropies of the batch's targets (ModernBertForMaskedLM.forward)."""
     return model(batch.tokens, causal=causal, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen,
                  rows=batch.rows, targets=batch.targets)
 
 
-def forward_backward(model, batches, causal, process, autocast, compiled):
+def forward_backward(model, batches, causal, process, autocast):
     """Sum the micro batches' gradients into .grad, each loss divided by the global number of targets;
     return this rank's share of the step's loss. DDP all-reduces the gradients after the last one."""
     n_targets = torch.tensor(float(sum(b.targets.numel() for b in batches)), device=process.device)
@@ -259,9 +254,6 @@ def forward_backward(model, batches, causal, process, autocast, compiled):
     total = 0.0
     for k, batch in enumerate(batches):
         batch = batch.to(process.device, non_blocking=True)
-        if compiled:  # the number of MLM targets changes every step: one graph for all of them
-            torch._dynamo.mark_dynamic(batch.rows, 0)
-            torch._dynamo.mark_dynamic(batch.targets, 0)
         last = k == len(batches) - 1
         with (model.no_sync() if dist.is_initialized() and not last else nullcontext()), autocast:
             loss = batch_loss(model, batch, causal) * process.world / n_targets  # * world: DDP averages ranks
@@ -271,10 +263,9 @@ def forward_backward(model, batches, causal, process, autocast, compiled):
 
 
 def wrap(model, compiled, ddp, device):
-    """The model the steps call. Compiled: one graph for the whole forward, loss included (no graph break),
-    and one more when causal flips at the phase boundary; the MLM row count is marked dynamic (backward).
-    DDP wraps the compiled model, so its gradient all-reduce follows the whole backward instead of
-    overlapping it: a few ms once per optimizer step, against seconds of accumulated micro batches."""
+    """The model the steps call. Compiled (kernels.compile_model): one graph for the forward and its loss, one more
+    when causal flips at a phase boundary. DDP wraps the compiled model: its all-reduce follows the whole backward
+    instead of overlapping it, a few ms per optimizer step against seconds of accumulated micro batches."""
     if compiled:
         model = kernels.compile_model(model, compiled)
     if ddp:
@@ -313,29 +304,31 @@ def evaluate(model, c, meta, process, autocast):
 # Training
 
 
-def main(argv):
-    with distributed.said_once():  # every torchrun process checks the same; rank 0 says what is wrong
+def start(argv):
+    """The config and everything it names, checked (a mistake is one line, said once under torchrun); then this
+    process set up: its rank and device, its CPU threads, its compiler (support/distributed.py)."""
+    with distributed.said_once():
         c = parse_config(argv)
         schedule = Schedule.from_config(c)
         run = schedule.span(c.run_phases)  # the steps this run does
         meta = checks.check_run(c, len(run), int(os.environ.get("WORLD_SIZE", 1)))  # data, out_dir, init_from
-    process = distributed.setup(c.device, c.dist_timeout_minutes)  # the same without torchrun: one process
-    rank, world, device = process.rank, process.world, process.device
-    autocast, dtype = distributed.autocast(device, c.dtype)
-    compiled = kernels.compiler(c.compile, device)  # the torch.compile backend, or None: eager
-    threads.setup(device, compiled)  # CPU: threads for the CPUs this process may use, fewer while other jobs load them
+    return c, schedule, run, meta, distributed.setup(c.device, c.dist_timeout_minutes, c.compile)
 
+
+def main(argv):
+    c, schedule, run, meta, process = start(argv)
+    device, compiled = process.device, process.compiled  # compiled: the torch.compile backend, or None (eager)
+    autocast, dtype = distributed.autocast(device, c.dtype)
     # The loop's state: from the checkpoint this run resumes (out_dir's newest, or init_from's), else fresh.
     checkpointer = Checkpointer(c, process, schedule)
-    start = checkpointer.resume(continue_from=c.init_from if run.start > 0 else None)
-    model = build_model(c, meta, start or c.init_from).to(device)
+    resumed = checkpointer.resume(continue_from=c.init_from if run.start > 0 else None)
+    model = build_model(c, meta, resumed or c.init_from).to(device)
     freeze = Freeze(c, model, [p.name for p in schedule.phases])
     optimizer = make_optimizer(model, c, device)
-    loader = Loader(c.data_dir, "train", c.seq_len, c.micro_batch_size, c.data_seed, rank, world)
-    torch.manual_seed(c.seed + rank)  # dropout; a checkpoint's random streams replace it
-    state = checkpointer.restore(start, optimizer, loader, first_step=run.start)
+    loader = Loader(c.data_dir, "train", c.seq_len, c.micro_batch_size, c.data_seed, process.rank, process.world)
+    state = checkpointer.restore(resumed, optimizer, loader, first_step=run.start)
     with autocast:  # what the run is, its attention kernel picked by the dtype that reaches it
-        announce(c, model, schedule, process, dtype, compiled, state.step if start else None)
+        announce(c, model, schedule, process, dtype, compiled, state.step if resumed else None)
     freeze.enter(schedule.at(state.step))  # before DDP, which all-reduces what requires a gradient when built
     raw_model, model = model, wrap(model, compiled, dist.is_initialized(), device)
     logger = Logger(c, process, checkpointer, run, state.step, compiled)
@@ -352,7 +345,7 @@ def main(argv):
             if freeze.enter(phase):  # frozen layers: no weight gradients to compute or all-reduce
                 model = wrap(raw_model, compiled, dist.is_initialized(), device)
             batches, loader_state, flops = next(stream)
-            state.loss += forward_backward(model, batches, phase.causal, process, autocast, compiled)
+            state.loss += forward_backward(model, batches, phase.causal, process, autocast)
             freeze.after_backward()  # freeze_mode "zero_grad": zero gradients, which AdamW still decays and moves
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -362,18 +355,14 @@ def main(argv):
             end_of_phase = state.step in schedule.starts
             checkpoint_due = state.step % c.ckpt_interval == 0 or end_of_phase
 
-            # Once in a while: evaluate, every eval_interval steps and at the end of each phase.
+            # Once in a while: evaluate; log (also with each evaluation and checkpoint); checkpoint (also at the end of
+            # each phase, on a signal to any rank, then the run stops, or when ckpt_every_minutes have passed).
             val = {}
             if state.step % c.eval_interval == 0 or end_of_phase:
                 with logger.pause():
                     val = evaluate(raw_model, c, meta, process, autocast)
-
-            # Once in a while: log, every log_interval steps and with each evaluation and interval checkpoint.
             if state.step % c.log_interval == 0 or val or checkpoint_due:
                 logger.log(state, phase, lr, val)
-
-            # Once in a while: checkpoint, every ckpt_interval steps and at the end of each phase. The checkpointer
-            # also writes one on a signal to any rank (and the run stops) or when ckpt_every_minutes have passed.
             if checkpointer.after_step(raw_model, optimizer, state, due=checkpoint_due, last=state.step == run.stop):
                 break
         finished = checkpointer.exit_code is None

@@ -46,7 +46,7 @@ from safetensors import SafetensorError
 from support.card import write_card
 from support.distributed import on_rank0
 from support.files import (MAX_JSON, fresh_dir, open_file, read_bytes, read_json, refuse, refuse_link, remove,
-                           replace_file)
+                           replace_file, sha256)
 from support.lock import hold
 from support.metrics import METRICS, trim_metrics
 from support.tokenizer import TOKENIZER_FILES, write_hf_config
@@ -119,14 +119,6 @@ def tokenizer_files(data_dir):
     except (OSError, ValueError) as e:
         raise SystemExit(f"{e}: the checkpoints copy the tokenizer from the data directory") from None
     return files
-
-
-def sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def fsync(path):
@@ -336,9 +328,10 @@ class Checkpointer:
 
     def restore(self, path, optimizer, loader, first_step=0):
         """The TrainState at checkpoint `path` (None: a fresh start), with the optimizer, the loader and this
-        rank's random streams set to it; metrics.jsonl is cut back to its step. A run of later phases starts
-        at `first_step`, from a checkpoint of the phases before it."""
+        rank's random streams (dropout's; fresh: from seed + rank) set to it; metrics.jsonl is cut back to its step. A
+        run of later phases starts at `first_step`, from a checkpoint of the phases before it."""
         device, rank = self.process.device, self.process.rank
+        torch.manual_seed(self.c.seed + rank)
         if path is None and self.c.skip_tokens:
             skipped = skip_data(loader, self.c.skip_tokens)
             if rank == 0:

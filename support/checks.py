@@ -17,8 +17,9 @@ from dataclasses import fields
 
 from model import ModernBertConfig
 from support import hf, shards
-from support.checkpoint import MANIFEST, checkpoint_problem, sha256, tokenizer_files
+from support.checkpoint import MANIFEST, checkpoint_problem, tokenizer_files
 from support.config import check_out_dir
+from support.files import sha256
 from support.tokenizer import check_vocab
 
 POSITIVE = ("seq_len", "global_batch_size", "micro_batch_size", "lr", "eps", "log_interval", "eval_interval",

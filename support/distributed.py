@@ -1,5 +1,5 @@
-"""The few lines of device set-up that train.py, cka.py and eval.py share: torch.distributed and
-mixed precision."""
+"""The few lines of device set-up that train.py, cka.py and eval.py share: torch.distributed, the CPU's threads, the
+compiler and mixed precision."""
 
 import contextlib
 import os
@@ -10,20 +10,25 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from support import kernels, threads
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QUIET = 5.0  # seconds a rank > 0 waits before it exits for a mistake rank 0 reports (see quiet_exit)
 
 
 @dataclass(frozen=True)
 class Process:
-    """This process: its rank among `world` processes, and its device."""
+    """This process: its rank among `world` processes, its device, and the torch.compile backend its steps run (None:
+    eager)."""
     rank: int
     world: int
     device: torch.device
+    compiled: str | None = None
 
 
-def setup(device="auto", timeout_minutes=60.0):
-    """-> this Process. Under torchrun: join the process group (NCCL on GPU, gloo on CPU) and take
+def setup(device="auto", timeout_minutes=60.0, compile="false"):
+    """-> this Process, its CPU threads set (support/threads.py) and `compile` resolved (kernels.compiler) for its
+    device. Under torchrun: join the process group (NCCL on GPU, gloo on CPU) and take
     this rank's GPU; from then on the scripts run DDP and their collectives whenever a group exists, a world of
     one included (so `torchrun --nproc_per_node=1` tries NCCL's path on one GPU). Without torchrun: one process
     (rank 0 of 1) on `device`, no group. `timeout_minutes`: how long a
@@ -35,16 +40,20 @@ def setup(device="auto", timeout_minutes=60.0):
         raise SystemExit(f"device={device!r}: PyTorch sees no CUDA GPU here ({torch.__version__}); use --device=cpu "
                          "or auto, or install a CUDA build of PyTorch")
     if "RANK" not in os.environ:
-        return Process(0, 1, torch.device(device if device != "auto" else ("cuda" if cuda else "cpu")))
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if cuda:
-        torch.cuda.set_device(local_rank)
-    # Imported before the process group exists, not by DDP's constructor after it: torch._dynamo imports modules
-    # (torch.distributed.fsdp's ShardedGradScaler) with `process_group=dist.group.WORLD` as a default argument,
-    # which would hold the world group for the interpreter's life, past destroy_process_group (see teardown).
-    from torch import _dynamo  # noqa: F401
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=timeout_minutes))
-    return Process(dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local_rank}" if cuda else "cpu"))
+        rank, world, dev = 0, 1, torch.device(device if device != "auto" else ("cuda" if cuda else "cpu"))
+    else:
+        local_rank = int(os.environ["LOCAL_RANK"])
+        if cuda:
+            torch.cuda.set_device(local_rank)
+        # Imported before the process group exists, not by DDP's constructor after it: torch._dynamo imports modules
+        # (torch.distributed.fsdp's ShardedGradScaler) with `process_group=dist.group.WORLD` as a default argument,
+        # which would hold the world group for the interpreter's life, past destroy_process_group (see teardown).
+        from torch import _dynamo  # noqa: F401
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=timeout_minutes))
+        rank, world, dev = dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local_rank}" if cuda else "cpu")
+    compiled = kernels.compiler(compile, dev)
+    threads.setup(dev, compiled)  # CPU: threads for the CPUs this process may use, fewer while other jobs load them
+    return Process(rank, world, dev, compiled)
 
 
 @contextlib.contextmanager

@@ -8,8 +8,8 @@ shared filesystems where others can write, so every script reads and writes them
 - writing: nothing is written, renamed or deleted through a symbolic link that the project did not make.
 
 Each file the project reads, where its values are checked, and what a bad or hostile one gets. "One line": exit 1,
-naming the file, the field and the fix, before any work, nothing on disk changed. tests/test_hostile_*.py,
-test_links.py, test_history.py and test_hold.py build such files.
+naming the file, the field and the fix, before any work, nothing on disk changed. tests/test_files.py,
+test_links.py, test_resilience.py and test_trust.py build such files.
 - config.json of a checkpoint (support/hf.py): every field's type and range, heads into even head dims, the model's
   float32 bytes against this machine's memory, before anything is allocated. One line.
 - model.safetensors, pytorch_model.bin (support/hf.py): weights_only; a dict of named floating-point tensors of the
@@ -37,6 +37,7 @@ test_links.py, test_history.py and test_hold.py build such files.
 """
 
 import errno
+import hashlib
 import json
 import math
 import os
@@ -88,6 +89,22 @@ def read_json(path, shape=dict, limit=MAX_JSON):
     if not isinstance(value, shape) or isinstance(value, bool) and shape is not bool:
         raise ValueError(f"{path} holds a JSON {json_type(value)} where a JSON {json_type(shape())} is expected")
     return value
+
+
+def json_lines(lines, path):
+    """(line number, value) of each non-blank line of a JSONL file; a line that is not JSON is a SystemExit naming
+    it."""
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                yield n, json.loads(line)
+            except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than any record
+                raise SystemExit(f"{path}:{n}: not a JSON line this code reads ({type(e).__name__}: {e})") from None
+
+
+def sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def json_type(value):

@@ -8,7 +8,7 @@ matrix product in support/loss.py, adds 2 x vocab per predicted row. A (query, k
 2 x 2 x H forward (QK^T and AV over all heads), x 3 with backward, and only the pairs the mask keeps count:
 each sequence's real length (not seq_len), the local window clipped at both ends, and under the causal mask
 only keys at or before the query: the work of the varlen kernels. SDPA with a dense mask computes every
-pair of its padded (B, S, S) view and masks afterwards (tests/test_flops.py checks both against torch's
+pair of its padded (B, S, S) view and masks afterwards (tests/test_speed.py checks both against torch's
 FlopCounterMode).
 """
 

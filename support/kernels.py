@@ -90,12 +90,22 @@ def compile_model(model, backend="inductor", regional=False):
         inductor.triton.mix_order_reduction_non_strict_mode = True
     if hasattr(functorch, "autograd_cache_allow_custom_autograd_functions"):  # torch 2.7+
         functorch.autograd_cache_allow_custom_autograd_functions = True
-    if not regional:
-        return torch.compile(model, backend=backend)
-    for block in model.model.layers:
-        block.compile(backend=backend)
-    model.cross_entropy_sum = torch.compile(model.cross_entropy_sum, backend=backend)
+    if regional:
+        for block in model.model.layers:
+            block.compile(backend=backend)
+        model.cross_entropy_sum = torch.compile(model.cross_entropy_sum, backend=backend)
+    else:
+        model = torch.compile(model, backend=backend)
+    model.register_forward_pre_hook(dynamic_rows, with_kwargs=True)  # run eagerly, before the compiled forward
     return model
+
+
+def dynamic_rows(module, args, kwargs):
+    """The rows that have a target, and their targets: one dynamic size, so that MLM's count of targets, new every
+    step, reuses one graph."""
+    for name in ("rows", "targets"):
+        if kwargs.get(name) is not None:
+            torch._dynamo.mark_dynamic(kwargs[name], 0)
 
 
 class Choice(dict):
@@ -184,11 +194,7 @@ class SDPAView:
             if left < 0 and self.mode != "padded":  # full attention: no mask, so that SDPA picks its fast kernels
                 self.masks[layer_type] = (None, right == 0)
                 continue
-            ok = torch.ones(S, S, dtype=torch.bool, device=dev)
-            if left >= 0:
-                ok &= offset >= -left
-            if right >= 0:
-                ok &= offset <= right
+            ok = window_mask(offset, left, right)
             if self.mode == "padded":  # keys must be real tokens; a pad query sees every key (no NaN), then dropped
                 ok = ((ok & real[:, None, :]) | ~real[:, :, None])[:, None]  # (B, 1, S, S)
             self.masks[layer_type] = (ok, False)
@@ -218,6 +224,11 @@ class SDPAView:
 
         out = sdpa(view(q), view(k), view(v), mask).transpose(1, 2).reshape(self.B * self.S, nh, hd)
         return out[self.index] if self.mode == "padded" else out
+
+
+def window_mask(offset, left, right):
+    """offset: key position - query position -> True where the key is in the window (left, right); -1 is no bound."""
+    return ((offset >= -left) | (left < 0)) & ((offset <= right) | (right < 0))
 
 
 class FlexView:

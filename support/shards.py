@@ -7,13 +7,12 @@ loader and the model card all reach it. Each id a shard holds is checked by the 
 out (data.py): a scan of a large train.bin at start-up would cost minutes.
 """
 
-import hashlib
 import os
 import re
 
 import numpy as np
 
-from support.files import MAX_JSON, read_bytes, read_json, whole
+from support.files import read_json, sha256, whole
 from support.tokenizer import MAX_VOCAB, SPECIAL_NAMES, check_companions
 
 DTYPES = {"uint16": 1 << 16, "uint32": 1 << 32}  # the shard formats, and the ids each can hold
@@ -36,7 +35,7 @@ def load_meta(data_dir):
         if problem:
             raise ValueError(f"{path}: {problem}")
         check_companions(data_dir)
-        if meta.get("tokenizer_sha256") and (not os.path.isfile(tok) or file_sha256(tok) != meta["tokenizer_sha256"]):
+        if meta.get("tokenizer_sha256") and (not os.path.isfile(tok) or sha256(tok) != meta["tokenizer_sha256"]):
             raise SystemExit(f"{tok} is missing or is not the tokenizer the shards of {data_dir} were made with "
                              "(meta.json records another hash); re-run data.py into a fresh --out")
     except (OSError, ValueError) as e:
@@ -63,11 +62,6 @@ def meta_problem(meta):
     if sha is not None and not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
         bad.append(f"tokenizer_sha256={str(sha)[:70]!r} must be a sha256 in hex, or null")
     return "; ".join(bad) or None
-
-
-def file_sha256(path):
-    """sha256 of a tokenizer file, read as support/files.py reads a file from elsewhere."""
-    return hashlib.sha256(read_bytes(path, MAX_JSON)).hexdigest()
 
 
 def split_tokens(data_dir, split, meta, seq_len, micro_batch_size, world):
