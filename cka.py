@@ -26,7 +26,7 @@ import argparse
 import json
 import math
 import os
-from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -34,10 +34,10 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from support import distributed, threads
-from support.checkpoint import PROGRESS, sha256, step_checkpoints, step_of
+from support.checkpoint import PROGRESS, step_checkpoints, step_of
 from support.checks import checkpoint_config, user_error
 from support.config import check_out_dir
-from support.files import open_file, read_json, replace_file, whole
+from support.files import open_file, read_json, replace_file, sha256, whole
 from support.lock import hold
 from data import read_documents
 from model import ModernBertForMaskedLM, cu_seqlens_of, mean_pool
@@ -49,18 +49,13 @@ from support.tokenizer import check_vocab, load_tokenizer
 
 
 def linear_cka(X, Y, debiased=False):
-    """Linear CKA between X (n x d1) and Y (n x d2), computed in float64.
-
-    Biased: ||Yc^T Xc||_F^2 / (||Xc^T Xc||_F ||Yc^T Yc||_F) with column-centred Xc, Yc
-    (Kornblith et al. 2019). Debiased: the same ratio of unbiased HSIC estimators
-    (Song et al. 2012; Szekely-Rizzo), written with n x d sums instead of n x n Grams.
-    """
-    X = torch.as_tensor(X).to(torch.float64)
-    Y = torch.as_tensor(Y).to(torch.float64)
+    """Linear CKA between X (n x d1) and Y (n x d2), computed in float64. Biased: ||Yc^T Xc||_F^2 /
+    (||Xc^T Xc||_F ||Yc^T Yc||_F) with column-centred Xc, Yc (Kornblith et al. 2019). Debiased: the same ratio of
+    unbiased HSIC estimators (Song et al. 2012; Szekely-Rizzo), written with n x d sums instead of n x n Grams."""
+    X, Y = (torch.as_tensor(Z).to(torch.float64) for Z in (X, Y))
     X, Y = X - X.mean(0), Y - Y.mean(0)
     if not debiased:
-        xy = (Y.T @ X).square().sum()
-        return (xy / torch.sqrt((X.T @ X).square().sum() * (Y.T @ Y).square().sum())).item()
+        return ((Y.T @ X).square().sum() / torch.sqrt((X.T @ X).square().sum() * (Y.T @ Y).square().sum())).item()
     return (_hsic_u(X, Y) / torch.sqrt(_hsic_u(X, X) * _hsic_u(Y, Y))).item()
 
 
@@ -70,20 +65,16 @@ def _hsic_u(X, Y):
     n = X.shape[0]
     kd, ld = X.square().sum(1), Y.square().sum(1)  # diagonals of K and L
     tr_kl = (Y.T @ X).square().sum() - (kd * ld).sum()
-    k1 = X @ X.sum(0) - kd  # K~ 1, (n,)
-    l1 = Y @ Y.sum(0) - ld
+    k1, l1 = X @ X.sum(0) - kd, Y @ Y.sum(0) - ld  # K~ 1 and L~ 1, (n,)
     return tr_kl + k1.sum() * l1.sum() / ((n - 1) * (n - 2)) - 2 / (n - 2) * (k1 * l1).sum()
 
 
 def outlier_diagnostic(X, Y):
     """Share of total variance in the top 1% of dimensions (of X and of Y), and CKA without them."""
-    X, Y = torch.as_tensor(X).double(), torch.as_tensor(Y).double()
-    out = {}
-    keep = []
-    for name, Z in (("x", X), ("y", Y)):
+    out, keep = {}, []
+    for name, Z in (("x", torch.as_tensor(X).double()), ("y", torch.as_tensor(Y).double())):
         var = Z.var(0)
-        k = max(1, math.ceil(0.01 * Z.shape[1]))
-        top_dims = var.topk(k).indices
+        top_dims = var.topk(max(1, math.ceil(0.01 * Z.shape[1]))).indices
         out[f"top_var_share_{name}"] = (var[top_dims].sum() / var.sum()).item()
         mask = torch.ones(Z.shape[1], dtype=torch.bool)
         mask[top_dims] = False
@@ -100,8 +91,7 @@ def regions(n_layers):
     """Layer regions of the paper for 22 layers (0-7, 8-14, 15-21); thirds otherwise."""
     if n_layers == 22:
         return [(0, 8), (8, 15), (15, 22)]
-    cuts = np.array_split(np.arange(n_layers), 3)
-    return [(int(c[0]), int(c[-1]) + 1) for c in cuts if len(c)]
+    return [(int(c[0]), int(c[-1]) + 1) for c in np.array_split(np.arange(n_layers), 3) if len(c)]
 
 
 TOKENS_PER_TEXT = 8  # rows per text for pool="tokens"
@@ -109,22 +99,16 @@ TOKENS_PER_TEXT = 8  # rows per text for pool="tokens"
 
 @torch.no_grad()
 def pooled_layers(model, encoded, indices, pool, device, autocast, batch_tokens, desc):
-    """Run the texts `indices` (token-id lists `encoded`) through the model once.
-
-    Returns, per layer, {text index: (r, H) float64 array}: r = 1 for pool="mean" (masked mean
-    over the text's tokens) or up to TOKENS_PER_TEXT token rows at positions fixed by the text
-    index (the same for every model) for pool="tokens".
-    """
+    """Run the texts `indices` (token-id lists `encoded`) through the model once. -> per layer, {text index: (r, H)
+    float64 array}: r = 1 for pool="mean" (masked mean over the text's tokens) or up to TOKENS_PER_TEXT token rows
+    at positions fixed by the text index (the same for every model) for pool="tokens"."""
     model.eval()
     out = [{} for _ in range(model.config.num_hidden_layers)]
-    order = sorted(range(len(encoded)), key=lambda k: len(encoded[k]))  # similar lengths batch together
-    batches, cur = [], []
-    for k in order:
-        if cur and (len(cur) + 1) * len(encoded[k]) > batch_tokens:
-            batches.append(cur)
-            cur = []
-        cur.append(k)
-    batches.append(cur)
+    batches = [[]]  # similar lengths batch together: the texts by length, as many as batch_tokens holds padded
+    for k in sorted(range(len(encoded)), key=lambda k: len(encoded[k])):
+        if batches[-1] and (len(batches[-1]) + 1) * len(encoded[k]) > batch_tokens:
+            batches.append([])
+        batches[-1].append(k)
     for batch in tqdm(batches, desc=desc, disable=None, leave=False):
         threads.follow()
         lengths = [len(encoded[k]) for k in batch]
@@ -134,20 +118,11 @@ def pooled_layers(model, encoded, indices, pool, device, autocast, batch_tokens,
             _, layers = model.model(tokens, cu, max(lengths), return_layers=True)
         starts = cu.tolist()  # pool="tokens": the first row of each text
         for layer, h in enumerate(layers):  # h: (T, H)
-            if pool == "mean":
-                h = mean_pool(h.float(), cu).double().cpu().numpy()  # (B, H)
-                for j, k in enumerate(batch):
-                    out[layer][indices[k]] = h[j:j + 1]
-            else:
-                h = h.double().cpu().numpy()
-                for j, k in enumerate(batch):
-                    out[layer][indices[k]] = h[starts[j] + _token_sample(lengths[j], indices[k])]
+            h = (mean_pool(h.float(), cu) if pool == "mean" else h).double().cpu().numpy()  # mean: (B, H)
+            for j, (k, n) in enumerate(zip(batch, lengths)):  # tokens: rows drawn by the text index
+                out[layer][indices[k]] = h[j:j + 1] if pool == "mean" else h[starts[j] + np.sort(
+                    np.random.default_rng(indices[k]).choice(n, size=min(TOKENS_PER_TEXT, n), replace=False))]
     return out
-
-
-def _token_sample(length, text_index):
-    rng = np.random.default_rng(text_index)
-    return np.sort(rng.choice(length, size=min(TOKENS_PER_TEXT, length), replace=False))
 
 
 # -----------------------------------------------------------------------------
@@ -163,16 +138,13 @@ def tokenizer_of(paths, override, max_len):
             config.check_positions(max_len, "--max_len {}", f"pass --max_len {config.max_position_embeddings} "
                                    "or less", whose=f"{p}'s ")
     if override:
-        try:
+        with user_error(f"--tokenizer {override}"):
             return load_tokenizer(override)
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"--tokenizer {override}: {e}") from None
-    hashes = {}
-    for p in paths:
-        f = os.path.join(p, "tokenizer.json")
-        if not os.path.isfile(f):
-            raise SystemExit(f"{p} has no tokenizer.json; pass --tokenizer (the tokenizer its data was prepared with)")
-        hashes[p] = sha256(f)
+    missing = [p for p in paths if not os.path.isfile(os.path.join(p, "tokenizer.json"))]
+    if missing:
+        raise SystemExit(f"{missing[0]} has no tokenizer.json; pass --tokenizer (the tokenizer its data was prepared "
+                         "with)")
+    hashes = {p: sha256(os.path.join(p, "tokenizer.json")) for p in paths}
     if len(set(hashes.values())) > 1:
         raise SystemExit("the checkpoints do not share a tokenizer (their tokenizer.json files differ): "
                          + ", ".join(f"{p}: {h[:12]}" for p, h in hashes.items()) + "; CKA compares the same texts "
@@ -183,32 +155,21 @@ def tokenizer_of(paths, override, max_len):
 
 def ratio(pair, control):
     """Pair divergence over control divergence, per seed; None where the control does not diverge at all."""
-    if min(control) < 1e-9:
-        return None
-    return mean_std([p / c for p, c in zip(pair, control)])
-
-
-@dataclass
-class Sample:
-    """The texts every model sees: per sampling seed the n text indices drawn, and this rank's share of
-    their union, tokenized. Fixed by the texts and seeds alone, so every checkpoint sees the same."""
-    seeds: list
-    draws: dict  # seed -> n text indices
-    mine: list  # the indices this rank encodes (the union sharded across ranks)
-    ids: list  # their token ids: [CLS] text[:max_len - 2] [SEP]
+    return None if min(control) < 1e-9 else mean_std([p / c for p, c in zip(pair, control)])
 
 
 def sample_texts(args, tok, process):
+    """The texts every model sees, fixed by the texts and seeds alone: the sampling seeds, draws (seed -> n text
+    indices), mine (the indices this rank encodes: their union sharded across ranks) and their token ids."""
     texts = list(read_documents([args.texts], args.text_field))
     if len(texts) < args.n:
         raise SystemExit(f"{args.texts} holds {len(texts)} texts, fewer than --n {args.n}: pass --n {len(texts)} or "
                          "fewer (the paper draws 500), or give more held-out texts")
     seeds = parse_seeds(args.seeds)
     draws = {s: np.random.default_rng(s).choice(len(texts), size=args.n, replace=False) for s in seeds}
-    needed = sorted(set(np.concatenate(list(draws.values())).tolist()))
-    mine = needed[process.rank::process.world]  # texts sharded across ranks
-    ids = [[tok.cls_id] + tok.encode(texts[i])[:args.max_len - 2] + [tok.sep_id] for i in mine]
-    return Sample(seeds, draws, mine, ids)
+    mine = sorted(set(np.concatenate(list(draws.values())).tolist()))[process.rank::process.world]
+    return SimpleNamespace(seeds=seeds, draws=draws, mine=mine,
+                           ids=[[tok.cls_id] + tok.encode(texts[i])[:args.max_len - 2] + [tok.sep_id] for i in mine])
 
 
 def representations(path, sample, tok, args, process, n_layers=None):
@@ -222,37 +183,30 @@ def representations(path, sample, tok, args, process, n_layers=None):
                          f"the others {n_layers}; CKA compares layer i with layer i")
     check_vocab(tok.vocab_size, model.config, "the tokenizer", path, "pass the tokenizer the models were trained with "
                 "(--tokenizer)")
-    n_layers = model.config.num_hidden_layers
     if process.rank == 0 and not args.runs:  # a trajectory's progress bar says where it is
         with autocast:
             backend = model.eval().model.attention_backend(process.device, packed=False)  # texts of any length
         print(f"{path}: {process.device}, {str(dtype).removeprefix('torch.')}, attention {backend}"
               + threads.describe())
-    name = "/".join(path.rstrip("/").split("/")[-2:])
-    local = pooled_layers(model, sample.ids, sample.mine, args.pool, process.device, autocast, args.batch_tokens, name)
+    local = pooled_layers(model, sample.ids, sample.mine, args.pool, process.device, autocast, args.batch_tokens,
+                          "/".join(path.rstrip("/").split("/")[-2:]))
     if dist.is_initialized():  # only pooled vectors travel between ranks
         gathered = [None] * process.world
         dist.all_gather_object(gathered, local)
-        local = [{k: v for part in gathered for k, v in part[layer].items()} for layer in range(n_layers)]
+        local = [{k: v for part in gathered for k, v in part[layer].items()} for layer in range(len(local))]
     return local
 
 
 def compare(fa, fb, sample, diagnostics=True):
     """{seed: per layer {cka, divergence, ...}} between two checkpoints' representations, in float64.
     diagnostics: also the debiased CKA and the outlier diagnostic."""
-    per_seed = {}
-    for s in sample.seeds:
-        rows = []
-        for layer in range(len(fa)):
-            X = np.concatenate([fa[layer][i] for i in sample.draws[s]])  # (n * rows per text, H)
-            Y = np.concatenate([fb[layer][i] for i in sample.draws[s]])
-            cka = linear_cka(X, Y)
-            row = {"cka": cka, "divergence": 1 - cka}
-            if diagnostics:
-                row.update(cka_debiased=linear_cka(X, Y, debiased=True), **outlier_diagnostic(X, Y))
-            rows.append(row)
-        per_seed[str(s)] = rows
-    return per_seed
+    def row(X, Y):  # X, Y: (n * rows per text, H)
+        cka = linear_cka(X, Y)
+        extra = {"cka_debiased": linear_cka(X, Y, debiased=True), **outlier_diagnostic(X, Y)} if diagnostics else {}
+        return {"cka": cka, "divergence": 1 - cka, **extra}
+    return {str(s): [row(np.concatenate([fa[layer][i] for i in sample.draws[s]]),
+                         np.concatenate([fb[layer][i] for i in sample.draws[s]])) for layer in range(len(fa))]
+            for s in sample.seeds}
 
 
 def region_divergence(per_seed, lo, hi):
@@ -260,11 +214,8 @@ def region_divergence(per_seed, lo, hi):
     return mean_std([np.mean([rows[layer]["divergence"] for layer in range(lo, hi)]) for rows in per_seed.values()])
 
 
-def study(args):
-    """CKA per layer and seed for the pair and the control, and over seeds: results.json (None on ranks > 0)."""
-    process = distributed.setup(args.device)
-    threads.setup(process.device)
-    pairs = {"pair": args.pair, **({"control": args.control} if args.control else {})}
+def study(args, process, pairs):
+    """CKA per layer and seed for the pair and the control, and over seeds: results.json."""
     paths = list(dict.fromkeys(p for pair in pairs.values() for p in pair))
     tok = tokenizer_of(paths, args.tokenizer, args.max_len)
     sample = sample_texts(args, tok, process)
@@ -273,31 +224,20 @@ def study(args):
     for p in paths:
         features[p] = representations(p, sample, tok, args, process, n_layers)
         n_layers = len(features[p])
-
-    seeds = sample.seeds
-    results = {"settings": {**vars(args), "seeds": seeds, "n_layers": n_layers, "world_size": process.world,
-                            "regions": regions(n_layers)}, "per_seed": {}, "layers": {}}
-    for name, (a, b) in pairs.items():
-        results["per_seed"][name] = compare(features[a], features[b], sample)
-    for layer in range(n_layers):
-        entry = {}
-        for name in pairs:
-            for key in ("cka", "divergence", "cka_debiased", "cka_without_top", "top_var_share_x", "top_var_share_y"):
-                entry[f"{name}_{key}"] = mean_std([results["per_seed"][name][str(s)][layer][key] for s in seeds])
-        if "control" in pairs:
-            entry["ratio"] = ratio([results["per_seed"]["pair"][str(s)][layer]["divergence"] for s in seeds],
-                                   [results["per_seed"]["control"][str(s)][layer]["divergence"] for s in seeds])
-        results["layers"][str(layer)] = entry
-    results["regions"] = []
-    for lo, hi in regions(n_layers):
-        region = {"layers": f"{lo}-{hi - 1}"}
-        for name in pairs:
-            region[f"{name}_divergence"] = region_divergence(results["per_seed"][name], lo, hi)
-        if "control" in pairs:
+    per_seed = {name: compare(features[a], features[b], sample) for name, (a, b) in pairs.items()}
+    over_seeds = lambda name, layer, key: [rows[layer][key] for rows in per_seed[name].values()]  # noqa: E731
+    keys = ("cka", "divergence", "cka_debiased", "cka_without_top", "top_var_share_x", "top_var_share_y")
+    layers = {str(layer): {f"{name}_{key}": mean_std(over_seeds(name, layer, key)) for name in pairs for key in keys}
+              for layer in range(n_layers)}
+    spans = [{"layers": f"{lo}-{hi - 1}", **{f"{name}_divergence": region_divergence(per_seed[name], lo, hi)
+                                             for name in pairs}} for lo, hi in regions(n_layers)]
+    if "control" in pairs:
+        for layer, entry in layers.items():
+            entry["ratio"] = ratio(*(over_seeds(name, int(layer), "divergence") for name in ("pair", "control")))
+        for region in spans:
             region["ratio"] = ratio([region["pair_divergence"]["mean"]], [region["control_divergence"]["mean"]])
-        results["regions"].append(region)
-    distributed.teardown()
-    return results if process.rank == 0 else None
+    return {"settings": {**vars(args), "seeds": sample.seeds, "n_layers": n_layers, "world_size": process.world,
+                         "regions": regions(n_layers)}, "per_seed": per_seed, "layers": layers, "regions": spans}
 
 
 # -----------------------------------------------------------------------------
@@ -332,13 +272,10 @@ def progress_of(ckpt):
     return progress
 
 
-def trajectory(args):
+def trajectory(args, process, comparisons):
     """The pair's (and the control's) per-layer divergence at every step both of its runs kept, each step's
     numbers exactly those of --pair on the same two checkpoints. Each checkpoint is encoded once, for all
     the comparisons it is in, and dropped after its step: memory holds one step's representations."""
-    process = distributed.setup(args.device)
-    threads.setup(process.device)
-    comparisons = {"pair": args.runs, **({"control": args.control} if args.control else {})}
     kept = {run: run_checkpoints(run) for runs in comparisons.values() for run in runs}
     common = {}  # comparison -> the steps both its runs kept
     for name, (a, b) in comparisons.items():
@@ -371,8 +308,7 @@ def trajectory(args):
                     bar.update(1)
             per_seed = compare(features[paths[0]], features[paths[1]], sample, diagnostics=False)
             point[name] = {"checkpoints": paths,
-                           "layers": [mean_std([rows[layer]["divergence"] for rows in per_seed.values()])
-                                      for layer in range(n_layers)],
+                           "layers": [region_divergence(per_seed, k, k + 1) for k in range(n_layers)],
                            "regions": [region_divergence(per_seed, lo, hi) for lo, hi in regions(n_layers)]}
         if point["pair"] and point.get("control"):
             point["ratio"] = [ratio([p["mean"]], [c["mean"]])
@@ -384,10 +320,8 @@ def trajectory(args):
             tqdm.write(f"step {step} ({tokens_text(point['tokens'])} tokens, {point['phase']}): divergence by region, "
                        f"pair {pct('pair')}, control {pct('control')}")
     bar.close()
-    results = {"settings": {**vars(args), "seeds": sample.seeds, "n_layers": n_layers, "world_size": process.world,
-                            "regions": [f"{lo}-{hi - 1}" for lo, hi in regions(n_layers)]}, "steps": points}
-    distributed.teardown()
-    return results if process.rank == 0 else None
+    return {"settings": {**vars(args), "seeds": sample.seeds, "n_layers": n_layers, "world_size": process.world,
+                         "regions": [f"{lo}-{hi - 1}" for lo, hi in regions(n_layers)]}, "steps": points}
 
 
 # -----------------------------------------------------------------------------
@@ -399,56 +333,35 @@ def ratio_text(r):
 
 
 def markdown(results):
-    has_control = "control" in results["per_seed"]
-    head = "| layer | pair divergence | pair debiased CKA | pair CKA w/o top 1% dims | top-1% var share (A/B) |"
-    sep = "|---|---|---|---|---|"
-    if has_control:
-        head += " control divergence | ratio |"
-        sep += "---|---|"
-    lines = ["## Per-layer divergence (1 - linear CKA), mean ± std over sampling seeds", "", head, sep]
+    control = "control" in results["per_seed"]
     pct = lambda s: f"{100 * s['mean']:.2f}% ± {100 * s['std']:.2f}"  # noqa: E731
-    for layer, e in results["layers"].items():
-        row = (f"| {layer} | {pct(e['pair_divergence'])} | {e['pair_cka_debiased']['mean']:.4f} | "
-               f"{e['pair_cka_without_top']['mean']:.4f} | {e['pair_top_var_share_x']['mean']:.2f} / "
-               f"{e['pair_top_var_share_y']['mean']:.2f} |")
-        if has_control:
-            row += f" {pct(e['control_divergence'])} | {ratio_text(e['ratio'])} |"
-        lines.append(row)
+    vs = lambda e: f" {pct(e['control_divergence'])} | {ratio_text(e['ratio'])} |" if control else ""  # noqa: E731
+    lines = ["## Per-layer divergence (1 - linear CKA), mean ± std over sampling seeds", "",
+             "| layer | pair divergence | pair debiased CKA | pair CKA w/o top 1% dims | top-1% var share (A/B) |"
+             + " control divergence | ratio |" * control, "|---|---|---|---|---|" + "---|---|" * control]
+    lines += [f"| {layer} | {pct(e['pair_divergence'])} | {e['pair_cka_debiased']['mean']:.4f} | "
+              f"{e['pair_cka_without_top']['mean']:.4f} | {e['pair_top_var_share_x']['mean']:.2f} / "
+              f"{e['pair_top_var_share_y']['mean']:.2f} |" + vs(e) for layer, e in results["layers"].items()]
     lines += ["", "## Regions (mean divergence over the region's layers)", "",
-              "| layers | pair | control | ratio |" if has_control else "| layers | pair |",
-              "|---|---|---|---|" if has_control else "|---|---|"]
-    for r in results["regions"]:
-        row = f"| {r['layers']} | {pct(r['pair_divergence'])} |"
-        if has_control:
-            row += f" {pct(r['control_divergence'])} | {ratio_text(r['ratio'])} |"
-        lines.append(row)
-    return "\n".join(lines) + "\n"
+              "| layers | pair |" + " control | ratio |" * control, "|---|---|" + "---|---|" * control]
+    return "\n".join(lines + [f"| {r['layers']} | {pct(r['pair_divergence'])} |" + vs(r)
+                              for r in results["regions"]]) + "\n"
 
 
-def figure(results, path):
-    plt = pyplot()
-    if plt is None:
-        return False
+def figure(results, plt):
     layers = np.array([int(k) for k in results["layers"]])
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, color in (("pair", "C3"), ("control", "C0")):
         if name not in results["per_seed"]:
             continue
-        m = np.array([results["layers"][str(k)][f"{name}_divergence"]["mean"] for k in layers])
-        s = np.array([results["layers"][str(k)][f"{name}_divergence"]["std"] for k in layers])
+        m, s = (np.array([results["layers"][str(k)][f"{name}_divergence"][v] for k in layers]) for v in ("mean", "std"))
         a, b = ("/".join(x.rstrip("/").split("/")[-2:]) for x in results["settings"][name])
         ax.plot(layers, 100 * m, "o-", color=color, label=f"{name}: {a} vs {b}")
         ax.fill_between(layers, 100 * (m - s), 100 * (m + s), color=color, alpha=0.2)
-    ax.set_xticks(layers)
-    ax.set_xlabel("layer")
-    ax.set_ylabel("divergence = 1 - CKA (%)")
-    ax.set_title("Layer-wise divergence (band: ± std over sampling seeds)")
+    ax.set(xticks=layers, xlabel="layer", ylabel="divergence = 1 - CKA (%)",
+           title="Layer-wise divergence (band: ± std over sampling seeds)")
     ax.legend()
-    fig.tight_layout()
-    with open_file(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=120)
-    plt.close(fig)
-    return True
+    return fig
 
 
 def tokens_text(tokens):
@@ -459,35 +372,28 @@ def tokens_text(tokens):
 def trajectory_markdown(results):
     """Divergence by region against tokens, the control's beside it, and their ratio."""
     regions_ = results["settings"]["regions"]
-    has_control = any(p.get("control") for p in results["steps"])
+    control = any(p.get("control") for p in results["steps"])
     pct = lambda s: "" if s is None else f"{100 * s['mean']:.2f} ± {100 * s['std']:.2f}"  # noqa: E731
-    head, sep = "| step | tokens | phase |", "|---|---|---|"
-    for r in regions_:
-        head += f" {r} pair (%) |" + (f" {r} control (%) | {r} ratio |" if has_control else "")
-        sep += "---|" * (3 if has_control else 1)
+    head = "".join(f" {r} pair (%) |" + f" {r} control (%) | {r} ratio |" * control for r in regions_)
     lines = ["## Divergence (1 - linear CKA) by layer region over training, mean ± std over sampling seeds", "",
              "pair: " + " vs ".join(results["settings"]["runs"]) + (
-                 "; control: " + " vs ".join(results["settings"]["control"]) if has_control else ""),
-             "", head, sep]
+                 "; control: " + " vs ".join(results["settings"]["control"]) if control else ""), "",
+             "| step | tokens | phase |" + head, "|---|---|---|" + "---|" * len(regions_) * (3 if control else 1)]
     for p in results["steps"]:
         row = f"| {p['step']} | {tokens_text(p['tokens'])} | {p['phase']} |"
         for k in range(len(regions_)):
             row += f" {pct(p['pair'] and p['pair']['regions'][k])} |"
-            if has_control:
-                ratio_ = p.get("ratio") and p["ratio"][k]
-                control = pct(p["control"] and p["control"]["regions"][k])
-                row += f" {control} | {ratio_text(ratio_) if p.get('ratio') else ''} |"
+            if control:
+                row += (f" {pct(p['control'] and p['control']['regions'][k])} | "
+                        f"{ratio_text(p['ratio'][k]) if p.get('ratio') else ''} |")
         lines.append(row)
     return "\n".join(lines) + "\n"
 
 
-def trajectory_figure(results, path):
+def trajectory_figure(results, plt):
     """Left: layers x checkpoints heat map of the pair's divergence, the phase boundary as a line between
     the last checkpoint of a phase and the first of the next. Right: one curve per region against tokens,
     the pair solid and the control dashed beside it."""
-    plt = pyplot()
-    if plt is None:
-        return False
     points = [p for p in results["steps"] if p["pair"]]
     n_layers = results["settings"]["n_layers"]
     heat = 100 * np.array([[p["pair"]["layers"][k]["mean"] for p in points] for k in range(n_layers)])  # (L, steps)
@@ -495,9 +401,7 @@ def trajectory_figure(results, path):
     im = left.imshow(heat, aspect="auto", origin="lower", cmap="magma")
     fig.colorbar(im, ax=left, label="pair divergence (%)")
     left.set_xticks(range(len(points)), [tokens_text(p["tokens"]) for p in points], rotation=45, fontsize=8)
-    left.set_xlabel("tokens (one column per compared checkpoint)")
-    left.set_yticks(range(n_layers))
-    left.set_ylabel("layer")
+    left.set(xlabel="tokens (one column per compared checkpoint)", yticks=range(n_layers), ylabel="layer")
     left.set_title("pair: " + " vs ".join(os.path.basename(r.rstrip("/")) for r in results["settings"]["runs"]),
                    fontsize=10)
     ends = [k for k in range(len(points) - 1) if points[k]["phase"] != points[k + 1]["phase"]]
@@ -512,38 +416,33 @@ def trajectory_figure(results, path):
                            color=color, ms=4, label=f"layers {lo_hi}, {name}")
     for k in ends:  # the last kept checkpoint of the phase: the boundary itself when the phase end was kept
         right.axvline(points[k]["tokens"], color="k", ls=":", lw=1)
-    right.set_xlabel("tokens")
-    right.set_ylabel("mean divergence over the region (%)")
+    right.set(xlabel="tokens", ylabel="mean divergence over the region (%)")
     right.set_title("by region: pair (solid) and control (dashed); dotted: end of a phase", fontsize=10)
     right.legend(fontsize=7)
-    fig.tight_layout()
-    with open_file(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=120)
-    plt.close(fig)
-    return True
+    return fig
 
 
-def pyplot():
-    """matplotlib's pyplot without a display, or None (and a line saying so) if it is not installed."""
+def write(out, stem, results, table, figure_of):
+    """out/STEM.json, out/STEM.md (printed too) and the figure: figure_of(results, pyplot) -> the figure, drawn
+    without a display if matplotlib is installed."""
+    os.makedirs(out, exist_ok=True)
+    replace_file(os.path.join(out, f"{stem}.json"), json.dumps(results, indent=2))
+    replace_file(os.path.join(out, f"{stem}.md"), table)
+    print(table)
+    png = {"results": "divergence.png", "trajectory": "trajectory.png"}[stem]
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed: no figure (pip install matplotlib)")
-        return None
-    return plt
-
-
-def write(out, stem, results, table, figure_of):
-    """out/STEM.json, out/STEM.md (printed too) and the figure."""
-    os.makedirs(out, exist_ok=True)
-    replace_file(os.path.join(out, f"{stem}.json"), json.dumps(results, indent=2))
-    replace_file(os.path.join(out, f"{stem}.md"), table)
-    print(table)
-    png = {"results": "divergence.png", "trajectory": "trajectory.png"}[stem]
-    if figure_of(results, os.path.join(out, png)):
-        print(f"wrote {out}/{stem}.json, {stem}.md, {png}")
+        return
+    fig = figure_of(results, plt)
+    fig.tight_layout()
+    with open_file(os.path.join(out, png), "wb") as f:
+        fig.savefig(f, format="png", dpi=120)
+    plt.close(fig)
+    print(f"wrote {out}/{stem}.json, {stem}.md, {png}")
 
 
 def parse_args(argv=None):
@@ -580,14 +479,14 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.runs:
-        results = trajectory(args)
-        if results is not None:
-            write(args.out, "trajectory", results, trajectory_markdown(results), trajectory_figure)
-    else:
-        results = study(args)
-        if results is not None:
-            write(args.out, "results", results, markdown(results), figure)
+    process = distributed.setup(args.device)
+    comparisons = {"pair": args.runs or args.pair, **({"control": args.control} if args.control else {})}
+    results = (trajectory if args.runs else study)(args, process, comparisons)
+    distributed.teardown()
+    if process.rank == 0:
+        stem, table, figure_of = ("trajectory", trajectory_markdown, trajectory_figure) if args.runs else \
+            ("results", markdown, figure)
+        write(args.out, stem, results, table(results), figure_of)
 
 
 if __name__ == "__main__":

@@ -36,11 +36,13 @@ import sys
 import time
 from collections import Counter
 from itertools import islice
+from pathlib import Path
 
 import numpy as np
 
 from support.config import load_file
 from support.files import read_json
+from support import metrics
 from support.suite import UPSTREAM, nested_delta, run_file
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -54,40 +56,34 @@ SCALES = {
                   eval_epochs=1, eval_lr=5e-4, eval_seeds="42,43", eval_max_len=32,
                   train=["--eval_windows=8", "--keep_every=4"]),
 }
-ARMS = {  # name -> train.py overrides on top of configs/demo.py; identical budgets
-    "clm": ["--objective=clm"],
-    "mlm": ["--objective=mlm"],
-    "mlm_twin": ["--objective=mlm", "--seed=42"],  # seed-noise control: same data order, other seed
-}
+# name -> train.py overrides on top of configs/demo.py, identical budgets; mlm_twin: the seed-noise control
+ARMS = {"clm": ["--objective=clm"], "mlm": ["--objective=mlm"], "mlm_twin": ["--objective=mlm", "--seed=42"]}
 
 
 def run(steps, parallel=1):
-    """Run steps as a user would, `parallel` at a time, each command echoed as it starts. A step is (command, log):
-    its output goes to the log, and the latest line of the oldest step running to the console as it comes: rewritten
-    in place on a terminal, one line every 30 s on a pipe (CI). Side by side, the steps share the CPUs (OpenMP's team,
-    inductor's compile workers) unless OMP_NUM_THREADS says otherwise. -> the seconds each took, in order."""
+    """Run steps (command, log) as a user would, `parallel` at a time (None: all), each command echoed as it starts, its
+    output to its log and the latest line of the oldest one running to the console (in place on a terminal, every 30 s
+    on a pipe). Side by side, the steps share the CPUs unless OMP_NUM_THREADS says otherwise. -> each one's seconds."""
+    parallel = max(1, min(len(steps), parallel or len(steps)))
     here = lambda text: text.replace(ROOT + os.sep, "")  # noqa: E731  (paths from the repo root, where it runs)
     tty, width = sys.stdout.isatty(), shutil.get_terminal_size().columns - 1  # a wrapped line is not rewritten
-    share = str(max(1, (os.cpu_count() or 1) // parallel))
+    clear, share = "\r\033[K" if tty else "", str(max(1, (os.cpu_count() or 1) // parallel))
     env = {**({"OMP_NUM_THREADS": share, "TORCHINDUCTOR_COMPILE_THREADS": share} if parallel > 1 else {}),
            **os.environ, "PYTHONUNBUFFERED": "1"}  # unbuffered: each line reaches the log when the child prints it
     waiting, running, took, shown = list(enumerate(steps)), {}, {}, time.time()
     while waiting or running:
         while waiting and len(running) < parallel:
             k, (cmd, log) = waiting.pop(0)
-            print(("\r\033[K" if tty else "") + "$ " + here(" ".join(cmd[1:] if cmd[0] == sys.executable else cmd)),
-                  flush=True)
+            print(clear + "$ " + here(" ".join(cmd[1:] if cmd[0] == sys.executable else cmd)), flush=True)
             with open(log, "w") as f:
                 running[k] = (subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env), log,
                               time.time())
         time.sleep(0.2)
-        for k, (p, log, t0) in list(running.items()):
-            if p.poll() is None:
-                continue
-            del running[k]
+        for k in [k for k, (p, _, _) in running.items() if p.poll() is not None]:
+            p, log, t0 = running.pop(k)
             took[k] = time.time() - t0
-            print(("\r\033[K" if tty else "") + f"  {'done' if p.returncode == 0 else 'failed'} in {took[k]:.0f}s, "
-                  f"log: {here(log)}", flush=True)
+            print(f"{clear}  {'done' if p.returncode == 0 else 'failed'} in {took[k]:.0f}s, log: {here(log)}",
+                  flush=True)
             if p.returncode != 0:
                 for q, _, _ in running.values():  # a train.py checkpoints on SIGTERM: a rerun resumes it
                     q.terminate()
@@ -103,90 +99,56 @@ def run(steps, parallel=1):
     return [took[k] for k in range(len(steps))]
 
 
-def write_jsonl(path, rows):
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-
-
-def builtin_task(docs, per_class, rng):
-    """Docstring -> its subpackage (torch.nn, torch.distributions, numpy.linalg, ...): the eight most
-    frequent with 5 docstrings or more, up to per_class examples each, split 60/20/20."""
-    def package(module):
-        parts = module.split(".")
-        return ".".join(parts[:2]) if len(parts) > 2 else None
-    counts = Counter(package(m) for m, _ in docs if package(m))
-    classes = [c for c, n in counts.most_common(8) if n >= 5]  # 60/20/20 of 5 leaves each split one
-    by_class = {c: [d for m, d in docs if package(m) == c] for c in classes}
-    task = {"train": [], "validation": [], "test": []}
-    for c in classes:
-        picked = rng.sample(by_class[c], min(per_class, len(by_class[c])))
-        a, b = int(0.6 * len(picked)), int(0.8 * len(picked))
-        for split, part in (("train", picked[:a]), ("validation", picked[a:b]), ("test", picked[b:])):
-            task[split] += [{"text": d, "label": c} for d in part]
-    return task
-
-
 def build_corpora(out, s, general, domain):
     """text/general.jsonl (unless general is None: a base is given), text/heldout.jsonl and text/domain.jsonl: the
     domain's texts, each once, shuffled (seed 0), s["heldout"] of them held out for CKA, the rest to pretrain on.
-    general and domain are text files, or "builtin": the docstrings; the domain's with its task,
-    task/{train,validation,test}.jsonl, whose texts stay out of both."""
+    general and domain are text files, or "builtin": the docstrings, the domain's with its task (task/*.jsonl, whose
+    texts stay out of both): docstring -> its subpackage (torch.nn, numpy.linalg, ...), split 60/20/20."""
     from data import demo_documents, read_documents
 
     def docs(source, part):  # (module, text) pairs, the first s["docs"]
         return islice(demo_documents(part) if source == "builtin" else ((None, d) for d in read_documents(source)),
                       s["docs"])
 
-    rng = random.Random(0)
-    os.makedirs(os.path.join(out, "text"), exist_ok=True)
-    path = lambda name: os.path.join(out, "text", name)  # noqa: E731
+    def jsonl(rows, *path):
+        os.makedirs(os.path.join(out, *path[:-1]), exist_ok=True)
+        with open(os.path.join(out, *path), "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+    rng, task = random.Random(0), {"train": [], "validation": [], "test": []}
     if general:
-        write_jsonl(path("general.jsonl"), ({"text": d} for _, d in docs(general, "general")))
+        jsonl(({"text": d} for _, d in docs(general, "general")), "text", "general.jsonl")
     labelled = list(docs(domain, "domain"))
-    task_docs = set()
     if domain == "builtin":
-        task = builtin_task(labelled, s["task_per_class"], rng)
-        os.makedirs(os.path.join(out, "task"), exist_ok=True)
+        packages = [(".".join(m.split(".")[:2]) if m.count(".") > 1 else None, d) for m, d in labelled]
+        counts = Counter(c for c, _ in packages if c)
+        for c in [c for c, n in counts.most_common(8) if n >= 5]:  # 60/20/20 of 5 leaves each split one
+            texts = [d for p, d in packages if p == c]
+            picked = rng.sample(texts, min(s["task_per_class"], len(texts)))
+            a, b = int(0.6 * len(picked)), int(0.8 * len(picked))
+            for split, part in zip(task, (picked[:a], picked[a:b], picked[b:])):
+                task[split] += [{"text": d, "label": c} for d in part]
         for split, rows in task.items():
-            write_jsonl(os.path.join(out, "task", f"{split}.jsonl"), rows)
-        task_docs = {row["text"] for rows in task.values() for row in rows}
-    domain = [d for d in dict.fromkeys(d for _, d in labelled) if d not in task_docs]  # task texts stay unseen
+            jsonl(rows, "task", f"{split}.jsonl")
+    seen = {row["text"] for rows in task.values() for row in rows}
+    domain = [d for d in dict.fromkeys(d for _, d in labelled) if d not in seen]  # task texts stay unseen
     rng.shuffle(domain)
-    write_jsonl(path("heldout.jsonl"), ({"text": d} for d in domain[:s["heldout"]]))
-    write_jsonl(path("domain.jsonl"), ({"text": d} for d in domain[s["heldout"]:]))
+    jsonl(({"text": d} for d in domain[:s["heldout"]]), "text", "heldout.jsonl")
+    jsonl(({"text": d} for d in domain[s["heldout"]:]), "text", "domain.jsonl")
 
 
-def task_type(task_dir):
-    """ner for CoNLL/TSV or token/tag JSONL, multilabel for "labels", cls for "label"."""
-    names = os.listdir(task_dir)
-    if any(n.endswith((".tsv", ".conll")) for n in names):
-        return "ner"
-    train = next(n for n in names if n.startswith("train") and n.endswith(".jsonl"))
-    with open(os.path.join(task_dir, train)) as f:
-        first = json.loads(f.readline())
-    return "ner" if "tags" in first else "multilabel" if "labels" in first else "cls"
-
-
-def last_val(metrics_path):
-    with open(metrics_path) as f:
-        records = [json.loads(line) for line in f]
-    return next(r for r in reversed(records) if "val_mlm_loss" in r), records
-
-
-def loss_figure(arms, main_tokens, path):
-    import matplotlib
-    matplotlib.use("Agg")
+def figures(out, arms, main_tokens):
+    """loss.png of the arms' logs ({name: records}); CKA's divergence.png and trajectory.png copied beside it."""
     import matplotlib.pyplot as plt
-
+    plt.switch_backend("Agg")
+    for sub, png in (("cka", "divergence.png"), ("trajectory", "trajectory.png")):
+        shutil.copyfile(os.path.join(out, sub, png), os.path.join(out, png))
     fig, (left, mid, right) = plt.subplots(1, 3, figsize=(16, 4))
     kilo = lambda records: [r["tokens"] / 1e3 for r in records]  # noqa: E731
     for (name, records), color in zip(arms.items(), ("C3", "C0", "C2", "C1", "C4", "C5", "C6", "C7")):  # tokens from 0
         val = [r for r in records if "val_mlm_loss" in r]
         left.plot(kilo(records), [r["loss"] for r in records], color=color, label=name)
         mid.plot(kilo(val), [r["val_mlm_loss"] for r in val], "o-", ms=3, color=color, label=name)
-        # The decay alone, where the detour returns to MLM: validation from the end of phase 1 on, and the
-        # training loss, which in the decay is the same MLM loss (15%) on the training batches.
+        # The decay alone: validation from the end of phase 1 on, and the training loss, there too MLM (15%)
         decay, val = [r for r in records if r["phase"] == "decay"], [r for r in val if r["tokens"] >= main_tokens]
         right.plot(kilo(decay), [r["loss"] for r in decay], color=color, alpha=0.4, lw=1)
         right.plot(kilo(val), [r["val_mlm_loss"] for r in val], "o-", color=color, label=f"{name} (validation)")
@@ -199,17 +161,25 @@ def loss_figure(arms, main_tokens, path):
         ax.legend(fontsize=8)
     left.set_ylabel("loss")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(os.path.join(out, "loss.png"), dpi=110)
     plt.close(fig)
+
+
+def pm(x):  # mean ± std of a fraction, in %
+    return f"{100 * x['mean']:.2f} ± {100 * x['std']:.2f}"
+
+
+def cka_rows(regions):
+    """CKA's table by layer region: the divergence of the pair and of the control, and their ratio."""
+    return ["| layers | pair (%) | control (%) | ratio |", "|---|---|---|---|"] + [
+        f"| {r['layers']} | {pm(r['pair_divergence'])} | {pm(r['control_divergence'])} | "
+        + ("n/a" if r["ratio"] is None else f"{r['ratio']['mean']:.2f}x") + " |" for r in regions]
 
 
 def trajectory_section(out, s):
     """The trajectory's table (divergence by region at every kept step), its figure, and what it says."""
-    shutil.copyfile(os.path.join(out, "trajectory", "trajectory.png"), os.path.join(out, "trajectory.png"))
-    traj = json.load(open(os.path.join(out, "trajectory", "trajectory.json")))
-    table = open(os.path.join(out, "trajectory", "trajectory.md")).read().split("\n", 4)[4]  # rows, not headings
-    points = traj["steps"]
-    low = traj["settings"]["regions"][0]
+    traj = read_json(os.path.join(out, "trajectory", "trajectory.json"))
+    points, low = traj["steps"], traj["settings"]["regions"][0]
     pct = lambda p: 100 * p["pair"]["regions"][0]["mean"]  # noqa: E731  (the low region)
     first, end, final = points[0], [p for p in points if p["phase"] == points[0]["phase"]][-1], points[-1]
     ratio = "n/a" if first["ratio"][0] is None else f"{first['ratio'][0]['mean']:.1f}x"
@@ -217,35 +187,33 @@ def trajectory_section(out, s):
     return ["## CKA over training: detour vs MLM (pair) and MLM vs its seed twin (control)", "",
             "Divergence (1 - CKA, %) by layer region at every step both arms kept (every 100 steps, the end of "
             "phase 1, and the final checkpoints), mean ± std over the sampling seeds; same texts as above.", "",
-            table.strip(), "", "![trajectory](trajectory.png)", "",
-            f"What this small run shows: the low layers ({low}) are already {pct(first):.1f}% apart after "
-            f"{first['tokens']:,} tokens of phase 1 ({ratio} the control), {pct(end):.1f}% at step {end['step']} "
-            f"(the last kept step of phase 1) and {pct(final):.1f}% after the decay, which "
-            + (f"takes back {back:.1f} points of it." if back > 0 else "takes none of it back.")
+            open(os.path.join(out, "trajectory", "trajectory.md")).read().split("\n", 4)[4].strip(), "",  # its rows
+            "![trajectory](trajectory.png)", "", f"What this small run shows: the low layers ({low}) are already "
+            f"{pct(first):.1f}% apart after {first['tokens']:,} tokens of phase 1 ({ratio} the control), "
+            f"{pct(end):.1f}% at step {end['step']} (the last kept step of phase 1) and {pct(final):.1f}% after the "
+            "decay, which " + (f"takes back {back:.1f} points of it." if back > 0 else "takes none of it back.")
             + f" What it does not show: this is one tiny run ({traj['settings']['n_layers']} layers, "
-            f"{s['arm_tokens']:,} tokens, {len(points)} checkpoints, its regions are thirds of the layers), and the "
-            "± is over text samples, not over training seeds; it says how to read a trajectory, not when a Base "
-            "model's layers 0-7 move over 10B tokens.", ""]
+            f"{s['arm_tokens']:,} tokens, {len(points)} checkpoints, its regions are thirds of the layers), and the ± "
+            "is over text samples, not over training seeds; it says how to read a trajectory, not when a Base model's "
+            "layers 0-7 move over 10B tokens.", ""]
 
 
 def report(args, s, out, task_dir, kind, timings, total):
-    import numpy
+    """report.md of the demo, made from what `out` holds, with loss.png and CKA's figures beside it. -> its text."""
     import torch
-
-    arms = {name: last_val(os.path.join(out, name, "metrics.jsonl")) for name in ARMS}
-    loss_figure({name: records for name, (_, records) in arms.items()}, s["arm_tokens"], os.path.join(out, "loss.png"))
-    shutil.copyfile(os.path.join(out, "cka", "divergence.png"), os.path.join(out, "divergence.png"))
-    cka = json.load(open(os.path.join(out, "cka", "results.json")))
-    self_cka = json.load(open(os.path.join(out, "cka_self", "results.json")))
-    evals = {name: json.load(open(os.path.join(out, f"eval_{name}", "results.json"))) for name in ("clm", "mlm")}
-
-    pct = lambda x: f"{100 * x['mean']:.2f} ± {100 * x['std']:.2f}"  # noqa: E731
+    runs = {name: metrics.records(os.path.join(out, name, "metrics.jsonl")) for name in ARMS}
+    figures(out, runs, s["arm_tokens"])
+    val = {name: [r for r in records if "val_mlm_loss" in r] for name, records in runs.items()}
+    decay = {name: [r for r in v if r["tokens"] >= s["arm_tokens"]] for name, v in val.items()}
+    steps = [r["step"] for r in decay["clm"]]
+    cka, self_cka = (read_json(os.path.join(out, sub, "results.json")) for sub in ("cka", "cka_self"))
+    worst = max(abs(1 - e["pair_cka"]["mean"]) for e in self_cka["layers"].values())
+    evals = {name: read_json(os.path.join(out, f"eval_{name}", "results.json"))["summary"] for name in ("clm", "mlm")}
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None  # where the scripts ran ("auto")
     lines = ["# CLM detour: demo report", "",
              f"Wall time {total / 60:.1f} min. Domain: "
              f"{', '.join(args.domain) if args.domain else 'built-in (PyTorch/NumPy docstrings)'}; "
-             f"task: {task_dir} ({kind}); base: {args.base or 'tiny MLM on general text'}.",
-             "", "## Settings", "",
+             f"task: {task_dir} ({kind}); base: {args.base or 'tiny MLM on general text'}.", "", "## Settings", "",
              f"- model: configs/demo.py; base pretraining {s['base_tokens']:,} tokens"
              + (" (skipped: --base)" if args.base else ""),
              f"- each arm: {s['arm_tokens']:,} tokens of phase 1 + 10% MLM decay (15% masking), same data order",
@@ -253,120 +221,90 @@ def report(args, s, out, task_dir, kind, timings, total):
              f"- eval: {s['eval_epochs']} epochs x seeds {s['eval_seeds']}, lr {s['eval_lr']} (a tiny model takes a "
              f"larger step than the paper's 5e-5), max_len {s['eval_max_len']}",
              f"- device: {gpu + ', bfloat16' if gpu else 'CPU, float32'}; versions: Python "
-             f"{platform.python_version()}, torch {torch.__version__}, numpy {numpy.__version__} (the built-in "
+             f"{platform.python_version()}, torch {torch.__version__}, numpy {np.__version__} (the built-in "
              "corpora are their docstrings and the standard library's: other versions, other numbers)",
              "- steps: " + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items()), "",
              "## Final validation loss per arm (after the decay)", "",
              "Losses to 3 decimals: " + ("a GPU computes in bfloat16, so they differ from a CPU run's." if gpu else
                                          "with other CPU kernels (AVX2 instead of AVX-512) they moved by up to 2e-5."),
-             "",
-             "| arm | phase 1 | val MLM loss (15%) | val CLM loss |", "|---|---|---|---|"]
-    for name, (rec, _) in arms.items():
-        lines.append(f"| {name} | {' '.join(ARMS[name])} | {rec['val_mlm_loss']:.3f} | {rec['val_clm_loss']:.3f} |")
-    decay = {name: [r for r in records if "val_mlm_loss" in r and r["tokens"] >= s["arm_tokens"]]
-             for name, (_, records) in arms.items()}
-    steps = [r["step"] for r in decay["clm"]]
-    lines += ["", f"## The decay: validation MLM loss at each evaluation (step {steps[0]}: the end of phase 1)", "",
-              "| arm | " + " | ".join(f"step {k}" for k in steps) + " |", "|---" * (len(steps) + 1) + "|"]
-    for name, val in decay.items():
-        lines.append(f"| {name} | " + " | ".join(f"{r['val_mlm_loss']:.3f}" for r in val) + " |")
-    lines += ["", "## CKA: divergence (1 - CKA) by region, pair = clm vs mlm, control = mlm vs mlm_twin", "",
-              "| layers | pair (%) | control (%) | ratio |", "|---|---|---|---|"]
-    for r in cka["regions"]:
-        ratio = "n/a" if r["ratio"] is None else f"{r['ratio']['mean']:.2f}x"
-        lines.append(f"| {r['layers']} | {pct(r['pair_divergence'])} | {pct(r['control_divergence'])} | {ratio} |")
-    worst = max(abs(1 - e["pair_cka"]["mean"]) for e in self_cka["layers"].values())
-    lines += ["", f"Sanity: CKA of the detour model with itself = 1 at every layer (max |1 - CKA| = {worst:.1e}).",
-              "", "![per-layer divergence](divergence.png)", "", *trajectory_section(out, s), "",
-              f"## Fine-tuning on the task (test, mean ± std over seeds {s['eval_seeds']})", "",
-              "| arm | macro F1 (%) | micro F1 (%) |", "|---|---|---|"]
-    for name, res in evals.items():
-        lines.append(f"| {name} | {pct(res['summary']['macro_f1'])} | {pct(res['summary']['micro_f1'])} |")
-    lines += ["", "![loss curves](loss.png)", "", "Per-layer CKA table: cka/results.md. Logs: logs/.", ""]
-    with open(os.path.join(out, "report.md"), "w") as f:
-        f.write("\n".join(lines))
+             "", "| arm | phase 1 | val MLM loss (15%) | val CLM loss |", "|---|---|---|---|",
+             *(f"| {name} | {' '.join(ARMS[name])} | {v[-1]['val_mlm_loss']:.3f} | {v[-1]['val_clm_loss']:.3f} |"
+               for name, v in val.items()),
+             "", f"## The decay: validation MLM loss at each evaluation (step {steps[0]}: the end of phase 1)", "",
+             "| arm | " + " | ".join(f"step {k}" for k in steps) + " |", "|---" * (len(steps) + 1) + "|",
+             *(f"| {name} | " + " | ".join(f"{r['val_mlm_loss']:.3f}" for r in v) + " |" for name, v in decay.items()),
+             "", "## CKA: divergence (1 - CKA) by region, pair = clm vs mlm, control = mlm vs mlm_twin", "",
+             *cka_rows(cka["regions"]), "",
+             f"Sanity: CKA of the detour model with itself = 1 at every layer (max |1 - CKA| = {worst:.1e}).",
+             "", "![per-layer divergence](divergence.png)", "", *trajectory_section(out, s), "",
+             f"## Fine-tuning on the task (test, mean ± std over seeds {s['eval_seeds']})", "",
+             "| arm | macro F1 (%) | micro F1 (%) |", "|---|---|---|",
+             *(f"| {name} | {pm(f1['macro_f1'])} | {pm(f1['micro_f1'])} |" for name, f1 in evals.items()),
+             "", "![loss curves](loss.png)", "", "Per-layer CKA table: cka/results.md. Logs: logs/.", ""]
+    Path(out, "report.md").write_text(text := "\n".join(lines))
+    return text
 
 
 def demo(args):
-    s, out, py, t_start, timings = SCALES["quick" if args.quick else "full"], os.path.abspath(args.out), \
-        sys.executable, time.time(), {}
-    logs = os.path.join(out, "logs")
-    os.makedirs(logs, exist_ok=True)
-    step = lambda cmd, log: run([(cmd, os.path.join(logs, log))])[0]  # noqa: E731  (one step, its seconds)
-
+    s, out, py, t0 = SCALES["quick" if args.quick else "full"], os.path.abspath(args.out), sys.executable, time.time()
+    at = lambda *parts: os.path.join(out, *parts)  # noqa: E731
+    os.makedirs(at("logs"), exist_ok=True)
+    step = lambda cmd, log: run([(cmd, at("logs", log))])[0]  # noqa: E731  (one step, its seconds)
     print("1. corpora", flush=True)
-    t0 = time.time()
     build_corpora(out, s, None if args.base else "builtin", args.domain or "builtin")
-    task_dir = args.task or os.path.join(out, "task")
-    kind = task_type(task_dir)
-    timings["corpora"] = time.time() - t0
-
+    task_dir = args.task or at("task")
+    names = os.listdir(task_dir)  # its kind: ner for CoNLL/TSV or token/tag JSONL, multilabel for "labels", else cls
+    kind = "ner" if any(n.endswith((".tsv", ".conll")) for n in names) else None
+    if not kind:
+        train = next(n for n in names if n.startswith("train") and n.endswith(".jsonl"))
+        with open(os.path.join(task_dir, train)) as f:
+            first = json.loads(f.readline())
+        kind = "ner" if "tags" in first else "multilabel" if "labels" in first else "cls"
+    timings = {"corpora": time.time() - t0}
     print("2. token shards", flush=True)
-    text = lambda name: os.path.join(out, "text", name)  # noqa: E731
-    data = lambda name: os.path.join(out, "data", name)  # noqa: E731
-    timings["prepare"] = 0.0
-    for name, tokenizer in [("general", "bpe:4096")] * (not args.base) + [("domain", args.base or data("general"))]:
-        timings["prepare"] += step([py, "data.py", "--input", text(f"{name}.jsonl"), "--tokenizer", tokenizer,
-                                    "--out", data(name), "--val_docs", "200"], f"prepare_{name}.log")
-
-    common = [py, "train.py", "configs/demo.py", *s["train"]]
-    base = args.base
+    shards = [("general", "bpe:4096")] * (not args.base) + [("domain", args.base or at("data", "general"))]
+    timings["prepare"] = sum(step([py, "data.py", "--input", at("text", f"{name}.jsonl"), "--tokenizer", tokenizer,
+                                   "--out", at("data", name), "--val_docs", "200"], f"prepare_{name}.log")
+                             for name, tokenizer in shards)
+    common, base = [py, "train.py", "configs/demo.py", *s["train"]], args.base
     if not base:
         print("3. base model: MLM on the general text", flush=True)
-        timings["base"] = step(common + [f"--data_dir={data('general')}", f"--out_dir={os.path.join(out, 'base')}",
-                                         "--init_from=scratch", "--objective=mlm", f"--tokens={s['base_tokens']}",
-                                         "--keep_every=0", "--eval_interval=100"],  # no trajectory; no curve drawn
-                               "base.log")
-        base = os.path.join(out, "base", "final")
-
+        timings["base"] = step(common + [  # keep_every=0, eval_interval=100: no trajectory; no curve drawn
+            f"--data_dir={at('data', 'general')}", f"--out_dir={at('base')}", "--init_from=scratch", "--objective=mlm",
+            f"--tokens={s['base_tokens']}", "--keep_every=0", "--eval_interval=100"], "base.log")
+        base = at("base", "final")
     print("4. continued pretraining: the detour, the MLM arm, the MLM seed twin", flush=True)
     for name, overrides in ARMS.items():
-        timings[name] = step(common + [f"--data_dir={data('domain')}", f"--out_dir={os.path.join(out, name)}",
+        timings[name] = step(common + [f"--data_dir={at('data', 'domain')}", f"--out_dir={at(name)}",
                                        f"--init_from={base}", f"--tokens={s['arm_tokens']}", *overrides], f"{name}.log")
-
     print("5. CKA: pair (clm vs mlm) and control (mlm vs mlm_twin), at the end and over training", flush=True)
-    final = lambda name: os.path.join(out, name, "final")  # noqa: E731
-    cka = [py, "cka.py", "--texts", text("heldout.jsonl"), "--n", str(s["cka_n"]), "--max_len", "256"]
-    timings["cka"] = step(cka + ["--pair", final("clm"), final("mlm"), "--control", final("mlm"), final("mlm_twin"),
-                                 "--out", os.path.join(out, "cka")], "cka.log")
-    step(cka + ["--pair", final("clm"), final("clm"), "--seeds", "42", "--out", os.path.join(out, "cka_self")],
-         "cka_self.log")
-    arm = lambda name: os.path.join(out, name)  # noqa: E731
-    timings["trajectory"] = step(cka + ["--runs", arm("clm"), arm("mlm"), "--control", arm("mlm"), arm("mlm_twin"),
-                                        "--out", os.path.join(out, "trajectory")], "trajectory.log")
-
+    cka = [py, "cka.py", "--texts", at("text", "heldout.jsonl"), "--n", str(s["cka_n"]), "--max_len", "256"]
+    final = lambda *names: [at(name, "final") for name in names]  # noqa: E731
+    timings["cka"] = step(cka + ["--pair", *final("clm", "mlm"), "--control", *final("mlm", "mlm_twin"),
+                                 "--out", at("cka")], "cka.log")
+    step(cka + ["--pair", *final("clm", "clm"), "--seeds", "42", "--out", at("cka_self")], "cka_self.log")
+    timings["trajectory"] = step(cka + ["--runs", at("clm"), at("mlm"), "--control", at("mlm"), at("mlm_twin"),
+                                        "--out", at("trajectory")], "trajectory.log")
     print(f"6. fine-tuning on the task ({kind}) over seeds {s['eval_seeds']}", flush=True)
-    timings["eval"] = 0.0
-    for name in ("clm", "mlm"):
-        timings["eval"] += step([py, "eval.py", "--model", final(name), "--task", kind, "--data", task_dir, "--seeds",
-                                 s["eval_seeds"], "--epochs", str(s["eval_epochs"]), "--lr", str(s["eval_lr"]),
-                                 "--max_len", str(s["eval_max_len"]), "--out", os.path.join(out, f"eval_{name}")],
-                                f"eval_{name}.log")
-
+    timings["eval"] = sum(step([py, "eval.py", "--model", at(name, "final"), "--task", kind, "--data", task_dir,
+                                "--seeds", s["eval_seeds"], "--epochs", str(s["eval_epochs"]), "--lr",
+                                str(s["eval_lr"]), "--max_len", str(s["eval_max_len"]), "--out", at(f"eval_{name}")],
+                               f"eval_{name}.log") for name in ("clm", "mlm"))
     print("7. report", flush=True)
-    report(args, s, out, task_dir, kind, timings, time.time() - t_start)
-    print(open(os.path.join(out, "report.md")).read())
-    print(f"wrote {os.path.join(out, 'report.md')} ({(time.time() - t_start) / 60:.1f} min)")
+    print(report(args, s, out, task_dir, kind, timings, time.time() - t0))
+    print(f"wrote {at('report.md')} ({(time.time() - t0) / 60:.1f} min)")
 
 
 # -----------------------------------------------------------------------------
-# The study on real text (python demo.py --study ../shared/data): the demo's steps at the size one GPU call of 9
-# minutes allows. A byte-level BPE trained on the general corpus (Gutenberg books); the base pretrained with MLM on
-# it; from the base, on the biomedical corpus, the detour and the MLM arm with 3 seeds each (the same data order);
-# CKA between them and the seed control, at the end and over the run; every arm fine-tuned on three real tasks over
-# 3 seeds; the detour's difference with an interval that holds both seed levels. Fixed before the GPU run.
-
+# The study on real text (python demo.py --study ../shared/data), fixed before its GPU run: the module's docstring.
 TASKS = {"ncbi_disease": "ner", "anatem": "ner", "gad": "cls"}  # ../shared/data: diseases, anatomy (NER), GAD (cls)
 STUDY = {
-    # bpe: vocab (16,384 keeps the head cheap beside a 22M-parameter body); heldout: biomedical texts kept for CKA,
-    # of which cka_n per sampling seed (the paper's 500); seeds: each arm's pretraining seeds (the paper's 17 and
-    # 42, and one more for an interval with 2 degrees of freedom), the data order fixed (data_seed 42).
-    # The time rule (study_scale): every run's tokens (configs/study.py's arm, configs/study_base.py's base) times one
-    # factor, at most 1, so that the pretraining ends reserve_s before `minutes` (--minutes) have passed. An H200
+    # bpe: 16,384 keeps the head cheap beside a 22M-parameter body; cka_n: held-out texts per sampling seed (the
+    # paper's 500); seeds: each arm's pretraining seeds (the paper's 17 and 42, and one more for an interval with 2
+    # degrees of freedom), the data order fixed. reserve_s and start_s, for the time rule (study_scale): an H200
     # (results/h200-2026-11-28, which kept 180 s and 20 s and was cut in its fine-tuning) took 48 s to start the arms,
-    # 26 s the base, and 220 s to fine-tune them all (CKA beside it).
-    # finetune: ELECTRA-small's GLUE recipe (Clark et al. 2020: lr 3e-4, batch 32, 3 epochs, 10% warmup), a small
-    # model's in place of the paper's Base one (5e-5, 16, 10-20 epochs), which would take this call 10 times over.
+    # 26 s the base, and 220 s to fine-tune them all (CKA beside it). finetune: ELECTRA-small's GLUE recipe (Clark et
+    # al. 2020), a small model's in place of the paper's Base one (5e-5, 16, 10-20 epochs): 10 times this call.
     "full": dict(docs=None, examples=None, bpe=16384, val_docs=500, heldout=1500, cka_n=500, cka_len=512,
                  seeds=(17, 42, 43),
                  scale=1.0, minutes=8.25, reserve_s=260, start_s=35, probe_steps=60, trajectory_points=8,
@@ -396,17 +334,6 @@ def study_scale(s, elapsed, rate, sizes):
     return min(1.0, left / seconds)
 
 
-def slice_task(src, dst, n):
-    """The first n examples of each split of a task folder: a CoNLL sentence is a block, a JSONL example a line."""
-    os.makedirs(dst, exist_ok=True)
-    for name in os.listdir(src):
-        sep = "\n\n" if name.endswith(".tsv") else "\n"
-        with open(os.path.join(src, name), encoding="utf-8") as f:
-            examples = f.read().strip("\n").split(sep)[:n]
-        with open(os.path.join(dst, name), "w", encoding="utf-8") as f:
-            f.write(sep.join(examples) + "\n")
-
-
 def steady_rate(records):
     """The median tokens/s (and MFU) of a run's log records, those that counted compiling left out."""
     rows = [r for r in records if "compile_s" not in r]
@@ -414,9 +341,8 @@ def steady_rate(records):
 
 
 def study_report(out):
-    """report.md and study.json (every number), loss.png, and CKA's divergence.png and trajectory.png copied beside,
-    from what `out` holds: design.json, each run's metrics.jsonl, CKA's results and the fine-tuning runs eval.py stored
-    as each finished. A run cut short reports the tasks every arm finished for every seed. -> report.md's text."""
+    """report.md, study.json (every number) and the figures from what `out` holds: design.json, the runs' logs, CKA's
+    results and the fine-tuning runs eval.py stored. A run cut short reports the tasks all arms finished. -> its text"""
     keys = ("command", "started", "study", "arms", "pair", "control", "stages_s", "device", "torch", "factor")
     try:
         design = read_json(os.path.join(out, "design.json"))
@@ -424,94 +350,66 @@ def study_report(out):
             raise ValueError(f"{out}/design.json lacks {', '.join(sorted(set(keys) - set(design)))}")
     except (OSError, ValueError) as e:
         raise SystemExit(f"--out {out}: {e}; give the folder of a study that ran past its probe") from None
-    stages, names = dict(design["stages_s"]), list(design["arms"])
+    stages, names, s = dict(design["stages_s"]), list(design["arms"]), design["study"]
     if "ended" not in design:  # to the last line a step wrote (a run cut short), kept for the next report
-        logs = os.path.join(out, "logs")
-        design["ended"] = max(os.path.getmtime(os.path.join(logs, f)) for f in os.listdir(logs))
-        with open(os.path.join(out, "design.json"), "w") as f:
-            json.dump(design, f, indent=1)
+        design["ended"] = max(entry.stat().st_mtime for entry in os.scandir(os.path.join(out, "logs")))
+        Path(out, "design.json").write_text(json.dumps(design, indent=1))
     total = design["ended"] - design["started"]
-    cut = "cka and fine-tuning" not in stages
-    if cut:
+    if cut := "cka and fine-tuning" not in stages:
         stages["cka and fine-tuning (cut)"] = total - sum(stages.values())
-    runs = {name: last_val(os.path.join(out, name, "metrics.jsonl"))[1] for name in ["base", *names]}
-    loss_figure({name: runs[name] for name in names}, design["arm_tokens"], os.path.join(out, "loss.png"))
-    for sub, png in (("cka", "divergence.png"), ("trajectory", "trajectory.png")):
-        shutil.copyfile(os.path.join(out, sub, png), os.path.join(out, png))
+    runs = {name: metrics.records(os.path.join(out, name, "metrics.jsonl")) for name in ["base", *names]}
+    figures(out, {name: runs[name] for name in names}, design["arm_tokens"])
     cka = read_json(os.path.join(out, "cka", "results.json"))
-    trajectory = read_json(os.path.join(out, "trajectory", "trajectory.json"))
-
-    def val(records, phase):  # the last evaluation of a phase: (MLM loss, CLM loss)
-        r = [r for r in records if "val_mlm_loss" in r and r["phase"] == phase][-1]
-        return {"val_mlm_loss": r["val_mlm_loss"], "val_clm_loss": r["val_clm_loss"]}
-
-    pretraining = {name: {"tokens": records[-1]["tokens"], "steps": records[-1]["step"],
-                          "end_of_phase_1": val(records, "main"), "after_decay": val(records, "decay"),
-                          "phase_1": steady_rate([r for r in records if r["phase"] == "main"]),
-                          "decay": steady_rate([r for r in records if r["phase"] == "decay"])}
-                   for name, records in runs.items()}
-
-    results = dict(design=design, minutes=total / 60, cut=cut, stages_s=stages, pretraining=pretraining,
-                   cka_regions=cka["regions"], cka_layers=cka["layers"], trajectory=trajectory["steps"],
-                   finetune=finetune_results(out, design))
-    with open(os.path.join(out, "study.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    text = "\n".join(study_markdown(out, results))
-    with open(os.path.join(out, "report.md"), "w") as f:
-        f.write(text)
-    return text
-
-
-def finetune_results(out, design):
-    """The fine-tuning runs eval.py stored as each finished, of the tasks that every arm finished for every seed:
-    scores[task][objective] (pretraining seeds x fine-tuning seeds) of test macro F1 in points, the metric other
-    papers report beside it, and the detour's difference over both seed levels, per task and on their average."""
-    ft_seeds, scores, upstream = design["study"]["finetune"]["seeds"], {}, {}
+    pretraining = {}
+    for name, records in runs.items():  # each phase's last evaluation (MLM, CLM loss) and its steady speed
+        main, decay = ([r for r in records if r["phase"] == phase] for phase in ("main", "decay"))
+        val = [{k: [r for r in rows if "val_mlm_loss" in r][-1][k] for k in ("val_mlm_loss", "val_clm_loss")}
+               for rows in (main, decay)]
+        pretraining[name] = {"tokens": records[-1]["tokens"], "steps": records[-1]["step"], "end_of_phase_1": val[0],
+                             "after_decay": val[1], "phase_1": steady_rate(main), "decay": steady_rate(decay)}
+    # The tasks every arm finished for every seed: scores[task][objective] (pretraining x fine-tuning seeds), test
+    # macro F1 in points (upstream: the metric other papers report); the detour's difference over both seed levels.
+    ft_seeds, scores, upstream = s["finetune"]["seeds"], {}, {}
     for t, kind in TASKS.items():
-        files = {(name, f): run_file(os.path.join(out, "eval", name), t, f"{name}/final", f)
-                 for name in design["arms"] for f in ft_seeds}
-        if not all(os.path.isfile(path) for path in files.values()):
-            continue
-        for name, (objective, _) in design["arms"].items():
+        files = {(n, f): run_file(os.path.join(out, "eval", n), t, f"{n}/final", f) for n in names for f in ft_seeds}
+        for name, (objective, _) in design["arms"].items() if all(map(os.path.isfile, files.values())) else ():
             tests = [read_json(files[name, f])["result"]["test"] for f in ft_seeds]
-            scores.setdefault(t, {}).setdefault(objective, []).append([100 * r["macro_f1"] for r in tests])
-            upstream.setdefault(t, {}).setdefault(objective, []).append([100 * r[UPSTREAM[kind]] for r in tests])
-    finished = list(scores)
-    if finished:
+            for into, metric in ((scores, "macro_f1"), (upstream, UPSTREAM[kind])):
+                into.setdefault(t, {}).setdefault(objective, []).append([100 * r[metric] for r in tests])
+    if finished := list(scores):
         scores["average"] = {o: np.mean([scores[t][o] for t in finished], axis=0).tolist() for o in ("clm", "mlm")}
-    return dict(metric="test macro F1 (points)", seeds=ft_seeds, pretraining_seeds=design["study"]["seeds"],
-                finished=finished, scores=scores, upstream=upstream,
-                detour_minus_mlm={t: nested_delta(x["mlm"], x["clm"]) for t, x in scores.items()},
-                twin_range={t: {o: float(np.ptp(np.mean(x[o], axis=1))) for o in x} for t, x in scores.items()})
-
-
-def study_verdict(finetune):
-    """The report's one sentence: the detour's difference on average over the finished tasks, and what it could see."""
-    if not finetune["finished"]:
-        return "no task finished its fine-tuning"
-    avg, over = finetune["detour_minus_mlm"]["average"], " on average"
-    if len(finetune["finished"]) < len(TASKS):
-        over = f" over {', '.join(finetune['finished'])}"
-    if avg["low"] is not None and (avg["low"] > 0 or avg["high"] < 0):
-        verdict = (f"the detour {'leads' if avg['mean'] > 0 else 'trails'} the MLM arm by {abs(avg['mean']):.2f} "
-                   f"points{over}, beyond the seeds' noise")
-    else:
-        verdict = f"no difference this design tells from 0{over} ({avg['mean']:+.2f} points)"
-    if avg["half"] is None:
-        return verdict
-    return f"{verdict}; the interval's half-width, {avg['half']:.2f} points, is the smallest difference it tells from 0"
+    finetune = dict(metric="test macro F1 (points)", seeds=ft_seeds, pretraining_seeds=s["seeds"], finished=finished,
+                    scores=scores, upstream=upstream,
+                    detour_minus_mlm={t: nested_delta(x["mlm"], x["clm"]) for t, x in scores.items()},
+                    twin_range={t: {o: float(np.ptp(np.mean(x[o], axis=1))) for o in x} for t, x in scores.items()})
+    results = dict(design=design, minutes=total / 60, cut=cut, stages_s=stages, pretraining=pretraining,
+                   cka_regions=cka["regions"], cka_layers=cka["layers"],
+                   trajectory=read_json(os.path.join(out, "trajectory", "trajectory.json"))["steps"], finetune=finetune)
+    Path(out, "study.json").write_text(json.dumps(results, indent=1))
+    Path(out, "report.md").write_text(text := "\n".join(study_markdown(out, results)))
+    return text
 
 
 def study_markdown(out, results):
     """report.md's lines: the result, the fine-tuning table, then CKA, the losses, the time and the design."""
     design, finetune, s = results["design"], results["finetune"], results["design"]["study"]
     seeds, ft_seeds, finished = s["seeds"], finetune["seeds"], finetune["finished"]
-    unfinished = [t for t in TASKS if t not in finished]
+    unfinished, avg = [t for t in TASKS if t not in finished], finetune["detour_minus_mlm"].get("average")
+    over = f" over {', '.join(finished)}" if unfinished else " on average"
+    if not finished:
+        verdict = "no task finished its fine-tuning"
+    elif avg["low"] is not None and (avg["low"] > 0 or avg["high"] < 0):
+        verdict = (f"the detour {'leads' if avg['mean'] > 0 else 'trails'} the MLM arm by {abs(avg['mean']):.2f} "
+                   f"points{over}, beyond the seeds' noise")
+    else:
+        verdict = f"no difference this design tells from 0{over} ({avg['mean']:+.2f} points)"
+    if finished and avg["half"] is not None:
+        verdict += f"; the interval's half-width, {avg['half']:.2f} points, is the smallest difference it tells from 0"
     lines = ["# The CLM detour on real text: the study's report", "",
              f"{design['device']}, torch {design['torch']}: {results['minutes']:.1f} minutes from "
              f"`{design['command']}` to {'the time limit that cut it' if results['cut'] else 'this report'}. One run, "
              "reported as it came out; its design was fixed before it ran (configs/study.py, configs/study_base.py, "
-             f"demo.py's STUDY, as design.json records them). Result: {study_verdict(finetune)}.", ""]
+             f"demo.py's STUDY, as design.json records them). Result: {verdict}.", ""]
     if results["cut"]:
         lines += [f"The run was cut during fine-tuning: {', '.join(unfinished)} did not finish for every arm and seed "
                   f"and {'is' if len(unfinished) == 1 else 'are'} left out of the table (the runs that finished are in "
@@ -536,29 +434,24 @@ def study_markdown(out, results):
 
 def study_tables(out, results):
     """report.md below the result: CKA at the end and over the run, the losses, the time, the design."""
-    design, s = results["design"], results["design"]["study"]
-    pct = lambda x: f"{100 * x['mean']:.2f} ± {100 * x['std']:.2f}"  # noqa: E731
+    design, s, pretraining = results["design"], results["design"]["study"], results["pretraining"]
+    losses = lambda e: f"{e['val_mlm_loss']:.3f} / {e['val_clm_loss']:.3f}"  # noqa: E731
     lines = ["", f"## CKA: divergence (1 - CKA, %) by layer region, pair = {' vs '.join(design['pair'])}, control = "
              f"{' vs '.join(design['control'])}", "",
              f"{s['cka_n']} held-out biomedical texts x sampling seeds 42, 43, 44 (mean ± std), {s['cka_len']} "
-             "tokens, mean pooling, float64.", "", "| layers | pair (%) | control (%) | ratio |", "|---|---|---|---|"]
-    for r in results["cka_regions"]:
-        ratio = "n/a" if r["ratio"] is None else f"{r['ratio']['mean']:.2f}x"
-        lines.append(f"| {r['layers']} | {pct(r['pair_divergence'])} | {pct(r['control_divergence'])} | {ratio} |")
-    lines += ["", "![per-layer divergence](divergence.png)", "", "## CKA over the run", "",
-              open(os.path.join(out, "trajectory", "trajectory.md")).read().split("\n", 4)[4].strip(), "",
-              "![trajectory](trajectory.png)", "",
-              "## Validation losses (the base on general text, the arms on biomedical text; MLM at 15%)", "",
-              "| run | tokens | end of phase 1: MLM / CLM | after the decay: MLM / CLM |", "|---|---|---|---|"]
-    for name, p in results["pretraining"].items():
-        e, d = p["end_of_phase_1"], p["after_decay"]
-        lines.append(f"| {name} | {p['tokens']:,} | {e['val_mlm_loss']:.3f} / {e['val_clm_loss']:.3f} | "
-                     f"{d['val_mlm_loss']:.3f} / {d['val_clm_loss']:.3f} |")
-    lines += ["", "![loss curves](loss.png)", "", "## Time and throughput", "", "| stage | minutes |", "|---|---|",
-              *(f"| {k} | {v / 60:.2f} |" for k, v in results["stages_s"].items()),
-              f"| **total** | {results['minutes']:.2f} |", "",
-              "| run | tokens/s phase 1 | tokens/s decay | MFU phase 1 |", "|---|---|---|---|"]
-    for name, p in results["pretraining"].items():
+             "tokens, mean pooling, float64.", "", *cka_rows(results["cka_regions"]),
+             "", "![per-layer divergence](divergence.png)", "", "## CKA over the run", "",
+             open(os.path.join(out, "trajectory", "trajectory.md")).read().split("\n", 4)[4].strip(), "",
+             "![trajectory](trajectory.png)", "",
+             "## Validation losses (the base on general text, the arms on biomedical text; MLM at 15%)", "",
+             "| run | tokens | end of phase 1: MLM / CLM | after the decay: MLM / CLM |", "|---|---|---|---|",
+             *(f"| {name} | {p['tokens']:,} | {losses(p['end_of_phase_1'])} | {losses(p['after_decay'])} |"
+               for name, p in pretraining.items()),
+             "", "![loss curves](loss.png)", "", "## Time and throughput", "", "| stage | minutes |", "|---|---|",
+             *(f"| {k} | {v / 60:.2f} |" for k, v in results["stages_s"].items()),
+             f"| **total** | {results['minutes']:.2f} |", "",
+             "| run | tokens/s phase 1 | tokens/s decay | MFU phase 1 |", "|---|---|---|---|"]
+    for name, p in pretraining.items():
         mfu = f"{100 * p['phase_1']['mfu']:.1f}%" if "mfu" in p["phase_1"] else "-"
         lines.append(f"| {name} | {p['phase_1']['tokens_per_s']:,.0f} | {p['decay']['tokens_per_s']:,.0f} | {mfu} |")
     ft = s["finetune"]
@@ -583,75 +476,70 @@ def study_tables(out, results):
 
 
 class Study:
-    """One run of the study in `out`: its steps as methods, and its design (the settings, the sizes the time rule gave,
-    each stage's seconds) in design.json, written again as each stage ends: what the report is made from, also when
-    the run is cut short."""
+    """One run of the study in `out`: its steps, and its design (settings, the time rule's sizes, each stage's seconds)
+    in design.json, written again as each stage ends: what the report is made from, also when the run is cut short."""
 
     def __init__(self, args):
         import torch
-
         self.s = s = {**STUDY["quick" if args.quick else "full"], **({"minutes": args.minutes} if args.minutes else {})}
         self.out, self.py, data_dir = os.path.abspath(args.out), sys.executable, os.path.abspath(args.study)
+        self.at = lambda *parts: os.path.join(self.out, *parts)
         self.corpora = {name: os.path.join(data_dir, "study", f"{name}.txt.xz") for name in ("general", "biomed")}
         self.tasks = {t: os.path.join(data_dir, t) for t in TASKS}
-        missing = [p for p in [*self.corpora.values(), *self.tasks.values()] if not os.path.exists(p)]
-        if missing:
+        if missing := [p for p in [*self.corpora.values(), *self.tasks.values()] if not os.path.exists(p)]:
             raise SystemExit(f"--study {args.study}: no {', '.join(missing)}; give the folder that holds study/ and "
                              "the tasks (../shared/data)")
         os.makedirs(self.at("logs"), exist_ok=True)
-        self.gpu = torch.cuda.is_available()
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+        self.parallel = None if gpu else os.cpu_count() or 1  # the steps side by side: all on a GPU, one per CPU on CPU
         self.arms = {f"{objective}_s{seed}": (objective, seed) for objective in ("clm", "mlm") for seed in s["seeds"]}
         first, twin = s["seeds"][:2]
         self.design = dict(
             command=f"python demo.py --study {args.study}" + " --quick" * args.quick + f" --out {args.out}"
             + (f" --minutes {args.minutes}" if args.minutes else ""), started=time.time(), study=s, arms=self.arms,
             pair=[f"clm_s{first}", f"mlm_s{first}"], control=[f"mlm_s{first}", f"mlm_s{twin}"], stages_s={},
-            torch=torch.__version__, python=platform.python_version(),
-            device=torch.cuda.get_device_name(0) if self.gpu else "CPU")
+            torch=torch.__version__, python=platform.python_version(), device=gpu or "CPU")
+        self.t0 = time.time()  # the start of the stage that runs now
 
-    def at(self, *parts):
-        return os.path.join(self.out, *parts)
-
-    def side_by_side(self, steps):
-        """run() with the steps at once: all of them on a GPU, one per CPU on CPU."""
-        return run(steps, parallel=len(steps) if self.gpu else min(len(steps), os.cpu_count() or 1))
-
-    def stage(self, name, t0):
-        self.design["stages_s"][name] = time.time() - t0
-        print(f"{name}: {time.time() - t0:.0f} s ({(time.time() - self.design['started']) / 60:.1f} min in)",
+    def stage(self, name):  # the end of a stage: its seconds said and kept in design.json; the next one starts
+        self.design["stages_s"][name] = time.time() - self.t0
+        print(f"{name}: {time.time() - self.t0:.0f} s ({(time.time() - self.design['started']) / 60:.1f} min in)",
               flush=True)
-        with open(self.at("design.json"), "w") as f:
-            json.dump(self.design, f, indent=1)
+        Path(self.at("design.json")).write_text(json.dumps(self.design, indent=1))
+        self.t0 = time.time()
 
     def data(self):
-        s, t0 = self.s, time.time()
         print("1. corpora: general (Gutenberg) and biomedical text, held-out biomedical texts, the tasks", flush=True)
-        build_corpora(self.out, s, [self.corpora["general"]], [self.corpora["biomed"]])
-        if s["examples"]:  # quick: the first examples of each split
-            for t, src in self.tasks.items():
-                self.tasks[t] = self.at("text", t)
-                slice_task(src, self.tasks[t], s["examples"])
-        self.stage("corpora", t0)
-        print(f"2. token shards: a {s['bpe']:,}-token byte-level BPE trained on the general text", flush=True)
-        t0 = time.time()
-        for corpus, text, tokenizer in (("general", "general", f"bpe:{s['bpe']}"),
+        build_corpora(self.out, self.s, [self.corpora["general"]], [self.corpora["biomed"]])
+        for t, src in self.tasks.items() if self.s["examples"] else ():  # quick: the first examples of each split
+            self.tasks[t] = dst = self.at("text", t)
+            os.makedirs(dst, exist_ok=True)
+            for name in os.listdir(src):  # a CoNLL sentence is a block, a JSONL example a line
+                sep = "\n\n" if name.endswith(".tsv") else "\n"
+                examples = Path(src, name).read_text(encoding="utf-8").strip("\n").split(sep)[:self.s["examples"]]
+                Path(dst, name).write_text(sep.join(examples) + "\n", encoding="utf-8")
+        self.stage("corpora")
+        print(f"2. token shards: a {self.s['bpe']:,}-token byte-level BPE trained on the general text", flush=True)
+        for corpus, text, tokenizer in (("general", "general", f"bpe:{self.s['bpe']}"),
                                         ("biomed", "domain", self.at("data", "general"))):
             run([([self.py, "data.py", "--input", self.at("text", f"{text}.jsonl"), "--tokenizer", tokenizer,
-                   "--out", self.at("data", corpus), "--val_docs", str(s["val_docs"])],
+                   "--out", self.at("data", corpus), "--val_docs", str(self.s["val_docs"])],
                   self.at("logs", f"prepare_{corpus}.log"))])
-        self.stage("prepare", t0)
+        self.stage("prepare")
 
     def pretraining(self):
-        s, design, t0 = self.s, self.design, time.time()
+        s, design = self.s, self.design
         print("3. the probe: MLM steps of the base (tokens/s for the time rule), and a CLM warm-up beside it whose "
               "compiled graph the detour arms then load from inductor's cache", flush=True)
-        train, general = [self.py, "train.py", "configs/study.py"], f"--data_dir={self.at('data', 'general')}"
-        probe = lambda name, objective, steps: ([  # noqa: E731
-            *train, "configs/study_base.py", *s["train"], general, f"--out_dir={self.at(name)}",
-            f"--phases=[{{'name': '{name}', 'objective': '{objective}', 'steps': {steps}, 'warmup_steps': {steps}, "
-            f"'mask_prob': {0.3 if objective == 'mlm' else 0}}}]"], self.at("logs", f"{name}.log"))
+        train = [self.py, "train.py", "configs/study.py"]
+        general = lambda name, *extra: ([  # noqa: E731  (a run of the base's config on the general text)
+            *train, "configs/study_base.py", *s["train"], f"--data_dir={self.at('data', 'general')}",
+            f"--out_dir={self.at(name)}", *extra], self.at("logs", f"{name}.log"))
+        probe = lambda name, objective, steps: general(  # noqa: E731
+            name, f"--phases=[{{'name': '{name}', 'objective': '{objective}', 'steps': {steps}, "
+            f"'warmup_steps': {steps}, 'mask_prob': {0.3 if objective == 'mlm' else 0}}}]")
         run([probe("probe", "mlm", s["probe_steps"]), probe("clm_compile", "clm", 2)], parallel=2)
-        records = last_val(self.at("probe", "metrics.jsonl"))[1]
+        records = metrics.records(self.at("probe", "metrics.jsonl"))
         rate, per_step = steady_rate(records[1:])["tokens_per_s"], records[-1]["tokens"] // records[-1]["step"]
         sizes = {k: load_file(os.path.join(ROOT, f"configs/{name}.py"))["tokens"]
                  for k, name in (("base", "study_base"), ("arm", "study"))}
@@ -660,35 +548,30 @@ class Study:
         base, arm = (round(factor * s["scale"] * sizes[k]) for k in ("base", "arm"))
         design.update(probe_tokens_per_s=rate, sizes=sizes, factor=factor, base_tokens=base, arm_tokens=arm,
                       keep_every=max(1, math.ceil(arm / per_step) // s["trajectory_points"]))
-        self.stage("probe", t0)
+        self.stage("probe")
         print(f"the time rule: {rate:,.0f} tokens/s -> factor {factor:.3f}: base {base:,} tokens, each arm {arm:,} "
               f"(+10% decay each); pretraining planned to end {s['reserve_s']} s before {s['minutes']} minutes",
               flush=True)
-
         print("4. the base: MLM on the general text", flush=True)
-        t0 = time.time()
-        run([([*train, "configs/study_base.py", *s["train"], general, f"--out_dir={self.at('base')}",
-               f"--tokens={base}"], self.at("logs", "base.log"))])
-        self.stage("base", t0)
+        run([general("base", f"--tokens={base}")])
+        self.stage("base")
         print(f"5. the arms, side by side: {', '.join(self.arms)}", flush=True)
-        t0 = time.time()
-        self.side_by_side([([*train, *s["train"], f"--data_dir={self.at('data', 'biomed')}",
-                             f"--out_dir={self.at(name)}", f"--init_from={self.at('base', 'final')}",
-                             f"--objective={objective}", f"--seed={seed}", f"--tokens={arm}",
-                             f"--keep_every={design['keep_every']}"], self.at("logs", f"{name}.log"))
-                           for name, (objective, seed) in self.arms.items()])
-        self.stage("arms", t0)
+        run([([*train, *s["train"], f"--data_dir={self.at('data', 'biomed')}", f"--out_dir={self.at(name)}",
+               f"--init_from={self.at('base', 'final')}", f"--objective={objective}", f"--seed={seed}",
+               f"--tokens={arm}", f"--keep_every={design['keep_every']}"], self.at("logs", f"{name}.log"))
+             for name, (objective, seed) in self.arms.items()], self.parallel)
+        self.stage("arms")
 
     def analysis(self):
-        s, ft, t0 = self.s, self.s["finetune"], time.time()
+        s, ft = self.s, self.s["finetune"]
         print("6. CKA (the pair and the control, at the end and over the run) and fine-tuning, side by side",
               flush=True)
-        with open(self.at("suite.py"), "w") as f:
-            f.write(f"# The study's fine-tuning (written by demo.py --study): eval.py --suite {self.at('suite.py')} "
-                    f"--models ARM/final\nseeds = {ft['seeds']}\ntasks = [\n" + "".join(
-                        f"    dict(name={t!r}, task={kind!r}, data={self.tasks[t]!r}, epochs={ft['epochs']}, "
-                        f"lr={ft['lr']}, batch_size={ft['batch_size']}, warmup_ratio={ft['warmup_ratio']}),\n"
-                        for t, kind in TASKS.items()) + "]\n")
+        Path(self.at("suite.py")).write_text(
+            f"# The study's fine-tuning (written by demo.py --study): eval.py --suite {self.at('suite.py')} --models "
+            f"ARM/final\nseeds = {ft['seeds']}\ntasks = [\n" + "".join(
+                f"    dict(name={t!r}, task={kind!r}, data={self.tasks[t]!r}, epochs={ft['epochs']}, "
+                f"lr={ft['lr']}, batch_size={ft['batch_size']}, warmup_ratio={ft['warmup_ratio']}),\n"
+                for t, kind in TASKS.items()) + "]\n")
         cka = [self.py, "cka.py", "--texts", self.at("text", "heldout.jsonl"), "--n", str(s["cka_n"]), "--max_len",
                str(s["cka_len"])]
         runs = lambda key, sub="": [self.at(name, sub) for name in self.design[key]]  # noqa: E731
@@ -696,23 +579,11 @@ class Study:
                    self.at("cka")], self.at("logs", "cka.log")),
                  ([*cka, "--runs", *runs("pair"), "--control", *runs("control"), "--out", self.at("trajectory")],
                   self.at("logs", "trajectory.log"))]
-        self.side_by_side(steps + [([self.py, "eval.py", "--suite", self.at("suite.py"), "--models",
-                                     self.at(name, "final"), "--out", self.at("eval", name)],
-                                    self.at("logs", f"eval_{name}.log")) for name in self.arms])
+        run(steps + [([self.py, "eval.py", "--suite", self.at("suite.py"), "--models", self.at(name, "final"), "--out",
+                       self.at("eval", name)], self.at("logs", f"eval_{name}.log")) for name in self.arms],
+            self.parallel)
         self.design["ended"] = time.time()
-        self.stage("cka and fine-tuning", t0)
-
-
-def study(args):
-    """python demo.py --study DATA: the steps, then the report; --report: the report alone, of what --out holds."""
-    if not args.report:
-        steps = Study(args)
-        steps.data()
-        steps.pretraining()
-        steps.analysis()
-        print("7. report", flush=True)
-    print(study_report(os.path.abspath(args.out)))
-    print(f"wrote {os.path.join(os.path.abspath(args.out), 'report.md')} and study.json")
+        self.stage("cka and fine-tuning")
 
 
 def main(argv=None):
@@ -735,7 +606,15 @@ def main(argv=None):
     if not args.study and (args.minutes or args.report):
         p.error("--minutes and --report are for the study (--study DATA)")
     args.out = args.out or ("out/study" if args.study else "out/demo")
-    (study if args.study else demo)(args)
+    if not args.study:
+        return demo(args)
+    if not args.report:  # the study's steps, then its report; --report: the report alone, of what --out holds
+        steps = Study(args)
+        steps.data()
+        steps.pretraining()
+        steps.analysis()
+        print("7. report", flush=True)
+    print(study_report(out := os.path.abspath(args.out)) + f"\nwrote {os.path.join(out, 'report.md')} and study.json")
 
 
 if __name__ == "__main__":

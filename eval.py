@@ -47,7 +47,7 @@ from model import Flat, ModernBertForSequenceClassification, ModernBertForTokenC
 from support import baselines, distributed, suite, threads
 from support.checks import checkpoint_config, user_error
 from support.config import check_out_dir
-from support.files import fresh_dir, replace_file
+from support.files import fresh_dir, json_lines, replace_file
 from support.kernels import pick_backend
 from support.lock import hold
 from support.tokenizer import check_vocab, load_tokenizer
@@ -70,9 +70,8 @@ def classification_metrics(y_true, y_pred):
                                    ((y_pred != c) & (y_true == c)).sum()) for c in labels])
     support = np.array([(y_true == c).sum() for c in labels])
     accuracy = float((y_true == y_pred).mean())
-    return {"macro_f1": float(f1s.mean()), "micro_f1": accuracy, "weighted_f1": float((f1s * support).sum() /
-                                                                                        support.sum()),
-            "accuracy": accuracy}
+    return {"macro_f1": float(f1s.mean()), "micro_f1": accuracy,
+            "weighted_f1": float((f1s * support).sum() / support.sum()), "accuracy": accuracy}
 
 
 def multilabel_metrics(y_true, y_pred):
@@ -91,8 +90,7 @@ def entities(sequences):
     spans, start, prev_tag, prev_type = [], None, "O", ""
     for i, tag in enumerate([*tags, "O"]):
         t, typ = (tag[0], tag[2:]) if tag != "O" else ("O", "")
-        ends = prev_tag != "O" and (t in ("B", "O") or typ != prev_type)
-        if ends:
+        if prev_tag != "O" and (t in ("B", "O") or typ != prev_type):  # an entity ends
             spans.append((prev_type, start, i - 1))
         if t == "B" or (t == "I" and (prev_tag == "O" or typ != prev_type)):
             start = i
@@ -114,17 +112,16 @@ def ner_metrics(gold, pred):
 # Data
 
 SPLITS = {"train": ("train",), "validation": ("validation", "dev", "devel", "valid"), "test": ("test",)}
+FIELDS = {"cls": ("text", "label"), "multilabel": ("text", "labels"), "ner": ("tokens", "tags")}
 
 
 def split_file(data_dir, split, task):
     exts = (".jsonl", ".tsv", ".conll", ".txt") if task == "ner" else (".jsonl",)
-    for name in SPLITS[split]:
-        for ext in exts:
-            path = os.path.join(data_dir, name + ext)
-            if os.path.isfile(path):
-                return path
-    raise SystemExit(f"{data_dir}: no {split} split; expected one of "
-                     + ", ".join(n + e for n in SPLITS[split] for e in exts))
+    names = [name + ext for name in SPLITS[split] for ext in exts]
+    path = next(filter(os.path.isfile, (os.path.join(data_dir, x) for x in names)), None)
+    if path is None:
+        raise SystemExit(f"{data_dir}: no {split} split; expected one of " + ", ".join(names))
+    return path
 
 
 def read_split(path, task):
@@ -135,8 +132,7 @@ def read_split(path, task):
         with open(path, encoding="utf-8") as f:
             for n, line in enumerate([*f, "\n"], 1):
                 if not line.strip():
-                    if tokens:
-                        examples.append({"tokens": tokens, "tags": tags})
+                    examples += [{"tokens": tokens, "tags": tags}] if tokens else []
                     tokens, tags = [], []
                     continue
                 parts = line.rstrip("\n").split("\t") if "\t" in line else line.split()
@@ -145,24 +141,13 @@ def read_split(path, task):
                 tokens.append(parts[0])
                 tags.append(parts[-1])
     else:
-        field = {"cls": ("text", "label"), "multilabel": ("text", "labels"), "ner": ("tokens", "tags")}[task]
         forms = {}  # a label value -> how it was first written, and where
         with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    ex = json.loads(line)
-                except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than any example
-                    raise SystemExit(f"{path}:{n}: not a JSON line this code reads ({type(e).__name__}: {e})") from None
-                for k in field:
-                    if not isinstance(ex, dict) or k not in ex:
-                        raise SystemExit(f"{path}:{n}: no {k!r} field; --task {task} needs {' and '.join(field)}")
-                problem = example_problem(ex, task)
-                if problem:
+            for n, ex in json_lines(f, path):
+                if problem := example_problem(ex, task):
                     raise SystemExit(f"{path}:{n}: {problem}")
-                examples.append({k: ex[k] for k in field})
-                for label in [ex["label"]] if task == "cls" else ex["labels"] if task == "multilabel" else []:
+                examples.append({k: ex[k] for k in FIELDS[task]})
+                for label in labels_of(ex, task):  # NER's tags are strings
                     if not isinstance(label, str):  # 1, 1.0 and True are one value but three class names
                         first, where = forms.setdefault(label, (str(label), n))
                         if first != str(label):
@@ -176,11 +161,12 @@ def read_split(path, task):
 
 def example_problem(ex, task):
     """What makes a JSON example unusable for `task` (numbers would be wrong, not just odd), or None."""
+    if missing := [k for k in FIELDS[task] if not isinstance(ex, dict) or k not in ex]:
+        return f"no {missing[0]!r} field; --task {task} needs {' and '.join(FIELDS[task])}"
     scalar = (str, int, float)  # a class label; bool is an int
     if task == "ner":
         tokens, tags = ex["tokens"], ex["tags"]
-        if not isinstance(tokens, list) or not isinstance(tags, list) or not all(
-                isinstance(x, str) for x in tokens + tags):
+        if not (isinstance(tokens, list) and isinstance(tags, list) and all(isinstance(x, str) for x in tokens + tags)):
             return "tokens and tags must be lists of strings"
         if len(tokens) != len(tags):
             return (f"{len(tokens)} tokens but {len(tags)} tags; every token needs its tag (every later sentence "
@@ -196,21 +182,8 @@ def example_problem(ex, task):
     return None
 
 
-def label_set(train, task):
-    if task == "cls":
-        return sorted({str(ex["label"]) for ex in train})
-    if task == "multilabel":
-        return sorted({str(x) for ex in train for x in ex["labels"]})
-    return sorted({t for ex in train for t in ex["tags"]}, key=lambda t: (t != "O", t[2:], t))
-
-
-def check_labels(examples, labels, path, task):
-    known = set(labels)
-    for n, ex in enumerate(examples, 1):
-        seen = {str(ex["label"])} if task == "cls" else set(map(str, ex["labels" if task == "multilabel" else "tags"]))
-        if not seen <= known:
-            raise SystemExit(f"{path}: example {n} has label(s) {sorted(seen - known)} that the training split "
-                             f"never uses (labels: {labels})")
+def labels_of(ex, task):
+    return [ex["label"]] if task == "cls" else ex["labels" if task == "multilabel" else "tags"]
 
 
 def read_task(data_dir, task):
@@ -218,28 +191,21 @@ def read_task(data_dir, task):
     file readable, every label of validation and test seen in train), or a message that names the problem."""
     if not os.path.isdir(data_dir):
         raise SystemExit(f"{data_dir}: no such directory")
-    raw = {}
+    raw, paths = {}, {}
     for split in SPLITS:
-        path = split_file(data_dir, split, task)
+        paths[split] = path = split_file(data_dir, split, task)
         try:
             raw[split] = read_split(path, task)
         except (OSError, UnicodeDecodeError) as e:
             raise SystemExit(f"{path}: cannot read it ({e})") from None
-    labels = label_set(raw["train"], task)
+    seen = {split: [set(map(str, labels_of(ex, task))) for ex in raw[split]] for split in SPLITS}
+    labels = sorted(set().union(*seen["train"]), key=(lambda t: (t != "O", t[2:], t)) if task == "ner" else None)
     for split in ("validation", "test"):
-        check_labels(raw[split], labels, split_file(data_dir, split, task), task)
+        for n, unknown in enumerate(s - set(labels) for s in seen[split]):
+            if unknown:
+                raise SystemExit(f"{paths[split]}: example {n + 1} has label(s) {sorted(unknown)} that the training "
+                                 f"split never uses (labels: {labels})")
     return raw, labels
-
-
-def model_tokenizer(model, tokenizer=None):
-    """The tokenizer to fine-tune a checkpoint with: --tokenizer, else the checkpoint's own."""
-    checkpoint_config(model, f"--model {model}")
-    if not tokenizer and not os.path.isfile(os.path.join(model, "tokenizer.json")):
-        raise SystemExit(f"{model} has no tokenizer.json; pass --tokenizer")
-    try:
-        return load_tokenizer(tokenizer or model)
-    except (OSError, ValueError) as e:  # a missing or unreadable --tokenizer
-        raise SystemExit(f"--tokenizer {tokenizer or model}: {e}") from None
 
 
 def encode_examples(examples, tok, task, labels, max_len):
@@ -248,24 +214,16 @@ def encode_examples(examples, tok, task, labels, max_len):
     first sub-token and -100 elsewhere (ner). NER sentences longer than max_len are split at word boundaries
     into several sequences, never truncated: "where" holds, per sequence, the (example, word) of each first
     sub-token (None for cls and multilabel), so that scoring can put the words back together. `tok` is ours
-    ([CLS] ... [SEP]) or, for another model family, its own (support/baselines.py: its special tokens, its
-    truncation, its word ids)."""
+    ([CLS] ... [SEP]) or another family's own (support/baselines.py: its special tokens, truncation, word ids)."""
     index = {label: i for i, label in enumerate(labels)}
     ours = not isinstance(tok, baselines.Tokenizers)
     if task != "ner":
         texts = [ex["text"] for ex in examples]
         ids = [[tok.cls_id, *x[:max_len - 2], tok.sep_id] for x in tok.encode_batch(texts)] if ours else \
             tok.texts(texts, max_len)
-        out = []
-        for ex, x in zip(examples, ids):
-            if task == "cls":
-                target = index[str(ex["label"])]
-            else:
-                target = [0.0] * len(labels)
-                for label in ex["labels"]:
-                    target[index[str(label)]] = 1.0
-            out.append((x, target))
-        return {"items": out, "where": None, "examples": examples}
+        targets = [index[str(ex["label"])] for ex in examples] if task == "cls" else \
+            [[float(label in owned) for label in labels] for owned in (set(map(str, ex["labels"])) for ex in examples)]
+        return {"items": list(zip(ids, targets)), "where": None, "examples": examples}
     if ours:  # each word as it reads in running text (a space before all but the first)
         pieces = iter(tok.encode_batch([w if i == 0 else " " + w for ex in examples
                                         for i, w in enumerate(ex["tokens"])]))
@@ -277,18 +235,13 @@ def encode_examples(examples, tok, task, labels, max_len):
     out, where = [], []
     for e, (ex, (before, words, after)) in enumerate(zip(examples, sentences)):
         room = max_len - len(before) - len(after)  # sub-tokens a sequence holds between its special tokens
-        chunk, tags, owners = [], [], []
-        for w, (sub, tag) in enumerate(zip(words, ex["tags"])):
-            if len(chunk) + len(sub) > room and chunk:  # split the sentence here
-                out.append(([*before, *chunk, *after], [-100] * len(before) + tags + [-100] * len(after)))
-                where.append(owners)
-                chunk, tags, owners = [], [], []
-            sub = sub[:room]
-            chunk += sub
-            tags += [index[tag]] + [-100] * (len(sub) - 1)
-            owners.append((e, w))
-        out.append(([*before, *chunk, *after], [-100] * len(before) + tags + [-100] * len(after)))
-        where.append(owners)
+        # consecutive words (each cut to `room` sub-tokens) that fill at most `room`: micro_batches' grouping
+        cut = [(sub[:room], w, index[tag]) for w, (sub, tag) in enumerate(zip(words, ex["tags"]))]
+        for chunk in micro_batches(cut, room):
+            tags = [t for sub, _, tag in chunk for t in [tag] + [-100] * (len(sub) - 1)]
+            out.append(([*before, *(t for sub, _, _ in chunk for t in sub), *after],
+                        [-100] * len(before) + tags + [-100] * len(after)))
+            where.append([(e, w) for _, w, _ in chunk])
     return {"items": out, "where": where, "examples": examples}
 
 
@@ -317,9 +270,8 @@ def flat_batch(items, task, device):
     lengths = [len(x) for x, _ in items]
     flat = Flat(torch.tensor([t for x, _ in items for t in x], device=device), cu_seqlens_of(lengths).to(device),
                 max(lengths))
-    if task == "ner":
-        return flat, torch.tensor([t for _, y in items for t in y], device=device)
-    return flat, torch.tensor([y for _, y in items], device=device)
+    return flat, torch.tensor([t for _, y in items for t in y] if task == "ner" else [y for _, y in items],
+                              device=device)
 
 
 # -----------------------------------------------------------------------------
@@ -348,8 +300,7 @@ def accumulate(model, items, task, device, weight, max_tokens, autocast, padded=
     all-reduces (ranks may have different numbers of them). -> the weighted loss, a float."""
     parts, total = micro_batches(items, max_tokens, padded=padded), 0.0
     for k, part in enumerate(parts):
-        last = k == len(parts) - 1
-        with model.no_sync() if hasattr(model, "no_sync") and not last else contextlib.nullcontext():
+        with model.no_sync() if hasattr(model, "no_sync") and k < len(parts) - 1 else contextlib.nullcontext():
             with autocast:
                 loss = task_loss_sum(model, part, task, device) * weight
             loss.backward()
@@ -385,10 +336,8 @@ def predict(model, items, task, device, batch_size, max_tokens, rank, world, aut
 
 
 def score(task, split, preds, labels):
-    if task == "cls":
-        return classification_metrics([y for _, y in split["items"]], preds)
-    if task == "multilabel":
-        return multilabel_metrics([y for _, y in split["items"]], preds)
+    if task != "ner":
+        return (classification_metrics if task == "cls" else multilabel_metrics)([y for _, y in split["items"]], preds)
     # NER: the prediction of each word is its first sub-token's; stitch split sentences back together
     pred_tags = [["O"] * len(ex["tokens"]) for ex in split["examples"]]
     for (_, y), p, owners in zip(split["items"], preds, split["where"]):
@@ -414,17 +363,18 @@ def classifier(args, labels):
 def finetune(args, seed, splits, labels, device, rank, world, autocast):
     task = args.task
     torch.manual_seed(seed)  # the new classifier's init, then dropout and shuffling
-    model = classifier(args, labels).to(device)
-    core = model
+    model = core = classifier(args, labels).to(device)
     padded = isinstance(core, baselines.Padded)  # its micro batches count padded tokens
     if dist.is_initialized():
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
+                                                          else None)
+    evaluate = lambda split: score(task, splits[split], predict(core, splits[split]["items"], task,  # noqa: E731
+                                   device, args.batch_size, args.max_tokens, rank, world, autocast, padded), labels)
     train = splits["train"]["items"]
     steps_per_epoch = math.ceil(len(train) / args.batch_size)
     total = steps_per_epoch * args.epochs
     warmup = math.ceil(total * args.warmup_ratio)  # the Trainer's count (TrainingArguments.get_warmup_steps)
-    # AdamW with the Hugging Face Trainer's betas and eps, and its "linear" schedule: a linear warmup (none by
-    # default), then a linear decay to 0
+    # AdamW with the Hugging Face Trainer's betas and eps, and its "linear" schedule: linear warmup, then decay to 0
     opt = torch.optim.AdamW(core.param_groups(args.weight_decay), lr=args.lr, betas=(0.9, 0.999), eps=1e-8)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: s / max(1, warmup) if s < warmup else max(0.0, (total - s) / max(1, total - warmup)))
@@ -455,9 +405,7 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
             sched.step()
             opt.zero_grad(set_to_none=True)
             bar.set_postfix(loss=f"{loss / world:.4f}")
-        val = score(task, splits["validation"], predict(core, splits["validation"]["items"], task, device,
-                                                        args.batch_size, args.max_tokens, rank, world, autocast,
-                                                        padded), labels)
+        val = evaluate("validation")
         history.append({"epoch": epoch + 1, "validation": val, "seconds": time.time() - t0})
         if best is None or val[args.select] > best["validation"][args.select]:
             best = history[-1]
@@ -466,9 +414,7 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
             tqdm.write(f"seed {seed} epoch {epoch + 1}: validation macro F1 {val['macro_f1']:.4f} "
                        f"micro F1 {val['micro_f1']:.4f} ({time.time() - t0:.1f}s)")
     core.load_state_dict(best_state)
-    test = score(task, splits["test"], predict(core, splits["test"]["items"], task, device, args.batch_size,
-                                               args.max_tokens, rank, world, autocast, padded), labels)
-    return core, {"seed": seed, "best_epoch": best["epoch"], "selected_by": args.select, "test": test,
+    return core, {"seed": seed, "best_epoch": best["epoch"], "selected_by": args.select, "test": evaluate("test"),
                   "epochs": history, "first_losses": first_losses}
 
 
@@ -483,7 +429,11 @@ def check_model(path, tokenizer, device, dtype):
     (support/baselines.py)."""
     if not baselines.is_modernbert(path):
         return baselines.check_encoder(path, f"--model {path}")
-    tok = model_tokenizer(path, tokenizer)
+    checkpoint_config(path, f"--model {path}")
+    if not tokenizer and not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        raise SystemExit(f"{path} has no tokenizer.json; pass --tokenizer")
+    with user_error(f"--tokenizer {tokenizer or path}"):  # a missing or unreadable --tokenizer
+        tok = load_tokenizer(tokenizer or path)
     with user_error(f"--model {path}"):  # not ModernBERT, no weights, weights of another shape
         config = ModernBertForSequenceClassification.from_pretrained(path, id2label={"0": "a", "1": "b"}).config
     check_vocab(tok.vocab_size, config, "the tokenizer", f"--model {path}",
@@ -560,8 +510,7 @@ def run_suite(args, process, autocast, dtype):
 
     if rank == 0:
         print(f"{args.suite}: {len(runs)} runs ({len(tasks)} tasks x {len(names)} models x {len(seeds)} seeds): "
-              f"{len(done)} finished earlier, {len(runs) - len(done)} to run"
-              + threads.describe("; "))
+              f"{len(done)} finished earlier, {len(runs) - len(done)} to run" + threads.describe("; "))
     bar = tqdm(total=len(runs), initial=len(done), desc="suite", unit="run", disable=rank != 0 or None)
     encoded, splits = None, None  # the (task name, model path) whose splits, in that model's tokens, are at hand
     for i, r in enumerate(runs):
@@ -595,9 +544,6 @@ def run_suite(args, process, autocast, dtype):
         print(suite.write_results(args.out, results))
 
 
-# -----------------------------------------------------------------------------
-
-
 def parse_args(argv):
     """The command line, with the protocol's defaults filled in (suite.PROTOCOL) and every value checked."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -608,10 +554,8 @@ def parse_args(argv):
     # The fine-tuning protocol; what is not given is the paper's (suite.PROTOCOL, suite.EPOCHS).
     p.add_argument("--seeds", help=f"comma-separated (default {','.join(map(str, suite.SEEDS))})")
     p.add_argument("--epochs", type=int, help=f"default {suite.EPOCHS}")
-    p.add_argument("--lr", type=float, help=f"default {suite.PROTOCOL['lr']}")
-    p.add_argument("--weight_decay", type=float, help=f"default {suite.PROTOCOL['weight_decay']}")
-    p.add_argument("--warmup_ratio", type=float, help=f"default {suite.PROTOCOL['warmup_ratio']}")
-    p.add_argument("--batch_size", type=int, help=f"default {suite.PROTOCOL['batch_size']}")
+    for k, typ in (("lr", float), ("weight_decay", float), ("warmup_ratio", float), ("batch_size", int)):
+        p.add_argument(f"--{k}", type=typ, help=f"default {suite.PROTOCOL[k]}")
     p.add_argument("--max_len", type=int, help="tokens an example keeps, [CLS] and [SEP] included (default: the "
                                                "model's max_position_embeddings)")
     p.add_argument("--max_tokens", type=int, help="tokens per micro batch; a batch is split into micro batches with "
@@ -625,7 +569,8 @@ def parse_args(argv):
                                        "its own directory's)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="auto: bfloat16 autocast on GPU (what the flash / varlen attention kernels need), float32 on CPU")
+                   help="auto: bfloat16 autocast on GPU (what the flash / varlen attention kernels need), float32 "
+                        "on CPU")
     p.add_argument("--out", default="out/eval")
     p.add_argument("--save_model", action="store_true", help="save the best model of each seed under --out")
     p.add_argument("--suite", help="a suite file (suites/en_bio.py): its tasks, with their settings, x --models x its "
@@ -643,9 +588,7 @@ def parse_args(argv):
         p.error("the following arguments are required: --model, --task, --data (or --suite FILE --models DIR ...)")
     if not args.suite:
         defaults = {**suite.PROTOCOL, "epochs": suite.EPOCHS[args.task], "seeds": ",".join(map(str, suite.SEEDS))}
-        for k in protocol:
-            if getattr(args, k) is None:
-                setattr(args, k, defaults[k])
+        vars(args).update({k: defaults[k] for k in protocol if getattr(args, k) is None})
         bad = [f"--{k}={getattr(args, k)}" for k in ("epochs", "batch_size", "max_tokens", "max_len", "lr")
                if getattr(args, k) is not None and not getattr(args, k) > (2 if k == "max_len" else 0)]
         if bad or suite.parse_seeds(args.seeds) is None:  # max_len holds [CLS] and [SEP]
@@ -673,8 +616,7 @@ def run_task(args, process, autocast, dtype):
         print(f"{args.task}: {len(labels)} labels; train {len(raw['train'])}, validation {len(raw['validation'])}, "
               f"test {len(raw['test'])} examples ({len(splits['train']['items'])} training sequences); "
               f"{device}, {str(dtype).removeprefix('torch.')}, {about['family']}: {about['code']}; max_len "
-              f"{args.max_len}, {args.max_tokens} tokens per micro batch"
-              + threads.describe("; "))
+              f"{args.max_len}, {args.max_tokens} tokens per micro batch" + threads.describe("; "))
     runs = []
     for seed in suite.parse_seeds(args.seeds):
         model, result = finetune(args, seed, splits, labels, device, rank, world, autocast)
@@ -684,9 +626,8 @@ def run_task(args, process, autocast, dtype):
     if rank == 0:
         keys = [k for k, v in runs[0]["test"].items() if isinstance(v, float)]
         summary = {k: suite.mean_std([r["test"][k] for r in runs]) for k in keys}
-        lines = [f"| metric (test, {len(runs)} seeds) | mean ± std |", "|---|---|"]
-        lines += [f"| {k} | {100 * v['mean']:.2f} ± {100 * v['std']:.2f} |" for k, v in summary.items()]
-        table = "\n".join(lines) + "\n"
+        table = "\n".join([f"| metric (test, {len(runs)} seeds) | mean ± std |", "|---|---|"] + [
+            f"| {k} | {100 * v['mean']:.2f} ± {100 * v['std']:.2f} |" for k, v in summary.items()]) + "\n"
         print(table)
         os.makedirs(args.out, exist_ok=True)
         replace_file(os.path.join(args.out, "results.json"), json.dumps(
@@ -698,7 +639,6 @@ def run_task(args, process, autocast, dtype):
 def main(argv=None):
     args = parse_args(argv)
     process = distributed.setup(args.device)
-    threads.setup(process.device)
     autocast, dtype = distributed.autocast(process.device, args.dtype)
     (run_suite if args.suite else run_task)(args, process, autocast, dtype)
     distributed.teardown()

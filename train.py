@@ -170,8 +170,7 @@ class Schedule:
     def index(self, step):
         return max(i for i, start in enumerate(self.starts[:-1]) if start <= step)
 
-    def at(self, step):
-        """The phase in force at `step`."""
+    def at(self, step):  # the phase in force at `step`
         return self.phases[self.index(step)]
 
     def lr_at(self, step):
