@@ -8,7 +8,7 @@ It runs the project's scripts as a user does and tables what they wrote: a. test
 paper's shape; c. train.py compiled (Base, 4 x 8192 tokens, CLM -> MLM 30% -> MLM 15% decay), its phase-2 checkpoint
 resumed under torchrun, SIGTERM'd once it logs a step, resumed again; d. bench.py --largest; e. on c's runs, eval.py
 on a task of each type and cka.py --pair and --runs, each against the same under torchrun or on CPU; demo.py --quick.
---tiny: every part at tiny sizes on CPU (tests/test_gpu_check.py). A part's time limit (BUDGETS, --budget) gains what
+--tiny: every part at tiny sizes on CPU (tests/test_bench.py). A part's time limit (BUDGETS, --budget) gains what
 the parts before left; at the limit the running command gets SIGINT (pytest writes its junit file), then SIGKILL with
 its process group, and the next part runs. Writes OUT/report.md, report.json, logs/; never imports torch or downloads.
 """

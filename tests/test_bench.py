@@ -2,10 +2,14 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
+
+import gpu_check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -54,3 +58,93 @@ def test_a_failed_worker_loses_no_other_row(tmp_path):
     assert "failed (their errors above): packed mlm ours [global=cudnn,local=sdpa]" in r.stderr
     rows = json.loads(out.read_text())["step"]
     assert [row["impl"] for row in rows] == ["ours [sdpa]"] and rows[0]["raw"]["tokens_per_s"] > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# tests/gpu_check.py, the GPU check, runs end to end on CPU at tiny sizes: on a lent GPU the only new thing is the
+# GPU. A part cut short by its time limit is recorded and the next part still runs; a pytest cut short keeps what the
+# tests it finished printed.
+
+
+def test_the_check_runs_every_part_on_cpu(tmp_path):
+    out = tmp_path / "check"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "gpu_check.py"), "--tiny", "--out", str(out),
+                        "--budget", "a=1", "b=600", "c=600", "d=300", "e=600"],  # generous: a busy CPU
+                       cwd=ROOT, capture_output=True, text=True, timeout=2400, env={**os.environ,
+                                                                                   "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    parts, md = json.loads((out / "report.json").read_text())["parts"], (out / "report.md").read_text()
+    # a: its 1 s spent before pytest could start: recorded as cut short; b then runs with its own 600 s
+    assert parts["a"]["status"] == "timeout" and parts["a"]["ok"] is False and "cut short" in parts["a"]["summary"]
+    assert 600 <= parts["b"]["limit"] < 601
+    assert {k: p["status"] for k, p in parts.items()} == dict(a="timeout", **dict.fromkeys("bcde", "done")), r.stdout
+    # b: bench.py's rows, ours against transformers; tiny: one process, train.py's packed CLM (test_bench.py: all)
+    assert [(r["case"], r["objective"], r["impl"]) for r in parts["b"]["rows"]] == [
+        ("packed", "clm", "ours"), ("packed", "clm", "transformers")]
+    # c: the phases timed; aot_eager compiles one graph per mask, the flip its one recompile, the decay nothing;
+    # train.py's end line counts 3 evaluations (the phase ends) and 4 checkpoints (those and final); the resume
+    # under torchrun, SIGTERM'd mid decay, continues the uninterrupted run bit for bit
+    c = parts["c"]
+    assert [(p["phase"], p["steps"]) for p in c["phases"]] == [("clm", 4), ("mlm", 4), ("decay", 60)]
+    assert [p["compile_s"] > 0 for p in c["phases"]] == [True, True, False] and c["said"]["compile_s"] > 0
+    assert c["learning"]["ok"] and c["learning"]["fell"] > 0.002
+    said = {k: c["said"][k] for k in ("graphs", "graph_breaks", "recompiles", "recompile_reasons", "evaluations",
+                                      "checkpoints")}
+    assert said == dict(graphs=2, graph_breaks=0, recompiles=1, recompile_reasons="causal == True", evaluations=3,
+                        checkpoints=4)
+    assert [(x["run"], x["fx_graph hits"] + x["fx_graph misses"]) for x in c["caches"]] == [  # aot_eager: no inductor
+        ("c_whole.log", 0), ("c_resume_1.log", 0), ("c_resume_2.log", 0)]
+    resume = c["resume"]
+    assert resume["wrote_final"] and resume["ok"] and resume["max_rel_diff"] == 0 and resume["exit_after"] == 0, resume
+    assert resume["exit_on_sigterm"] != 0 and len(resume["stopped_at"]) == 1 and 8 < resume["stopped_at"][0] < 68
+    assert resume["resumed_at"] == [8, *resume["stopped_at"]] and resume["steps"] == list(range(9, 69))
+    # d: bench.py --largest: on CPU nothing runs out of memory, so the cap is the answer
+    assert [(r["size"], r["objective"], r["largest"], r["capped"]) for r in parts["d"]["rows"]] == [
+        ("tiny", "mlm", 4, True), ("tiny", "clm", 4, True)]
+    # e: eval.py on each task type as one process, under torchrun and in float32 on CPU; cka.py --pair and --runs
+    # on "the GPU" (CPU here) against CPU: every comparison of CPU with CPU identical; the demo not at tiny sizes
+    steps = {s["step"]: s for s in parts["e"]["steps"]}
+    assert [s["ok"] for s in steps.values()] == ["yes"] * 6 + ["-"], steps
+    for name in ("one", "torchrun", "cpu"):
+        assert all(f"{task}: test macro F1" in steps[f"eval.py, {name}"]["figures"] for task in ("cls", "multilabel",
+                                                                                                 "ner"))
+    assert steps["eval.py: under torchrun and on CPU against one process"]["figures"] == (
+        "test_scores: 0.00e+00; first_losses: 0.00e+00; first_losses_against_cpu_float32: 0.00e+00")
+    assert all(steps[f"cka.py --{w}: GPU against CPU"]["figures"].startswith("max_abs_diff: 0.00e+00; numbers_compared")
+               for w in ("pair", "runs"))
+    for title in ("## a. Correctness", "## b. Speed", "## c. train.py", "## d. Memory", "## e. eval.py"):
+        assert title in md
+    assert {"b_packed_clm.log", "c_whole.log", "c_resume_2.log", "d_tiny.json", "e_eval_torchrun.log",
+            "e_cka_runs_cpu.log"} <= set(os.listdir(out / "logs"))
+
+
+def test_the_caches_table_reads_what_torch_logs(tmp_path):
+    """caches() on a resumed train.py's lines, as torch 2.13 logged them (TORCH_LOGS as the check sets it) before
+    compile_model let AOTAutograd's cache take the chunked loss: two FX graph hits, AOTAutograd bypassed; and the
+    reason torch 2.11 gave under torchrun on an H200 (DDP's graph), with the quote in it."""
+    at = "I1127 14:43:17.312000 16224 site-packages/torch/_functorch/_aot_autograd/autograd_cache.py:1077] [0/0] "
+    (tmp_path / "c_resume_2.log").write_text(
+        f"{at}Bypassing autograd cache due to: Unsupported call_function target autograd_function_apply. \n"
+        f"{at} Function module: torch.ops.higher_order, \n"
+        f"[rank0]:{at}Bypassing autograd cache due to: Won't cache a graph with fakify_first_call enabled\n" + "".join(
+            "I1127 14:43:25.065000 16224 site-packages/torch/_inductor/codecache.py:2299] [0/0] fx graph cache hit for "
+            f"key {key}\n" for key in ("faul7yq5xcnhnw6oz6647", "faeble2zp7qetn5wp6yev")) + "decay mlm step 15/68\n")
+    assert gpu_check.caches(str(tmp_path / "c_resume_2.log")) == {
+        "run": "c_resume_2.log", "fx_graph hits": 2, "fx_graph misses": 0, "fx_graph bypassed": 0,
+        "aot_autograd hits": 0, "aot_autograd misses": 0, "aot_autograd bypassed": 2, "why": "Unsupported "
+        "call_function target autograd_function_apply.; Won't cache a graph with fakify_first_call enabled"}
+
+
+def test_a_cut_short_pytest_keeps_what_its_finished_tests_printed(tmp_path):
+    """At the deadline pytest gets SIGINT and writes its junit file: the tests that finished keep their printed
+    figures; the one it was running is left out. Also when the check ignores SIGINT (started with `nohup ... &`)."""
+    (tmp_path / "test_gpu.py").write_text("import time\n\ndef test_done():\n    print('max rel diff 1.5e-03')\n\n"
+                                          "def test_slow():\n    time.sleep(600)\n")
+    started, ignored = time.time(), signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell's background job is
+    try:
+        code, tests = gpu_check.pytest_tests(str(tmp_path / "test_gpu.py"), str(tmp_path / "a.log"), started + 15)
+    finally:
+        signal.signal(signal.SIGINT, ignored)
+    assert code is None and time.time() - started < 300  # cut at its deadline, not after the second's 600 s
+    assert [(t["test"], t["outcome"]) for t in tests] == [("test_done", "passed")]
+    assert "max rel diff 1.5e-03" in tests[0]["detail"]

@@ -151,7 +151,7 @@ def test_train_step_gradients_against_float32():
         autocast = torch.autocast("cuda", dtype=torch.bfloat16)
         with inductor.patch(settings):
             if in_graph:
-                loss = train.forward_backward(step_model, [batch], False, PROCESS, autocast, backend is not None)
+                loss = train.forward_backward(step_model, [batch], False, PROCESS, autocast)
             else:
                 with autocast:
                     loss = loss_outside(step_model)
@@ -188,7 +188,7 @@ def test_compiled_steps_move_the_weights_as_eager_steps_do():
         losses, moved = [], []
         for _ in range(3):
             losses.append(train.forward_backward(step_model, [batch], False, PROCESS,
-                                                 torch.autocast("cuda", dtype=torch.bfloat16), compiled).item())
+                                                 torch.autocast("cuda", dtype=torch.bfloat16)).item())
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             moved.append(max(((p - q).norm() / q.norm()).item()
@@ -216,8 +216,7 @@ def test_a_new_mask_rate_compiles_no_new_graph():
     model = train.wrap(randomized(config).to(PROCESS.device).train(), "inductor", False, PROCESS.device)
     for step, rate in enumerate((0.3, 0.15, 0.3)):
         batch = mlm_batch(config, rate, length=8192, seed=step)
-        train.forward_backward(model, [batch], False, PROCESS, torch.autocast("cuda", dtype=torch.bfloat16),
-                               compiled=True)
+        train.forward_backward(model, [batch], False, PROCESS, torch.autocast("cuda", dtype=torch.bfloat16))
     graphs = counters["stats"]["unique_graphs"]
     print(f"MLM at 30%, 15%, 30% of 4 x 8192 tokens, compiled: {graphs} graph(s)")
     assert graphs == 1

@@ -133,7 +133,7 @@ def test_micro_batches_weigh_every_target_alike(data_dir):
     counts = [b.targets.numel() for b in batches]
     assert counts[0] * 2 < counts[1]  # the micro batches weigh differently
     loss = forward_backward(model, batches, False, Process(0, 1, torch.device("cpu")),
-                            torch.autocast("cpu", enabled=False), False)
+                            torch.autocast("cpu", enabled=False))
     ours = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
 
@@ -337,8 +337,7 @@ def test_frozen_layers_compute_no_weight_gradient(data_dir):
     freeze, phases = Freeze(c, model, ["main", "decay"]), Schedule.from_config(c).phases
     batch = clm_batch(Loader(data_dir, "train", 64, 2, data_seed=1).next(), meta["eos_id"])
     assert freeze.enter(phases[0]) and not freeze.enter(phases[0])
-    forward_backward(model, [batch], True, Process(0, 1, torch.device("cpu")), torch.autocast("cpu", enabled=False),
-                     False)
+    forward_backward(model, [batch], True, Process(0, 1, torch.device("cpu")), torch.autocast("cpu", enabled=False))
     frozen = {n for n, p in model.named_parameters() if n.startswith(("model.layers.1.", "model.layers.2."))}
     assert frozen and all(p.grad is None for n, p in model.named_parameters() if n in frozen)
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if n not in frozen)
