@@ -14,9 +14,9 @@ per row: ours eager, compiled (on CUDA by default) or regional, and transformers
 length (log-normal) and packed batches, MLM (transformers with sparse_prediction) and CLM (transformers has no causal
 mask: bidirectional), its MFU by support/flops.py's count and by the usual 6N + 12LHQT; 2. attention alone, forward
 and backward, each kernel on each layer type, bidirectional and causal, against SDPA in float32; 3. with --largest
-CAP, the largest micro batch up to CAP whose step fits. Times are torch.utils.benchmark's medians. The one-off
-measurements that lived here (CPU threads beside busy processes, frozen layers' step, fine-tuning memory, the chunked
-loss's memory, data throughput) keep their figures in results/cpu-2026-11-28/README.md.
+CAP, the largest micro batch up to CAP whose step fits. Times are torch.utils.benchmark's medians. One-off
+measurements (threads beside busy processes, frozen layers, fine-tuning memory, the chunked loss, data throughput)
+keep their figures in results/cpu-2026-11-28/README.md.
 """
 
 import argparse
@@ -231,8 +231,7 @@ def step_section(args, config, device, dtype, hf_backend):
         backends = args.attn_backends if who == "ours" else [hf_backend]
         impls += [(name if len(backends) == 1 else f"{name} [{b}]", who, b,
                    {"": None, "compiled": "whole", "regional": "regional"}[how]) for b in backends]
-    if args.profile:
-        os.makedirs(args.profile, exist_ok=True)
+    os.makedirs(args.profile or ".", exist_ok=True)
     rows, failed = step_rows(args, config, device, dtype, impls, peak)
     print(f"\n1. Training step (forward, backward, AdamW), median; transformers with {hf_backend}; memory: peak "
           f"{'allocated' if device.type == 'cuda' else 'RSS added'} in the timed steps; MFU: support/flops.py's "

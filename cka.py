@@ -116,13 +116,17 @@ def pooled_layers(model, encoded, indices, pool, device, autocast, batch_tokens,
         cu = cu_seqlens_of(lengths).to(device)
         with autocast:
             _, layers = model.model(tokens, cu, max(lengths), return_layers=True)
-        starts = cu.tolist()  # pool="tokens": the first row of each text
+        starts = cu.tolist()
         for layer, h in enumerate(layers):  # h: (T, H)
             h = (mean_pool(h.float(), cu) if pool == "mean" else h).double().cpu().numpy()  # mean: (B, H)
-            for j, (k, n) in enumerate(zip(batch, lengths)):  # tokens: rows drawn by the text index
-                out[layer][indices[k]] = h[j:j + 1] if pool == "mean" else h[starts[j] + np.sort(
-                    np.random.default_rng(indices[k]).choice(n, size=min(TOKENS_PER_TEXT, n), replace=False))]
+            for j, (k, n) in enumerate(zip(batch, lengths)):
+                out[layer][indices[k]] = h[j:j + 1] if pool == "mean" else h[starts[j] + token_rows(indices[k], n)]
     return out
+
+
+def token_rows(text_index, n):
+    """The rows pool="tokens" keeps of a text of n tokens: drawn by the text's index, the same for every model."""
+    return np.sort(np.random.default_rng(text_index).choice(n, size=min(TOKENS_PER_TEXT, n), replace=False))
 
 
 # -----------------------------------------------------------------------------

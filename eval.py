@@ -132,7 +132,8 @@ def read_split(path, task):
         with open(path, encoding="utf-8") as f:
             for n, line in enumerate([*f, "\n"], 1):
                 if not line.strip():
-                    examples += [{"tokens": tokens, "tags": tags}] if tokens else []
+                    if tokens:
+                        examples.append({"tokens": tokens, "tags": tags})
                     tokens, tags = [], []
                     continue
                 parts = line.rstrip("\n").split("\t") if "\t" in line else line.split()
