@@ -25,21 +25,19 @@ TOKENIZER = os.path.join(ROOT, "..", "shared", "tokenizers", "modernbert", "toke
 needs_shared = pytest.mark.skipif(not (os.path.isdir(DATA) and os.path.isfile(TOKENIZER)),
                                   reason="../shared (data and tokenizers) is not beside the checkout")
 
-# -----------------------------------------------------------------------------
-# Statistics
 
-
-def test_paired_interval_hand_computed():
-    # seed i of A against seed i of B: d = (1, 2, 3), mean 2, sd 1, n 3, t_{0.975, 2} = 4.302653
-    # -> 2 ± 4.302653 / sqrt(3) = 2 ± 2.484138. Unpaired, the seeds' spread (70 to 93) would swamp it.
+def test_paired_and_nested_intervals_hand_computed_and_against_scipy():
+    # d = (1, 2, 3): 2 ± t_{0.975, 2} / sqrt(3) = 2 ± 2.484138; unpaired, the seeds' spread (70 to 93) would swamp it
     d = suite.paired_delta([70.0, 80.0, 90.0], [71.0, 82.0, 93.0])
     assert d["n"] == 3 and d["mean"] == pytest.approx(2.0)
-    assert d["low"] == pytest.approx(2 - 2.484138, abs=1e-6) and d["high"] == pytest.approx(2 + 2.484138, abs=1e-6)
+    assert (d["low"], d["high"]) == pytest.approx((2 - 2.484138, 2 + 2.484138), abs=1e-6)
     one = suite.paired_delta([0.5], [0.7])
     assert one["mean"] == pytest.approx(0.2) and one["low"] is None and one["high"] is None
+    # pretraining seeds' mean differences 2, 3, 4: 3 ± 2.484138; the 9 pairs taken as independent give 3 ± 0.94
+    r = suite.nested_delta(np.zeros((3, 3)), [[1, 2, 3], [2, 3, 4], [3, 4, 5]])
+    assert r["per_pretraining_seed"] == [2, 3, 4] and r["half"] == pytest.approx(2.484138, abs=1e-6)
+    assert suite.nested_delta([[0.0, 1.0]], [[1.0, 1.0]])["low"] is None  # one pretraining seed: no interval
 
-
-def test_paired_interval_and_t_quantile_equal_scipy():
     stats = pytest.importorskip("scipy.stats")
     for df in range(1, 300):
         assert suite.t975(df) == pytest.approx(stats.t.ppf(0.975, df), abs=2e-6)
@@ -50,41 +48,20 @@ def test_paired_interval_and_t_quantile_equal_scipy():
         ci = stats.ttest_rel(b, a).confidence_interval(0.95)
         d = suite.paired_delta(a, b)
         assert (d["low"], d["high"]) == pytest.approx((ci.low, ci.high), abs=1e-6)
-
-
-def test_nested_interval_is_the_random_effects_anova_interval():
-    """Two seed levels: against the one-way random-effects ANOVA's interval for the grand mean, from the sums of
-    squares (mean ± t_{0.975, P-1} sqrt(MS_between / (P F))) and scipy's t; and a hand-computed example."""
-    stats = pytest.importorskip("scipy.stats")
-    rng = np.random.default_rng(1)
+    # two seed levels: the one-way random-effects ANOVA interval, mean ± t_{0.975, P-1} sqrt(MS_between / (P F))
     for P, F in ((2, 3), (3, 3), (5, 2)):
         a = rng.normal(60, 2, (P, F))
-        b = a + rng.normal(0.5, 0.3, (P, 1)) + rng.normal(0, 1, (P, F))  # a pretraining seed's own shift, then noise
-        d = b - a
+        d = rng.normal(0.5, 0.3, (P, 1)) + rng.normal(0, 1, (P, F))  # a pretraining seed's own shift, then noise
         ms_between = F * ((d.mean(axis=1) - d.mean()) ** 2).sum() / (P - 1)
         half = stats.t.ppf(0.975, P - 1) * np.sqrt(ms_between / (P * F))
-        r = suite.nested_delta(a, b)
-        assert r["mean"] == pytest.approx(d.mean()) and r["half"] == pytest.approx(half, abs=1e-6)
+        r = suite.nested_delta(a, a + d)
+        assert (r["mean"], r["half"]) == pytest.approx((d.mean(), half), abs=1e-6)
         assert (r["low"], r["high"]) == pytest.approx((d.mean() - half, d.mean() + half), abs=1e-6)
-    # pretraining seeds' mean differences 2, 3, 4: 3 ± 4.302653 / sqrt(3). Taking the 9 differences as independent
-    # fine-tuning pairs would give 3 ± 0.94 (t_8 x 1.2247 / 3): narrower, and wrong by the pretraining seeds' spread.
-    r = suite.nested_delta(np.zeros((3, 3)), [[1, 2, 3], [2, 3, 4], [3, 4, 5]])
-    assert r["per_pretraining_seed"] == [2, 3, 4] and r["half"] == pytest.approx(2.484138, abs=1e-6)
-    assert suite.nested_delta([[0.0, 1.0]], [[1.0, 1.0]])["low"] is None  # one pretraining seed: no interval
 
 
-# -----------------------------------------------------------------------------
-# The suite file and model names
+def test_suite_files_model_names_stored_runs_and_options(tmp_path, capsys):
+    import eval
 
-
-def test_model_names_are_short_and_unique():
-    assert suite.model_names(["out/en_base/final", "out/en_base_mlm/final"]) == ["en_base/final", "en_base_mlm/final"]
-    assert suite.model_names(["x/a/final", "y/a/final"]) == ["x/a/final", "y/a/final"]
-    with pytest.raises(SystemExit, match="given twice"):
-        suite.model_names(["out/a/final", "out/a/final/"])
-
-
-def test_suite_file_defaults_paths_and_errors(tmp_path):
     (tmp_path / "s.py").write_text("seeds = [1, 2]\ntasks = [dict(name='n', task='ner', data='tasks/n'),\n"
                                    "         dict(name='c', task='cls', data='/abs/c', lr=1e-4, epochs=3)]\n")
     seeds, tasks = suite.load_suite(str(tmp_path / "s.py"))
@@ -93,28 +70,13 @@ def test_suite_file_defaults_paths_and_errors(tmp_path):
                             batch_size=16, max_len=None, max_tokens=None, warmup_ratio=0.0, weight_decay=0.01,
                             pooling="mean", select="macro_f1")
     assert tasks[1]["data"] == "/abs/c" and tasks[1]["lr"] == 1e-4 and tasks[1]["epochs"] == 3
-    (tmp_path / "bad.py").write_text("seeds = [1]\ntasks = [dict(name='n', task='ner', data='x', learning_rate=1)]\n")
-    with pytest.raises(SystemExit, match=r"unknown key\(s\) \['learning_rate'\].*lr"):
-        suite.load_suite(str(tmp_path / "bad.py"))
-    (tmp_path / "bad.py").write_text("seeds = [1]\ntasks = [dict(name='n', task='tagging', data='x')]\n")
-    with pytest.raises(SystemExit, match="task='tagging'"):
-        suite.load_suite(str(tmp_path / "bad.py"))
+    for task, said in (("task='ner', data='x', learning_rate=1", r"unknown key\(s\) \['learning_rate'\].*lr"),
+                       ("task='tagging', data='x'", "task='tagging'")):
+        (tmp_path / "bad.py").write_text(f"seeds = [1]\ntasks = [dict(name='n', {task})]\n")
+        with pytest.raises(SystemExit, match=said):
+            suite.load_suite(str(tmp_path / "bad.py"))
 
-
-def test_runs_of_an_older_protocol_are_refused(tmp_path):
-    """A run stored before max_len followed the model and warmup was 0 (512 tokens, 10% warmup, no max_tokens,
-    no select) is not a finished run of today's protocol."""
-    old = dict(lr=5e-5, batch_size=16, max_len=512, warmup_ratio=0.1, weight_decay=0.01, pooling="mean", seed=1)
-    now = {**old, "max_len": 8192, "warmup_ratio": 0.0, "max_tokens": 4096, "select": "macro_f1"}
-    suite.store_run(str(tmp_path / "seed1.json"), old, {"test": {}})
-    done, stale = suite.finished_runs([(str(tmp_path / "seed1.json"), now)])
-    assert done == {} and len(stale) == 1
-    assert "max_len=512, max_tokens=None, select=None, warmup_ratio=0.1; now max_len=8192, max_tokens=4096" in stale[0]
-    assert suite.finished_runs([(str(tmp_path / "seed1.json"), old)])[0] == {0: {"test": {}}}
-
-
-def test_shipped_suites_are_the_papers():
-    seeds, tasks = suite.load_suite(os.path.join(ROOT, "suites", "en_bio.py"))
+    seeds, tasks = suite.load_suite(os.path.join(ROOT, "suites", "en_bio.py"))  # the paper's
     assert len(seeds) == 5 and len(tasks) == 11
     types = {t["name"]: t["task"] for t in tasks}
     assert types["ncbi_disease"] == types["anatem"] == types["bc5cdr"] == types["jnlpba"] == "ner"
@@ -123,6 +85,26 @@ def test_shipped_suites_are_the_papers():
                for t in tasks)
     seeds, tasks = suite.load_suite(os.path.join(ROOT, "suites", "fr_bio.py"))
     assert seeds == list(range(42, 51)) and len(tasks) == 8
+
+    assert suite.model_names(["out/en_base/final", "out/en_base_mlm/final"]) == ["en_base/final", "en_base_mlm/final"]
+    assert suite.model_names(["x/a/final", "y/a/final"]) == ["x/a/final", "y/a/final"]
+    with pytest.raises(SystemExit, match="given twice"):
+        suite.model_names(["out/a/final", "out/a/final/"])
+
+    # a run stored under an older protocol is not a finished run of today's
+    old = dict(lr=5e-5, batch_size=16, max_len=512, warmup_ratio=0.1, weight_decay=0.01, pooling="mean", seed=1)
+    now = {**old, "max_len": 8192, "warmup_ratio": 0.0, "max_tokens": 4096, "select": "macro_f1"}
+    suite.store_run(str(tmp_path / "seed1.json"), old, {"test": {}})
+    done, stale = suite.finished_runs([(str(tmp_path / "seed1.json"), now)])
+    assert done == {} and len(stale) == 1
+    assert "max_len=512, max_tokens=None, select=None, warmup_ratio=0.1; now max_len=8192, max_tokens=4096" in stale[0]
+    assert suite.finished_runs([(str(tmp_path / "seed1.json"), old)])[0] == {0: {"test": {}}}
+
+    with pytest.raises(SystemExit):  # the file's settings, not silently dropped ones from the command line
+        eval.main(["--suite", os.path.join(ROOT, "suites", "en_bio.py"), "--models", "a", "b", "--epochs", "3",
+                   "--seeds", "1"])
+    err = capsys.readouterr().err
+    assert "--seeds, --epochs would be ignored" in err and "en_bio.py" in err
 
 
 # -----------------------------------------------------------------------------
@@ -170,13 +152,13 @@ def shared_suite(tmp_path_factory):
     """Slices of the three shared tasks, two tiny random models with the ModernBERT tokenizer (out/a/final
     and out/b/final: the same basename), and one uninterrupted run of the suite."""
     tmp = tmp_path_factory.mktemp("suite")
-    for task in ("ncbi_disease", "anatem"):
+    for task in ("ncbi_disease", "anatem", "gad"):
         (tmp / task).mkdir()
         for split, n in (("train", 48), ("devel", 16), ("test", 16)):
-            conll_slice(os.path.join(DATA, task, f"{split}.tsv"), tmp / task / f"{split}.tsv", n)
-    (tmp / "gad").mkdir()
-    for split, n in (("train", 48), ("devel", 16), ("test", 16)):
-        jsonl_slice(os.path.join(DATA, "gad", f"{split}.jsonl"), tmp / "gad" / f"{split}.jsonl", n)
+            if task == "gad":
+                jsonl_slice(os.path.join(DATA, task, f"{split}.jsonl"), tmp / task / f"{split}.jsonl", n)
+            else:
+                conll_slice(os.path.join(DATA, task, f"{split}.tsv"), tmp / task / f"{split}.tsv", n)
     for seed, name in enumerate("ab"):
         torch.manual_seed(seed)  # hidden 32 and 2 layers: the 50368-token embedding stays small
         ModernBertForMaskedLM(ModernBertConfig(vocab_size=50368, hidden_size=32, intermediate_size=48,
@@ -184,11 +166,7 @@ def shared_suite(tmp_path_factory):
                               ).save_pretrained(tmp / name / "final")
         shutil.copyfile(TOKENIZER, tmp / name / "final" / "tokenizer.json")
     (tmp / "suite.py").write_text(suite_text(TASKS))
-    t0 = time.time()
-    r = run(run_suite_cmd(tmp, tmp / "out"))
-    seconds = time.time() - t0
-    print(f"suite of 12 runs: {seconds:.1f}s; per run: "
-          + ", ".join(re.findall(r"^run .*\((\d+\.\d+s)\)$", r.stdout, re.M)))
+    run(run_suite_cmd(tmp, tmp / "out"))
     return tmp
 
 
@@ -197,8 +175,7 @@ def test_suite_table_equals_eval_per_task(shared_suite):
     tmp = shared_suite
     res = json.loads((tmp / "out" / "results.json").read_text())
     assert list(res["tasks"]) == ["ncbi_disease", "anatem", "gad"] and list(res["models"]) == ["a/final", "b/final"]
-    # The same (task, model, seed) through eval.py's single-task command gives the same numbers: both seeds of
-    # one NER task and of the classification task, one model each (every call costs a process start).
+    # eval.py's single-task command gives the same numbers (one NER and the cls task: a process start each)
     for task, kind, model in (("ncbi_disease", "ner", "a"), ("gad", "cls", "b")):
         run([os.path.join(ROOT, "eval.py"), "--model", str(tmp / model / "final"), "--task", kind, "--data",
              str(tmp / task), "--seeds", "1,2", "--epochs", "2", "--lr", "5e-3", "--max_len", "128",
@@ -208,10 +185,9 @@ def test_suite_table_equals_eval_per_task(shared_suite):
         upstream = "weighted_f1" if kind == "cls" else "micro_f1"
         assert row["macro_f1"]["per_seed"] == [r["test"]["macro_f1"] for r in single]
         assert row[upstream]["per_seed"] == [r["test"][upstream] for r in single]
-    # Means, stds and the paired deltas, recomputed from the per-seed numbers.
     stats = pytest.importorskip("scipy.stats")
-    a_avg = np.mean([t["models"]["a/final"]["macro_f1"]["per_seed"] for t in res["tasks"].values()], axis=0)
-    b_avg = np.mean([t["models"]["b/final"]["macro_f1"]["per_seed"] for t in res["tasks"].values()], axis=0)
+    a_avg, b_avg = (np.mean([t["models"][m]["macro_f1"]["per_seed"] for t in res["tasks"].values()], axis=0)
+                    for m in ("a/final", "b/final"))
     assert res["average"]["b/final"]["macro_f1"]["mean"] == pytest.approx(b_avg.mean())
     assert res["average"]["b/final"]["macro_f1"]["std"] == pytest.approx(np.std(b_avg, ddof=1))
     for a, b, d in [(a_avg, b_avg, res["average"]["b/final"]["delta_macro_f1"])] + [
@@ -231,8 +207,6 @@ def test_suite_table_equals_eval_per_task(shared_suite):
 
 @needs_shared
 def test_killed_suite_resumes_without_repeating_a_run(shared_suite, tmp_path):
-    """A second suite on the same --out is refused while the first runs; once the first is killed, the same
-    command goes on where it stopped."""
     tmp, out = shared_suite, tmp_path / "out"
     p = subprocess.Popen([sys.executable, *run_suite_cmd(tmp, out)], cwd=ROOT, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -258,7 +232,7 @@ def test_killed_suite_resumes_without_repeating_a_run(shared_suite, tmp_path):
 
 
 @needs_shared
-def test_broken_tasks_fail_before_any_training(shared_suite, tmp_path):
+def test_broken_tasks_and_changed_settings_are_refused_before_any_training(shared_suite, tmp_path):
     import eval
 
     tmp = shared_suite
@@ -280,13 +254,7 @@ def test_broken_tasks_fail_before_any_training(shared_suite, tmp_path):
     assert re.search(r"task 'unreadable': .*devel.jsonl: cannot read it", message)
     assert not (tmp_path / "out").exists()  # the good tasks before them did not start either
 
-
-@needs_shared
-def test_changed_settings_refuse_the_stale_runs(shared_suite, tmp_path):
-    import eval
-
-    tmp = shared_suite
-    shutil.copytree(tmp / "out" / "runs", tmp_path / "out" / "runs")
+    shutil.copytree(tmp / "out" / "runs", tmp_path / "out" / "runs")  # stored runs of other settings: kept, unused
     (tmp / "changed.py").write_text(suite_text(TASKS[:2] + [TASKS[2].replace("lr=5e-3", "lr=1e-3")]))
     before = {f: f.read_bytes() for f in (tmp_path / "out").rglob("*.json")}
     with pytest.raises(SystemExit) as e:
@@ -304,22 +272,9 @@ def test_suite_under_torchrun_skips_alike_and_equals_one_process(shared_suite, t
     (out / "runs" / "gad" / "a" / "final").mkdir(parents=True)  # seed 1 finished: rank 0 skips it, so must rank 1
     shutil.copyfile(tmp / "out" / "runs" / "gad" / "a" / "final" / "seed1.json",
                     out / "runs" / "gad" / "a" / "final" / "seed1.json")
-    r = run(run_suite_cmd(tmp, out, suite_file="gad_only.py", models="a"),
-            launcher=launcher(2))
+    r = run(run_suite_cmd(tmp, out, suite_file="gad_only.py", models="a"), launcher=launcher(2))
     assert "1 finished earlier, 1 to run" in r.stdout
     one = json.loads((tmp / "out" / "results.json").read_text())["tasks"]["gad"]["models"]["a/final"]
     two = json.loads((out / "results.json").read_text())["tasks"]["gad"]["models"]["a/final"]
     for metric in ("macro_f1", "weighted_f1"):  # seed 2 ran on two processes, seed 1 on one
         assert two[metric]["per_seed"] == pytest.approx(one[metric]["per_seed"], abs=1e-9)
-
-
-def test_suite_refuses_options_it_would_ignore(capsys):
-    """With --suite, the seeds and each task's settings come from the file: --epochs or --seeds on the
-    command line would be silently dropped, so they are an error that names them."""
-    import eval
-
-    with pytest.raises(SystemExit):
-        eval.main(["--suite", os.path.join(ROOT, "suites", "en_bio.py"), "--models", "a", "b", "--epochs", "3",
-                   "--seeds", "1"])
-    err = capsys.readouterr().err
-    assert "--seeds, --epochs would be ignored" in err and "en_bio.py" in err
