@@ -1,12 +1,11 @@
 """Nothing is written, renamed or deleted through a link the project did not make (support/files.py): a link planted
-in an output directory, where the lock file, a checkpoint, metrics.jsonl, a stored suite run, a result or a data
-set's staging folder goes, is refused in one line naming it, and what it points to stays as it was (its checksums,
-taken before and after, outside the run). Nothing from outside the data directory is copied into a checkpoint."""
+where an output goes is refused in one line naming it, and what it points to keeps its checksums. Nothing from
+outside the data directory is copied into a checkpoint."""
 
 import hashlib
 import os
-import signal
 import subprocess
+import threading
 
 import pytest
 import torch
@@ -24,16 +23,26 @@ from train import Config, make_optimizer
 
 def sums(folder):
     """Every entry under `folder`, links not followed: a file's sha256, a link's target, "dir" for a folder."""
+    paths = [os.path.join(root, name) for root, dirs, names in os.walk(folder) for name in dirs + names]
+    return {os.path.relpath(p, folder): "-> " + os.readlink(p) if os.path.islink(p) else "dir" if os.path.isdir(p)
+            else hashlib.sha256(open(p, "rb").read()).hexdigest() for p in paths}
+
+
+def within(seconds, fn):
+    """fn() in a thread, so that a call that blocks fails the test after `seconds` instead of hanging the run.
+    -> {"value": what fn returned} or {"error": what it raised}."""
     out = {}
-    for root, dirs, names in os.walk(folder):
-        for name in dirs + names:
-            path = os.path.join(root, name)
-            if os.path.islink(path):
-                out[os.path.relpath(path, folder)] = "-> " + os.readlink(path)
-            elif os.path.isdir(path):
-                out[os.path.relpath(path, folder)] = "dir"
-            else:
-                out[os.path.relpath(path, folder)] = hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 (handed to the test)
+            out["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{fn} still blocked after {seconds} s"
     return out
 
 
@@ -54,6 +63,12 @@ def refused(path, target):
             f"{os.path.dirname(path)} did)")
 
 
+def refuses(fn, path, target):
+    with pytest.raises(SystemExit) as e:
+        fn()
+    assert str(e.value) == refused(str(path), target)
+
+
 WRITERS = {  # each of support/files.py's ways to write, rename or delete, on a path inside an output directory
     "open_file w": lambda p: files.open_file(p, "w").write("x"),
     "open_file a": lambda p: files.open_file(p, "a").write("x"),
@@ -66,39 +81,24 @@ WRITERS = {  # each of support/files.py's ways to write, rename or delete, on a 
 
 
 @pytest.mark.parametrize("writer", WRITERS)
-@pytest.mark.parametrize("target", ["secret.txt", "folder", "missing.txt"])
+@pytest.mark.parametrize("target", ["secret.txt", "folder", "missing.txt"])  # missing: a write would create it
 def test_every_writer_refuses_a_link_and_leaves_its_target_as_it_was(tmp_path, elsewhere, writer, target):
-    """A link to a file, to a folder, and a dangling one (whose target a write would create)."""
     out = tmp_path / "out"
     out.mkdir()
     link = out / (".lock" if writer == "the lock" else "planted")
     os.symlink(elsewhere / target, link)
     before = sums(elsewhere)
-    with pytest.raises(SystemExit) as e:
-        WRITERS[writer](str(link))
-    assert str(e.value) == refused(str(link), elsewhere / target)
+    refuses(lambda: WRITERS[writer](str(link)), link, elsewhere / target)
     assert sums(elsewhere) == before and not (elsewhere / "missing.txt").exists()
-
-
-def fifo_opens_without_a_hang(fn, path):
-    """fn(path) on a FIFO no one writes: refused at once, where a blocking open would wait for ever."""
-    signal.signal(signal.SIGALRM, lambda *_: pytest.fail(f"{fn} waited on a FIFO"))
-    signal.alarm(20)
-    try:
-        with pytest.raises(SystemExit) as e:
-            fn(str(path))
-    finally:
-        signal.alarm(0)
-    return str(e.value)
 
 
 @pytest.mark.parametrize("entry", ["directory", "fifo", "hard link"])
 def test_a_file_is_written_in_place_only_if_it_is_a_file_of_one_name(tmp_path, elsewhere, entry):
-    """A directory or a FIFO where a file goes, or a hard link to a file elsewhere (appending would change it): one
-    line each, no hang, the other name's file unchanged."""
+    """A directory or a FIFO (no hang) where a file goes, or a hard link to a file elsewhere (appending would change
+    it): one line each, the other name's file unchanged."""
     out = tmp_path / "out"
     out.mkdir()
-    for name in ("metrics.jsonl", ".lock"):
+    for name, write in (("metrics.jsonl", WRITERS["open_file a"]), (".lock", WRITERS["the lock"])):
         path = out / name
         if entry == "directory":
             path.mkdir()
@@ -107,12 +107,11 @@ def test_a_file_is_written_in_place_only_if_it_is_a_file_of_one_name(tmp_path, e
         else:
             os.link(elsewhere / "secret.txt", path)
         before = sums(elsewhere)
-        write = (lambda p: lock.take(os.path.dirname(p), "--out")) if name == ".lock" else \
-            (lambda p: files.open_file(p, "a").write("{}\n"))
         names = os.stat(path).st_nlink  # 2, then 3: both are names of secret.txt
         what = {"directory": "a directory", "fifo": "a FIFO", "hard link": f"a hard link (one of the {names} names "
                 "of a file)"}[entry]
-        assert fifo_opens_without_a_hang(write, path).startswith(f"{path} is {what}, not a file this project made")
+        e = within(20, lambda: write(str(path))).get("error")  # a FIFO no one writes: a blocking open waits for ever
+        assert isinstance(e, SystemExit) and str(e).startswith(f"{path} is {what}, not a file this project made"), e
         assert sums(elsewhere) == before
 
 
@@ -135,26 +134,21 @@ def test_checkpoints_are_never_written_or_deleted_through_a_link(tiny, tmp_path,
     for name, target in ((".tmp-ckpt-30", elsewhere / "folder"), ("final", elsewhere / "ckpt-20"),
                          ("ckpt-40", elsewhere / "missing")):
         os.symlink(target, out / name)
-        with pytest.raises(SystemExit) as e:
-            save_checkpoint(str(out / name.removeprefix(".tmp-")), model, optimizer, {"step": 30}, c)
-        assert str(e.value) == refused(str(out / name), target)
+        refuses(lambda: save_checkpoint(str(out / name.removeprefix(".tmp-")), model, optimizer, {"step": 30}, c),
+                out / name, target)
         os.remove(out / name)
     os.symlink(elsewhere / "ckpt-20", out / "ckpt-5")  # the oldest: prune would remove it, or its train state
     for keep_every in (0, 5):
-        with pytest.raises(SystemExit) as e:
-            prune(str(out), 1, keep_every)
-        assert str(e.value) == refused(str(out / "ckpt-5"), elsewhere / "ckpt-20")
+        refuses(lambda: prune(str(out), 1, keep_every), out / "ckpt-5", elsewhere / "ckpt-20")
     os.symlink(elsewhere / "secret.txt", out / "metrics.jsonl")
-    with pytest.raises(SystemExit) as e:
-        trim_metrics(str(out / "metrics.jsonl"), 10)
-    assert str(e.value) == refused(str(out / "metrics.jsonl"), elsewhere / "secret.txt")
+    refuses(lambda: trim_metrics(str(out / "metrics.jsonl"), 10), out / "metrics.jsonl", elsewhere / "secret.txt")
     assert sums(elsewhere) == before and not (elsewhere / "missing").exists()
     assert sorted(os.listdir(out)) == ["ckpt-10", "ckpt-5", "metrics.jsonl"]  # no staging folder left
 
 
 def test_a_checkpoint_copies_only_the_data_dirs_own_tokenizer_files(tiny, tmp_path, elsewhere):
-    """tokenizer.json, wherever a link leads, once its sha256 is meta.json's; another tokenizer file only when it is
-    no link: a link to a private file would put that file into every checkpoint, which travels."""
+    """tokenizer.json wherever a link leads, once its sha256 is meta.json's; another tokenizer file only when it is
+    no link (a link to a private file would put that file into every checkpoint, which travels)."""
     model, optimizer, c = tiny
     shared = tmp_path / "shared"  # a copy of the data dir whose tokenizer.json is a link to an identical file
     shared.mkdir()
@@ -189,38 +183,29 @@ def test_suite_cka_eval_and_data_outputs_refuse_a_planted_link(tmp_path, elsewhe
     os.symlink(elsewhere / "folder", out / "runs" / "ner")  # a task's folder of stored runs
     before = sums(elsewhere)
     path = suite.run_file(str(out), "ner", "a/final", 42)
-    with pytest.raises(SystemExit) as e:
-        suite.store_run(path, {"lr": 1}, {"test": {}}, str(out))
-    assert str(e.value) == refused(str(out / "runs" / "ner"), elsewhere / "folder")
+    refuses(lambda: suite.store_run(path, {"lr": 1}, {"test": {}}, str(out)), out / "runs" / "ner",
+            elsewhere / "folder")
     os.symlink(elsewhere / "secret.txt", out / "results.md")
+    # cka.py's and eval.py's results, and, before any work, every script's check of its output directory
     for write in (lambda: cka.write(str(out), "results", {}, "| table |", lambda r, p: False),
-                  lambda: files.replace_file(str(out / "results.md"), "eval's table")):
-        with pytest.raises(SystemExit) as e:
-            write()
-        assert str(e.value) == refused(str(out / "results.md"), elsewhere / "secret.txt")
-    # Before any work, every script's output directory is checked for links (support/config.check_out_dir).
-    with pytest.raises(SystemExit) as e:
-        check_out_dir(str(out))
-    assert str(e.value) == refused(str(out / "results.md"), elsewhere / "secret.txt")
+                  lambda: files.replace_file(str(out / "results.md"), "eval's table"), lambda: check_out_dir(str(out))):
+        refuses(write, out / "results.md", elsewhere / "secret.txt")
     # data.py's staging folder beside --out, and a file it replaces in --out.
     os.symlink(elsewhere / "folder", tmp_path / "shards.prepare.tmp")
-    docs = lambda: iter(["the cell binds a gene."] * 50)  # noqa: E731
-    with pytest.raises(SystemExit) as e:
-        data.prepare(docs, os.path.join(data_dir, "tokenizer.json"), str(tmp_path / "shards"), val_docs=5)
-    assert str(e.value) == refused(str(tmp_path / "shards.prepare.tmp"), elsewhere / "folder")
+    prepare = lambda: data.prepare(lambda: iter(["the cell binds a gene."] * 50),  # noqa: E731
+                                   os.path.join(data_dir, "tokenizer.json"), str(tmp_path / "shards"), val_docs=5)
+    refuses(prepare, tmp_path / "shards.prepare.tmp", elsewhere / "folder")
     os.remove(tmp_path / "shards.prepare.tmp")
     (tmp_path / "shards").mkdir()
     os.symlink(elsewhere / "secret.txt", tmp_path / "shards" / "meta.json")
-    with pytest.raises(SystemExit) as e:
-        data.prepare(docs, os.path.join(data_dir, "tokenizer.json"), str(tmp_path / "shards"), val_docs=5)
-    assert str(e.value) == refused(str(tmp_path / "shards" / "meta.json"), elsewhere / "secret.txt")
+    refuses(prepare, tmp_path / "shards" / "meta.json", elsewhere / "secret.txt")
     assert sums(elsewhere) == before
     assert not (tmp_path / "shards.prepare.tmp").exists()
 
 
 def test_train_refuses_a_link_in_out_dir_before_any_work(data_dir, tmp_path, elsewhere):
-    """The lock file a dangling link (the issue's case: the record would create its target), and a `final` that a
-    run would replace at its very end: each refused at the start, in one line, nothing written."""
+    """The lock file a dangling link (the record would create its target), and a `final` that a run would replace
+    at its very end: each refused at the start, in one line, nothing written."""
     for name, target in ((".lock", elsewhere / "created.txt"), ("final", elsewhere / "folder")):
         out = tmp_path / f"run{name}"
         out.mkdir()

@@ -1,6 +1,6 @@
 """What is shared can be trusted: a checkpoint whose train_state.pt would run code is refused or ignored by every
-script, and one run writes an out_dir at a time (support/lock.py): a second is refused at once, a killed holder
-leaves nothing to clean up, a stopping or silent one is waited for."""
+script, and one run writes an out_dir at a time (support/lock.py): a second is refused at once, a stopping or silent
+holder is waited for. (A killed holder leaves nothing to clean up: test_resilience and test_suite resume such runs.)"""
 
 import errno
 import json
@@ -15,82 +15,61 @@ import time
 import pytest
 import torch
 
-from model import ModernBertConfig, ModernBertForMaskedLM
 from support import lock
 from support.checkpoint import MANIFEST, TRAIN_STATE
 from support.files import sha256
+from test_files import runs_code
 from test_links import sums
 from test_train import ROOT, data_dir, metrics, run_train, train_cmd  # noqa: F401 (data_dir is a fixture)
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-class RunsCode:
-    """Unpickling this calls os.mkdir(path): what any callable in a pickle could do."""
-
-    def __init__(self, path):
-        self.path = path
-
-    def __reduce__(self):
-        return os.mkdir, (self.path,)
-
-
-def plant(ckpt, marker):
-    """Put a callable in ckpt/train_state.pt and update the manifest to match, as a forger would."""
-    state = torch.load(ckpt / TRAIN_STATE, weights_only=True)  # what train.py writes loads as plain data
-    torch.save({**state, "extra": RunsCode(str(marker))}, ckpt / TRAIN_STATE)
-    manifest = json.loads((ckpt / MANIFEST).read_text())
-    manifest[TRAIN_STATE] = {"bytes": os.path.getsize(ckpt / TRAIN_STATE), "sha256": sha256(ckpt / TRAIN_STATE)}
-    (ckpt / MANIFEST).write_text(json.dumps(manifest))
-
-
-def analyses(ckpt, tmp_path):
-    """cka.py and eval.py command lines (less --out) on the checkpoint `ckpt`, with tiny inputs in tmp_path."""
+def analyses(ckpt, tmp_path, out):
+    """cka.py and eval.py on the checkpoint `ckpt`, with tiny inputs, writing to `out`: -> their results."""
     texts, task = tmp_path / "texts.jsonl", tmp_path / "task"
     texts.write_text("".join(json.dumps({"text": f"the gene binds a cell number {i}."}) + "\n" for i in range(8)))
-    task.mkdir()
+    task.mkdir(exist_ok=True)
     for split in ("train", "validation", "test"):
         (task / f"{split}.jsonl").write_text("".join(json.dumps({"text": f"the {w} binds", "label": w}) + "\n"
                                                      for w in ("cell", "gene") * 4))
-    return [["cka.py", "--pair", ckpt, ckpt, "--texts", str(texts), "--n", "8", "--seeds", "1"],
-            ["eval.py", "--model", ckpt, "--task", "cls", "--data", str(task), "--seeds", "1", "--epochs", "1"]]
+    return [subprocess.run([sys.executable, *script, "--out", str(out), "--device", "cpu"], cwd=ROOT, env=ENV,
+                           capture_output=True, text=True)
+            for script in (["cka.py", "--pair", ckpt, ckpt, "--texts", str(texts), "--n", "8", "--seeds", "1"],
+                           ["eval.py", "--model", ckpt, "--task", "cls", "--data", str(task), "--seeds", "1",
+                            "--epochs", "1"])]
 
 
 def test_a_train_state_that_would_run_code_is_refused_or_ignored(data_dir, tmp_path):
     run_train(tmp_path / "run", data_dir, "--run_phases=main", "--ckpt_interval=4")  # 16 steps: ckpt-4 ... ckpt-16
-    marker = tmp_path / "it_ran"
-    plant(tmp_path / "run" / "ckpt-16", marker)
-    torch.load(tmp_path / "run" / "ckpt-16" / TRAIN_STATE, weights_only=False)  # the plant works: unpickling runs it
+    ckpt, marker = tmp_path / "run" / "ckpt-16", tmp_path / "it_ran"
+    # A callable in train_state.pt, the manifest updated to match, as a forger would.
+    state = torch.load(ckpt / TRAIN_STATE, weights_only=True)  # what train.py writes loads as plain data
+    torch.save({**state, "extra": runs_code(marker)}, ckpt / TRAIN_STATE)
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    manifest[TRAIN_STATE] = {"bytes": os.path.getsize(ckpt / TRAIN_STATE), "sha256": sha256(ckpt / TRAIN_STATE)}
+    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+    torch.load(ckpt / TRAIN_STATE, weights_only=False)  # the plant works: unpickling runs it
     assert marker.is_dir()
     marker.rmdir()
 
     # Resuming from it (out_dir's newest checkpoint), and the decay from it (--init_from), are refused in one line.
-    for out, extra in (("run", []), ("decay", [f"--init_from={tmp_path / 'run' / 'ckpt-16'}", "--run_phases=decay"])):
+    for out, extra in (("run", []), ("decay", [f"--init_from={ckpt}", "--run_phases=decay"])):
         r = run_train(tmp_path / out, data_dir, *extra, check=False)
         assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(
-            f"{tmp_path / 'run' / 'ckpt-16' / TRAIN_STATE}: refused: it holds objects other than tensors"), r.stderr
+            f"{ckpt / TRAIN_STATE}: refused: it holds objects other than tensors"), r.stderr
     # Weights from it (a new run), its CKA and its fine-tuning never read the train state.
-    ckpt = str(tmp_path / "run" / "ckpt-16")
     run_train(tmp_path / "new", data_dir, f"--init_from={ckpt}", "--run_phases=main", f"--tokens={2 * 8 * 64}")
-    for script in analyses(ckpt, tmp_path):
-        r = subprocess.run([sys.executable, *script, "--out", str(tmp_path / script[0]), "--device", "cpu"],
-                           cwd=ROOT, env=ENV, capture_output=True, text=True)
+    for r in analyses(str(ckpt), tmp_path, tmp_path / "out"):
         assert r.returncode == 0, r.stderr[-2000:]
     assert not marker.exists()
 
-
-def test_a_pytorch_model_bin_that_would_run_code_is_refused(tmp_path):
-    """The other weights file a Hugging Face directory may carry, loaded as tensors only: one line, nothing runs."""
-    marker = tmp_path / "it_ran"
-    model = ModernBertForMaskedLM(ModernBertConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
-                                                   num_hidden_layers=1, num_attention_heads=2, pad_token_id=0,
-                                                   cls_token_id=1, sep_token_id=2, bos_token_id=1, eos_token_id=2))
-    model.save_pretrained(tmp_path / "ckpt")
-    os.remove(tmp_path / "ckpt" / "model.safetensors")
-    torch.save({**model.state_dict(), "extra": RunsCode(str(marker))}, tmp_path / "ckpt" / "pytorch_model.bin")
-    with pytest.raises(ValueError, match="pytorch_model.bin: refused: it holds objects other than tensors"):
-        ModernBertForMaskedLM.from_pretrained(tmp_path / "ckpt")
-    assert not marker.exists()
+    # cka.py --out and eval.py --out held by another run: refused in one line, before any model runs.
+    holder = hold_in_another_process(tmp_path / "held")
+    for r in analyses(str(ckpt), tmp_path, tmp_path / "held"):
+        assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(
+            f"--out={tmp_path / 'held'} is in use by pid {holder.pid}"), r.stderr[-2000:]
+    let_go(holder)
 
 
 # -----------------------------------------------------------------------------
@@ -115,40 +94,45 @@ def wait_for(condition, proc, log, seconds=120):
 LONG = [f"--tokens={100 * 8 * 64}", "--ckpt_interval=20", "--eval_interval=100"]  # 125 steps: seconds
 
 
-def test_a_second_run_on_one_out_dir_is_refused_and_a_killed_one_resumes(data_dir, tmp_path):
+def test_a_second_run_on_one_out_dir_is_refused(data_dir, tmp_path):
     out = tmp_path / "run"
     first = start(out, data_dir, tmp_path / "first.log", *LONG)
     first.send_signal(signal.SIGSTOP)  # paused, not finished, while the same command starts again
     second = run_train(out, data_dir, *LONG, check=False)
+    job = run_train(out, data_dir, *LONG, check=False, nproc=2)  # under torchrun: said once, by rank 0
     first.send_signal(signal.SIGCONT)
     line = second.stderr.strip().splitlines()[-1]
     assert second.returncode == 1 and line.startswith(f"out_dir={out} is in use by pid {first.pid} on "), line
     assert "choose another out_dir" in line and "step" not in second.stdout  # refused before any work
+    said = [line for line in job.stderr.splitlines() if "is in use by" in line]
+    assert job.returncode != 0 and len(said) == 1 and said[0].startswith(f"out_dir={out} is in use by pid {first.pid}")
     assert first.wait() == 0  # undisturbed
     steps = [m["step"] for m in metrics(out)]
     assert steps == sorted(set(steps)) and steps[-1] == 125  # each step logged once
-    print(f"second run refused: {line[:120]}...")
 
-    # SIGKILL the holder: the kernel drops its lock, and the same command resumes with no manual step.
-    killed, log = tmp_path / "killed", tmp_path / "killed.log"
-    proc = start(killed, data_dir, log, *LONG)
-    wait_for(lambda: (killed / "ckpt-20").is_dir(), proc, log)
-    proc.kill()
-    proc.wait()
-    r = run_train(killed, data_dir, *LONG)
-    assert "resuming at step" in r.stdout and [m["step"] for m in metrics(killed)] == steps
+
+def test_a_signalled_run_says_it_is_stopping(data_dir, tmp_path):
+    """From the SIGTERM on (a requeued job waits for it); the run writes its checkpoint and exits 143 as before."""
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    proc = start(out, data_dir, log, *LONG)
+    wait_for(lambda: (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size, proc, log)
+    proc.send_signal(signal.SIGTERM)
+    deadline = time.time() + 60
+    while lock.holder(str(out / ".lock")).get("state") != "stopping":
+        assert time.time() < deadline
+        time.sleep(0.01)
+    assert proc.wait() == 143
 
 
 def hold_in_another_process(out, state="running", beat_age=0.0, beat=3600):
     """A process that holds `out` as a train.py run would, says `state`, its heartbeat `beat_age` seconds old by
     its clock (one `beat` seconds apart), until a line on its stdin."""
     code = f"""
-import sys, time
+import json, os, sys, time
 from support import lock
 lock.BEAT = {beat}
 h = lock.take({str(out)!r}, "out_dir")
 h.info["state"] = {state!r}
-import json, os
 def write():
     os.pwrite(h.fd, json.dumps({{**h.info, "beat": time.time() - {beat_age}}}).ljust(lock.RECORD).encode(), 0)
 h.write = write
@@ -172,8 +156,8 @@ def let_go(proc):
     ("stopping", 0, "stopping: it is writing its last checkpoint"),
     ("running", 1000, r"its heartbeat 10\d\d s old by its clock \(lost, or its clock is not ours\)")])
 def test_a_requeued_run_waits_for_a_stopping_or_silent_holder(data_dir, tmp_path, state, beat_age, why):
-    """A holder that is writing its last checkpoint after SIGTERM, or whose heartbeat is old (a lost node whose lock
-    the filesystem has not dropped yet) is waited for; once it lets go, the run resumes."""
+    """A holder writing its last checkpoint after SIGTERM, or a lost node whose lock the filesystem has not dropped
+    yet: waited for; once it lets go, the run resumes."""
     out, log = tmp_path / "run", tmp_path / "requeued.log"
     run_train(out, data_dir, "--run_phases=main", "--ckpt_interval=8")
     holder = hold_in_another_process(out, state, beat_age)
@@ -187,9 +171,8 @@ def test_a_requeued_run_waits_for_a_stopping_or_silent_holder(data_dir, tmp_path
 
 
 def test_a_silent_holder_is_told_from_one_whose_clock_differs(tmp_path, monkeypatch):
-    """An old heartbeat by the holder's clock: one that moves is a live holder whose clock differs (refused at once,
-    not after the wait, whose end says "still held"), one that stays put for STALE seconds on ours is a lost one
-    (waited for, then refused with what to do)."""
+    """An old heartbeat by the holder's clock that moves: a live holder, refused at once; one that stays put for
+    STALE seconds on ours: a lost one, waited for, then refused with what to do."""
     monkeypatch.setattr(lock, "STALE", 3.0)
     monkeypatch.setattr(lock, "WAIT", 600.0)  # the moving heartbeat is seen long before, however busy the machine
     holder = hold_in_another_process(tmp_path / "skewed", beat_age=1000, beat=1)
@@ -203,19 +186,6 @@ def test_a_silent_holder_is_told_from_one_whose_clock_differs(tmp_path, monkeypa
     let_go(holder)
 
 
-def test_cka_and_eval_refuse_an_out_they_do_not_hold(data_dir, tmp_path):
-    """cka.py --out and eval.py --out held by another run: refused in one line, before any model runs."""
-    run_train(tmp_path / "run", data_dir, "--run_phases=main", f"--tokens={2 * 8 * 64}")
-    ckpt = str(tmp_path / "run" / "final")
-    holder = hold_in_another_process(tmp_path / "out")
-    for script in analyses(ckpt, tmp_path):
-        r = subprocess.run([sys.executable, *script, "--out", str(tmp_path / "out"), "--device", "cpu"], cwd=ROOT,
-                           env=ENV, capture_output=True, text=True)
-        assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(
-            f"--out={tmp_path / 'out'} is in use by pid {holder.pid}"), r.stderr[-2000:]
-    let_go(holder)
-
-
 def test_a_filesystem_without_locks_is_said_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
     """Lustre without -o flock refuses flock (ENOSYS): a warning names the fix, and nothing is held."""
     def no_locks(fd, op):
@@ -226,103 +196,55 @@ def test_a_filesystem_without_locks_is_said_and_the_run_goes_on(tmp_path, monkey
     assert "its filesystem has no file locks (Function not implemented)" in capsys.readouterr().err
 
 
-def test_a_signalled_run_says_it_is_stopping(data_dir, tmp_path):
-    """train.py's lock file says "stopping" from the SIGTERM on (a requeued job waits for it), and the run writes
-    its checkpoint and exits 143 as before."""
-    out, log = tmp_path / "run", tmp_path / "run.log"
-    proc = start(out, data_dir, log, *LONG)
-    wait_for(lambda: (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size, proc, log)
-    proc.send_signal(signal.SIGTERM)
-    deadline = time.time() + 60
-    while lock.holder(str(out / ".lock")).get("state") != "stopping":
-        assert time.time() < deadline
-        time.sleep(0.01)
-    assert proc.wait() == 143
-
-
-def test_under_torchrun_a_second_job_is_refused_by_rank_0(data_dir, tmp_path):
-    out = tmp_path / "run"
-    first = start(out, data_dir, tmp_path / "first.log", *LONG)
-    first.send_signal(signal.SIGSTOP)  # paused, not finished, while the job starts
-    r = subprocess.run(train_cmd(out, data_dir, *LONG, nproc=2), cwd=ROOT, env=ENV, capture_output=True,
-                       text=True)
-    first.kill()
-    first.wait()
-    said = [line for line in r.stderr.splitlines() if "is in use by" in line]
-    assert r.returncode != 0 and len(said) == 1 and said[0].startswith(f"out_dir={out} is in use by pid {first.pid}")
-
-
 # ---------------------------------------------------------------------------------------------------------------------
-# The hold on an output directory (support/lock.py), with lock files and records that its own code did not write,
-# and the check that a resumed run is the same run, made under the hold: a changed run that waited for a stopping
-# holder is refused once it holds out_dir, with everything there as the holder left it.
+# Lock files and records that lock.py did not write, and the check, under the hold, that a resumed run is the same.
 
 
 RECORD = dict(host="node1", pid=4242, command="python train.py", since="2026-01-01 00:00:00 UTC", state="running",
               beat=1.7e9)
+OTHER_SHAPES = ["", "   ", "[]", "null", '"node1"', "{", json.dumps({**RECORD, "pid": "4242"}),
+                json.dumps({**RECORD, "pid": True}), json.dumps({**RECORD, "beat": "1.7e9"}),
+                json.dumps({**RECORD, "beat": float("nan")}), json.dumps({**RECORD, "state": "done"}),
+                json.dumps({**RECORD, "host": None}), json.dumps({k: v for k, v in RECORD.items() if k != "command"}),
+                json.dumps(RECORD) + " " * lock.RECORD]  # longer than a record
 
 
-OTHER_SHAPES = {"empty": "", "spaces": "   ", "array": "[]", "null": "null", "string": '"node1"', "cut": "{",
-                "pid string": json.dumps({**RECORD, "pid": "4242"}), "pid bool": json.dumps({**RECORD, "pid": True}),
-                "beat string": json.dumps({**RECORD, "beat": "1.7e9"}),
-                "beat nan": json.dumps({**RECORD, "beat": float("nan")}),
-                "other state": json.dumps({**RECORD, "state": "done"}),
-                "host null": json.dumps({**RECORD, "host": None}),
-                "no command": json.dumps({k: v for k, v in RECORD.items() if k != "command"}),
-                "longer than a record": json.dumps(RECORD) + " " * lock.RECORD}
-
-
-@pytest.mark.parametrize("text", OTHER_SHAPES.values(), ids=OTHER_SHAPES)
-def test_a_record_of_another_shape_names_no_holder(tmp_path, text):
-    (tmp_path / ".lock").write_text(text)
-    assert lock.holder(str(tmp_path / ".lock")) == {}
-
-
-def test_a_record_names_its_holder(tmp_path):
+def test_a_record_names_its_holder_only_in_its_own_shape_and_a_take_cuts_a_longer_file_to_it(tmp_path):
     for beat in (1.7e9, 1700000000):
         (tmp_path / ".lock").write_text(json.dumps({**RECORD, "beat": beat}).ljust(lock.RECORD))
         assert lock.holder(str(tmp_path / ".lock")) == {**RECORD, "beat": beat}
-
-
-def test_a_held_lock_whose_record_names_no_holder_is_refused_in_one_line(tmp_path, monkeypatch):
-    """Another process holds the lock, and its record is of another shape: refused after UNNAMED seconds, not a
-    KeyError, not a wait for ever."""
-    monkeypatch.setattr(lock, "UNNAMED", 0.5)
-    holder = hold_in_another_process(tmp_path)
-    path = tmp_path / ".lock"
-    try:
-        fd = os.open(path, os.O_WRONLY)
-        os.pwrite(fd, json.dumps({"pid": "x", "beat": "soon"}).ljust(lock.RECORD).encode(), 0)
-        os.close(fd)
-        t0 = time.time()
-        with pytest.raises(SystemExit) as e:
-            lock.take(str(tmp_path), "out_dir")
-        assert str(e.value).startswith(f"out_dir={tmp_path} is held by a process that {path} does not name. If that "
-                                       f"process is gone")
-        assert time.time() - t0 < 60  # UNNAMED, not WAIT (10 minutes)
-    finally:
-        let_go(holder)
-
-
-def test_a_longer_lock_file_is_cut_to_its_record_once_held(tmp_path):
-    """A lock file with more than a record (the record of a free lock is rewritten in place): after the take, the
-    record alone, which names this process."""
-    (tmp_path / ".lock").write_text("x" * 100_000)
+    for text in OTHER_SHAPES:
+        (tmp_path / ".lock").write_text(text)
+        assert lock.holder(str(tmp_path / ".lock")) == {}, text
+    (tmp_path / ".lock").write_text("x" * 100_000)  # a free lock's record is rewritten in place
     lock.take(str(tmp_path), "out_dir")
     assert os.path.getsize(tmp_path / ".lock") == lock.RECORD
     assert lock.holder(str(tmp_path / ".lock"))["pid"] == os.getpid()
 
 
+def test_a_held_lock_whose_record_names_no_holder_is_refused_in_one_line(tmp_path, monkeypatch):
+    """Refused after UNNAMED seconds: not a KeyError, not a wait for ever."""
+    monkeypatch.setattr(lock, "UNNAMED", 0.5)
+    holder = hold_in_another_process(tmp_path)
+    path = tmp_path / ".lock"
+    fd = os.open(path, os.O_WRONLY)
+    os.pwrite(fd, json.dumps({"pid": "x", "beat": "soon"}).ljust(lock.RECORD).encode(), 0)
+    os.close(fd)
+    t0 = time.time()
+    with pytest.raises(SystemExit) as e:
+        lock.take(str(tmp_path), "out_dir")
+    assert str(e.value).startswith(f"out_dir={tmp_path} is held by a process that {path} does not name. If that "
+                                   "process is gone")
+    assert time.time() - t0 < 60  # UNNAMED, not WAIT (10 minutes)
+    let_go(holder)
+
+
 def test_a_changed_run_that_waited_for_a_stopping_holder_is_refused_under_the_hold(data_dir, tmp_path):
-    """The issue's case. Run A holds out_dir and is writing its first checkpoint after a SIGTERM (its lock says
-    "stopping"); run B, with another objective, lr and seed, starts meanwhile: nothing to resume yet, so its start-up
-    checks pass and it waits. Once A has written ckpt-16 and let go, B holds out_dir and is refused in one line; it
-    never resumes A's checkpoint as its own or rewrites config.json, and leaves out_dir (the lock file included) as A
-    left it."""
+    """Run A holds out_dir, writing its first checkpoint after a SIGTERM; run B, with another objective, lr and seed,
+    starts meanwhile: nothing to resume yet, so its start-up checks pass and it waits. Once A has written ckpt-16 and
+    let go, B holds out_dir and is refused in one line, leaving out_dir (the lock file included) as A left it."""
     out, aside = tmp_path / "run", tmp_path / "aside"
-    r = subprocess.run(train_cmd(out, data_dir, "--run_phases=main", "--ckpt_interval=16"), cwd=ROOT, env=ENV,
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_train(out, data_dir, "--run_phases=main", "--ckpt_interval=16")
     aside.mkdir()
     for name in ("ckpt-16", "final"):  # A, before its last checkpoint
         shutil.move(out / name, aside / name)
