@@ -49,9 +49,8 @@ from support.tokenizer import check_vocab, load_tokenizer
 
 
 def linear_cka(X, Y, debiased=False):
-    """Linear CKA between X (n x d1) and Y (n x d2), computed in float64. Biased: ||Yc^T Xc||_F^2 /
-    (||Xc^T Xc||_F ||Yc^T Yc||_F) with column-centred Xc, Yc (Kornblith et al. 2019). Debiased: the same ratio of
-    unbiased HSIC estimators (Song et al. 2012; Szekely-Rizzo), written with n x d sums instead of n x n Grams."""
+    """Linear CKA between X (n x d1) and Y (n x d2) in float64: ||Yc^T Xc||_F^2 / (||Xc^T Xc||_F ||Yc^T Yc||_F),
+    columns centred (Kornblith et al. 2019); debiased: the same ratio of unbiased HSIC estimators (Song et al. 2012)."""
     X, Y = (torch.as_tensor(Z).to(torch.float64) for Z in (X, Y))
     X, Y = X - X.mean(0), Y - Y.mean(0)
     if not debiased:
@@ -72,13 +71,12 @@ def _hsic_u(X, Y):
 def outlier_diagnostic(X, Y):
     """Share of total variance in the top 1% of dimensions (of X and of Y), and CKA without them."""
     out, keep = {}, []
-    for name, Z in (("x", torch.as_tensor(X).double()), ("y", torch.as_tensor(Y).double())):
+    for name, Z in zip("xy", (X, Y)):
+        Z = torch.as_tensor(Z).double()
         var = Z.var(0)
         top_dims = var.topk(max(1, math.ceil(0.01 * Z.shape[1]))).indices
         out[f"top_var_share_{name}"] = (var[top_dims].sum() / var.sum()).item()
-        mask = torch.ones(Z.shape[1], dtype=torch.bool)
-        mask[top_dims] = False
-        keep.append(Z[:, mask])
+        keep.append(Z[:, np.setdiff1d(np.arange(Z.shape[1]), top_dims.numpy())])  # the other dimensions, in order
     out["cka_without_top"] = linear_cka(*keep)
     return out
 
@@ -99,9 +97,8 @@ TOKENS_PER_TEXT = 8  # rows per text for pool="tokens"
 
 @torch.no_grad()
 def pooled_layers(model, encoded, indices, pool, device, autocast, batch_tokens, desc):
-    """Run the texts `indices` (token-id lists `encoded`) through the model once. -> per layer, {text index: (r, H)
-    float64 array}: r = 1 for pool="mean" (masked mean over the text's tokens) or up to TOKENS_PER_TEXT token rows
-    at positions fixed by the text index (the same for every model) for pool="tokens"."""
+    """The texts `indices` (token ids `encoded`) through the model once. -> per layer, {text index: (r, H) float64
+    array}: r = 1 for pool="mean" (masked mean over its tokens), up to TOKENS_PER_TEXT (token_rows) for "tokens"."""
     model.eval()
     out = [{} for _ in range(model.config.num_hidden_layers)]
     batches = [[]]  # similar lengths batch together: the texts by length, as many as batch_tokens holds padded
@@ -134,8 +131,7 @@ def token_rows(text_index, n):
 
 
 def tokenizer_of(paths, override, max_len):
-    """The one tokenizer every checkpoint shares: refuse if their tokenizer.json files differ, or if one is not a
-    ModernBERT checkpoint with max_len positions."""
+    """The one tokenizer all checkpoints share; refused if their tokenizer.json differ or one lacks max_len positions"""
     for p in paths:
         config = checkpoint_config(p, p)
         with user_error():
@@ -144,8 +140,7 @@ def tokenizer_of(paths, override, max_len):
     if override:
         with user_error(f"--tokenizer {override}"):
             return load_tokenizer(override)
-    missing = [p for p in paths if not os.path.isfile(os.path.join(p, "tokenizer.json"))]
-    if missing:
+    if missing := [p for p in paths if not os.path.isfile(os.path.join(p, "tokenizer.json"))]:
         raise SystemExit(f"{missing[0]} has no tokenizer.json; pass --tokenizer (the tokenizer its data was prepared "
                          "with)")
     hashes = {p: sha256(os.path.join(p, "tokenizer.json")) for p in paths}
@@ -177,8 +172,7 @@ def sample_texts(args, tok, process):
 
 
 def representations(path, sample, tok, args, process, n_layers=None):
-    """Checkpoint `path`'s pooled layer outputs for the sample, on every rank: a list over layers of
-    {text index: rows}. `n_layers`: the layer count the other checkpoints have."""
+    """`path`'s pooled layer outputs for the sample, on every rank: per layer {text index: rows}."""
     autocast, dtype = distributed.autocast(process.device, args.dtype)
     with user_error(path):  # weights cut short or of another shape
         model = ModernBertForMaskedLM.from_pretrained(path).to(process.device)
@@ -202,8 +196,7 @@ def representations(path, sample, tok, args, process, n_layers=None):
 
 
 def compare(fa, fb, sample, diagnostics=True):
-    """{seed: per layer {cka, divergence, ...}} between two checkpoints' representations, in float64.
-    diagnostics: also the debiased CKA and the outlier diagnostic."""
+    """{seed: per layer {cka, divergence, ...}} of two checkpoints' features (diagnostics: debiased, outliers)."""
     def row(X, Y):  # X, Y: (n * rows per text, H)
         cka = linear_cka(X, Y)
         extra = {"cka_debiased": linear_cka(X, Y, debiased=True), **outlier_diagnostic(X, Y)} if diagnostics else {}
@@ -287,31 +280,28 @@ def trajectory(args, process, comparisons):
         if not common[name]:
             raise SystemExit(f"{a} and {b} kept no checkpoint at a common step (steps {sorted(kept[a])} and "
                              f"{sorted(kept[b])}): train both with the same ckpt_interval or keep_every")
-    steps = sorted(set().union(*common.values()))
     tok = tokenizer_of([kept[run][step] for name, runs in comparisons.items() for step in common[name]
                         for run in runs], args.tokenizer, args.max_len)
     sample = sample_texts(args, tok, process)
     hold(args.out, process)  # one run writes --out at a time
-    todo = sum(len({kept[run][step] for name, runs in comparisons.items() if step in common[name] for run in runs})
-               for step in steps)
-    bar = tqdm(total=todo, desc="checkpoints", unit="ckpt", disable=process.rank != 0 or None)
+    at_step = {step: {name: [kept[run][step] for run in runs] for name, runs in comparisons.items()
+                      if step in common[name]} for step in sorted(set().union(*common.values()))}
+    encode = {step: list(dict.fromkeys(p for paths in at.values() for p in paths)) for step, at in at_step.items()}
+    bar = tqdm(total=sum(map(len, encode.values())), desc="checkpoints", unit="ckpt",
+               disable=process.rank != 0 or None)
     points, n_layers = [], None
-    for step in steps:
+    for step, at in at_step.items():
+        first = next(iter(at.values()))[0]  # the pair's first run, or the control's where the pair lacks the step
+        point = {"step": step, **{k: progress_of(first).get(k) for k in ("tokens", "phase")},
+                 **dict.fromkeys(comparisons)}
         features = {}  # checkpoint -> representations: a run in both comparisons is encoded once
-        first = comparisons["pair"][0] if step in common["pair"] else comparisons["control"][0]
-        point = {"step": step, **{k: progress_of(kept[first][step]).get(k) for k in ("tokens", "phase")}}
-        for name, runs in comparisons.items():
-            if step not in common[name]:
-                point[name] = None
-                continue
-            paths = [kept[run][step] for run in runs]
-            for p in paths:
-                if p not in features:
-                    features[p] = representations(p, sample, tok, args, process, n_layers)
-                    n_layers = len(features[p])
-                    bar.update(1)
-            per_seed = compare(features[paths[0]], features[paths[1]], sample, diagnostics=False)
-            point[name] = {"checkpoints": paths,
+        for p in encode[step]:
+            features[p] = representations(p, sample, tok, args, process, n_layers)
+            n_layers = len(features[p])
+            bar.update(1)
+        for name, (a, b) in at.items():
+            per_seed = compare(features[a], features[b], sample, diagnostics=False)
+            point[name] = {"checkpoints": [a, b],
                            "layers": [region_divergence(per_seed, k, k + 1) for k in range(n_layers)],
                            "regions": [region_divergence(per_seed, lo, hi) for lo, hi in regions(n_layers)]}
         if point["pair"] and point.get("control"):
@@ -340,16 +330,16 @@ def markdown(results):
     control = "control" in results["per_seed"]
     pct = lambda s: f"{100 * s['mean']:.2f}% ± {100 * s['std']:.2f}"  # noqa: E731
     vs = lambda e: f" {pct(e['control_divergence'])} | {ratio_text(e['ratio'])} |" if control else ""  # noqa: E731
-    lines = ["## Per-layer divergence (1 - linear CKA), mean ± std over sampling seeds", "",
-             "| layer | pair divergence | pair debiased CKA | pair CKA w/o top 1% dims | top-1% var share (A/B) |"
-             + " control divergence | ratio |" * control, "|---|---|---|---|---|" + "---|---|" * control]
-    lines += [f"| {layer} | {pct(e['pair_divergence'])} | {e['pair_cka_debiased']['mean']:.4f} | "
-              f"{e['pair_cka_without_top']['mean']:.4f} | {e['pair_top_var_share_x']['mean']:.2f} / "
-              f"{e['pair_top_var_share_y']['mean']:.2f} |" + vs(e) for layer, e in results["layers"].items()]
-    lines += ["", "## Regions (mean divergence over the region's layers)", "",
-              "| layers | pair |" + " control | ratio |" * control, "|---|---|" + "---|---|" * control]
-    return "\n".join(lines + [f"| {r['layers']} | {pct(r['pair_divergence'])} |" + vs(r)
-                              for r in results["regions"]]) + "\n"
+    return "\n".join([
+        "## Per-layer divergence (1 - linear CKA), mean ± std over sampling seeds", "",
+        "| layer | pair divergence | pair debiased CKA | pair CKA w/o top 1% dims | top-1% var share (A/B) |"
+        + " control divergence | ratio |" * control, "|---|---|---|---|---|" + "---|---|" * control,
+        *(f"| {layer} | {pct(e['pair_divergence'])} | {e['pair_cka_debiased']['mean']:.4f} | "
+          f"{e['pair_cka_without_top']['mean']:.4f} | {e['pair_top_var_share_x']['mean']:.2f} / "
+          f"{e['pair_top_var_share_y']['mean']:.2f} |" + vs(e) for layer, e in results["layers"].items()),
+        "", "## Regions (mean divergence over the region's layers)", "",
+        "| layers | pair |" + " control | ratio |" * control, "|---|---|" + "---|---|" * control,
+        *(f"| {r['layers']} | {pct(r['pair_divergence'])} |" + vs(r) for r in results["regions"])]) + "\n"
 
 
 def figure(results, plt):
@@ -395,9 +385,8 @@ def trajectory_markdown(results):
 
 
 def trajectory_figure(results, plt):
-    """Left: layers x checkpoints heat map of the pair's divergence, the phase boundary as a line between
-    the last checkpoint of a phase and the first of the next. Right: one curve per region against tokens,
-    the pair solid and the control dashed beside it."""
+    """Left: layers x checkpoints heat map of the pair's divergence, a line between the last checkpoint of a phase and
+    the first of the next. Right: one curve per region against tokens, the pair solid and the control dashed."""
     points = [p for p in results["steps"] if p["pair"]]
     n_layers = results["settings"]["n_layers"]
     heat = 100 * np.array([[p["pair"]["layers"][k]["mean"] for p in points] for k in range(n_layers)])  # (L, steps)
@@ -414,8 +403,7 @@ def trajectory_figure(results, plt):
         left.text(k + 0.55, n_layers - 0.6, f"{points[k + 1]['phase']} ->", color="w", fontsize=8, va="top")
     for k, (lo_hi, color) in enumerate(zip(results["settings"]["regions"], ("C0", "C1", "C2"))):
         for name, style in (("pair", "o-"), ("control", "s--")):
-            ps = [p for p in results["steps"] if p.get(name)]
-            if ps:
+            if ps := [p for p in results["steps"] if p.get(name)]:
                 right.plot([p["tokens"] for p in ps], [100 * p[name]["regions"][k]["mean"] for p in ps], style,
                            color=color, ms=4, label=f"layers {lo_hi}, {name}")
     for k in ends:  # the last kept checkpoint of the phase: the boundary itself when the phase end was kept
@@ -427,8 +415,7 @@ def trajectory_figure(results, plt):
 
 
 def write(out, stem, results, table, figure_of):
-    """out/STEM.json, out/STEM.md (printed too) and the figure: figure_of(results, pyplot) -> the figure, drawn
-    without a display if matplotlib is installed."""
+    """out/STEM.json, out/STEM.md (printed too) and, with matplotlib, the figure figure_of(results, pyplot)."""
     os.makedirs(out, exist_ok=True)
     replace_file(os.path.join(out, f"{stem}.json"), json.dumps(results, indent=2))
     replace_file(os.path.join(out, f"{stem}.md"), table)

@@ -60,30 +60,29 @@ SCALES = {
 ARMS = {"clm": ["--objective=clm"], "mlm": ["--objective=mlm"], "mlm_twin": ["--objective=mlm", "--seed=42"]}
 
 
-def run(steps, parallel=1):
-    """Run steps (command, log) as a user would, `parallel` at a time (None: all), each command echoed as it starts, its
-    output to its log and the latest line of the oldest one running to the console (in place on a terminal, every 30 s
-    on a pipe). Side by side, the steps share the CPUs unless OMP_NUM_THREADS says otherwise. -> each one's seconds."""
+def run(logs, steps, parallel=1):
+    """Run steps (log name, [script, args]) as a user would, `parallel` at a time (None: all): each command echoed, its
+    output to logs/NAME.log, the latest line of the oldest one running to the console (in place on a terminal, every
+    30 s on a pipe); side by side, they share the CPUs unless OMP_NUM_THREADS says otherwise. -> each one's seconds"""
     parallel = max(1, min(len(steps), parallel or len(steps)))
     here = lambda text: text.replace(ROOT + os.sep, "")  # noqa: E731  (paths from the repo root, where it runs)
     tty, width = sys.stdout.isatty(), shutil.get_terminal_size().columns - 1  # a wrapped line is not rewritten
     clear, share = "\r\033[K" if tty else "", str(max(1, (os.cpu_count() or 1) // parallel))
     env = {**({"OMP_NUM_THREADS": share, "TORCHINDUCTOR_COMPILE_THREADS": share} if parallel > 1 else {}),
            **os.environ, "PYTHONUNBUFFERED": "1"}  # unbuffered: each line reaches the log when the child prints it
-    waiting, running, took, shown = list(enumerate(steps)), {}, {}, time.time()
+    waiting, running, took, shown = list(enumerate(steps)), {}, [0.0] * len(steps), time.time()
     while waiting or running:
         while waiting and len(running) < parallel:
-            k, (cmd, log) = waiting.pop(0)
-            print(clear + "$ " + here(" ".join(cmd[1:] if cmd[0] == sys.executable else cmd)), flush=True)
-            with open(log, "w") as f:
-                running[k] = (subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env), log,
-                              time.time())
+            k, (name, cmd) = waiting.pop(0)
+            print(clear + "$ " + here(" ".join(cmd)))
+            with open(log := os.path.join(logs, f"{name}.log"), "w") as f:
+                running[k] = (subprocess.Popen([sys.executable, *cmd], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                               env=env), log, time.time())
         time.sleep(0.2)
         for k in [k for k, (p, _, _) in running.items() if p.poll() is not None]:
             p, log, t0 = running.pop(k)
             took[k] = time.time() - t0
-            print(f"{clear}  {'done' if p.returncode == 0 else 'failed'} in {took[k]:.0f}s, log: {here(log)}",
-                  flush=True)
+            print(f"{clear}  {'done' if p.returncode == 0 else 'failed'} in {took[k]:.0f}s, log: {here(log)}")
             if p.returncode != 0:
                 for q, _, _ in running.values():  # a train.py checkpoints on SIGTERM: a rerun resumes it
                     q.terminate()
@@ -96,7 +95,7 @@ def run(steps, parallel=1):
             status = f"  {time.time() - t0:.0f}s  " + next((x for x in reversed(lines) if x), "")
             print("\r" + status[:width] + "\033[K" if tty else status, end="" if tty else "\n", flush=True)
             shown = time.time()
-    return [took[k] for k in range(len(steps))]
+    return took
 
 
 def build_corpora(out, s, general, domain):
@@ -246,51 +245,51 @@ def report(args, s, out, task_dir, kind, timings, total):
 
 
 def demo(args):
-    s, out, py, t0 = SCALES["quick" if args.quick else "full"], os.path.abspath(args.out), sys.executable, time.time()
+    s, out, t0 = SCALES["quick" if args.quick else "full"], os.path.abspath(args.out), time.time()
     at = lambda *parts: os.path.join(out, *parts)  # noqa: E731
     os.makedirs(at("logs"), exist_ok=True)
-    step = lambda cmd, log: run([(cmd, at("logs", log))])[0]  # noqa: E731  (one step, its seconds)
-    print("1. corpora", flush=True)
+    step = lambda log, *cmd: run(at("logs"), [(log, cmd)])[0]  # noqa: E731  (one step, its seconds)
+    print("1. corpora")
     build_corpora(out, s, None if args.base else "builtin", args.domain or "builtin")
     task_dir = args.task or at("task")
     names = os.listdir(task_dir)  # its kind: ner for CoNLL/TSV or token/tag JSONL, multilabel for "labels", else cls
-    kind = "ner" if any(n.endswith((".tsv", ".conll")) for n in names) else None
-    if not kind:
-        train = next(n for n in names if n.startswith("train") and n.endswith(".jsonl"))
-        with open(os.path.join(task_dir, train)) as f:
-            first = json.loads(f.readline())
+    if any(n.endswith((".tsv", ".conll")) for n in names):
+        kind = "ner"
+    else:
+        train_file = next(n for n in names if n.startswith("train") and n.endswith(".jsonl"))
+        first = json.loads(open(os.path.join(task_dir, train_file)).readline())
         kind = "ner" if "tags" in first else "multilabel" if "labels" in first else "cls"
     timings = {"corpora": time.time() - t0}
-    print("2. token shards", flush=True)
+    print("2. token shards")
     shards = [("general", "bpe:4096")] * (not args.base) + [("domain", args.base or at("data", "general"))]
-    timings["prepare"] = sum(step([py, "data.py", "--input", at("text", f"{name}.jsonl"), "--tokenizer", tokenizer,
-                                   "--out", at("data", name), "--val_docs", "200"], f"prepare_{name}.log")
+    timings["prepare"] = sum(step(f"prepare_{name}", "data.py", "--input", at("text", f"{name}.jsonl"), "--tokenizer",
+                                  tokenizer, "--out", at("data", name), "--val_docs", "200")
                              for name, tokenizer in shards)
-    common, base = [py, "train.py", "configs/demo.py", *s["train"]], args.base
+    train, base = ["train.py", "configs/demo.py", *s["train"]], args.base
     if not base:
-        print("3. base model: MLM on the general text", flush=True)
-        timings["base"] = step(common + [  # keep_every=0, eval_interval=100: no trajectory; no curve drawn
-            f"--data_dir={at('data', 'general')}", f"--out_dir={at('base')}", "--init_from=scratch", "--objective=mlm",
-            f"--tokens={s['base_tokens']}", "--keep_every=0", "--eval_interval=100"], "base.log")
+        print("3. base model: MLM on the general text")
+        timings["base"] = step(  # keep_every=0, eval_interval=100: no trajectory; no curve drawn
+            "base", *train, f"--data_dir={at('data', 'general')}", f"--out_dir={at('base')}", "--init_from=scratch",
+            "--objective=mlm", f"--tokens={s['base_tokens']}", "--keep_every=0", "--eval_interval=100")
         base = at("base", "final")
-    print("4. continued pretraining: the detour, the MLM arm, the MLM seed twin", flush=True)
+    print("4. continued pretraining: the detour, the MLM arm, the MLM seed twin")
     for name, overrides in ARMS.items():
-        timings[name] = step(common + [f"--data_dir={at('data', 'domain')}", f"--out_dir={at(name)}",
-                                       f"--init_from={base}", f"--tokens={s['arm_tokens']}", *overrides], f"{name}.log")
-    print("5. CKA: pair (clm vs mlm) and control (mlm vs mlm_twin), at the end and over training", flush=True)
-    cka = [py, "cka.py", "--texts", at("text", "heldout.jsonl"), "--n", str(s["cka_n"]), "--max_len", "256"]
+        timings[name] = step(name, *train, f"--data_dir={at('data', 'domain')}", f"--out_dir={at(name)}",
+                             f"--init_from={base}", f"--tokens={s['arm_tokens']}", *overrides)
+    print("5. CKA: pair (clm vs mlm) and control (mlm vs mlm_twin), at the end and over training")
+    cka = ["cka.py", "--texts", at("text", "heldout.jsonl"), "--n", str(s["cka_n"]), "--max_len", "256"]
     final = lambda *names: [at(name, "final") for name in names]  # noqa: E731
-    timings["cka"] = step(cka + ["--pair", *final("clm", "mlm"), "--control", *final("mlm", "mlm_twin"),
-                                 "--out", at("cka")], "cka.log")
-    step(cka + ["--pair", *final("clm", "clm"), "--seeds", "42", "--out", at("cka_self")], "cka_self.log")
-    timings["trajectory"] = step(cka + ["--runs", at("clm"), at("mlm"), "--control", at("mlm"), at("mlm_twin"),
-                                        "--out", at("trajectory")], "trajectory.log")
-    print(f"6. fine-tuning on the task ({kind}) over seeds {s['eval_seeds']}", flush=True)
-    timings["eval"] = sum(step([py, "eval.py", "--model", at(name, "final"), "--task", kind, "--data", task_dir,
-                                "--seeds", s["eval_seeds"], "--epochs", str(s["eval_epochs"]), "--lr",
-                                str(s["eval_lr"]), "--max_len", str(s["eval_max_len"]), "--out", at(f"eval_{name}")],
-                               f"eval_{name}.log") for name in ("clm", "mlm"))
-    print("7. report", flush=True)
+    timings["cka"] = step("cka", *cka, "--pair", *final("clm", "mlm"), "--control", *final("mlm", "mlm_twin"),
+                          "--out", at("cka"))
+    step("cka_self", *cka, "--pair", *final("clm", "clm"), "--seeds", "42", "--out", at("cka_self"))
+    timings["trajectory"] = step("trajectory", *cka, "--runs", at("clm"), at("mlm"), "--control", at("mlm"),
+                                 at("mlm_twin"), "--out", at("trajectory"))
+    print(f"6. fine-tuning on the task ({kind}) over seeds {s['eval_seeds']}")
+    timings["eval"] = sum(step(f"eval_{name}", "eval.py", "--model", at(name, "final"), "--task", kind, "--data",
+                               task_dir, "--seeds", s["eval_seeds"], "--epochs", str(s["eval_epochs"]), "--lr",
+                               str(s["eval_lr"]), "--max_len", str(s["eval_max_len"]), "--out", at(f"eval_{name}"))
+                          for name in ("clm", "mlm"))
+    print("7. report")
     print(report(args, s, out, task_dir, kind, timings, time.time() - t0))
     print(f"wrote {at('report.md')} ({(time.time() - t0) / 60:.1f} min)")
 
@@ -436,26 +435,26 @@ def study_tables(out, results):
     """report.md below the result: CKA at the end and over the run, the losses, the time, the design."""
     design, s, pretraining = results["design"], results["design"]["study"], results["pretraining"]
     losses = lambda e: f"{e['val_mlm_loss']:.3f} / {e['val_clm_loss']:.3f}"  # noqa: E731
-    lines = ["", f"## CKA: divergence (1 - CKA, %) by layer region, pair = {' vs '.join(design['pair'])}, control = "
-             f"{' vs '.join(design['control'])}", "",
-             f"{s['cka_n']} held-out biomedical texts x sampling seeds 42, 43, 44 (mean ± std), {s['cka_len']} "
-             "tokens, mean pooling, float64.", "", *cka_rows(results["cka_regions"]),
-             "", "![per-layer divergence](divergence.png)", "", "## CKA over the run", "",
-             open(os.path.join(out, "trajectory", "trajectory.md")).read().split("\n", 4)[4].strip(), "",
-             "![trajectory](trajectory.png)", "",
-             "## Validation losses (the base on general text, the arms on biomedical text; MLM at 15%)", "",
-             "| run | tokens | end of phase 1: MLM / CLM | after the decay: MLM / CLM |", "|---|---|---|---|",
-             *(f"| {name} | {p['tokens']:,} | {losses(p['end_of_phase_1'])} | {losses(p['after_decay'])} |"
-               for name, p in pretraining.items()),
-             "", "![loss curves](loss.png)", "", "## Time and throughput", "", "| stage | minutes |", "|---|---|",
-             *(f"| {k} | {v / 60:.2f} |" for k, v in results["stages_s"].items()),
-             f"| **total** | {results['minutes']:.2f} |", "",
-             "| run | tokens/s phase 1 | tokens/s decay | MFU phase 1 |", "|---|---|---|---|"]
-    for name, p in pretraining.items():
-        mfu = f"{100 * p['phase_1']['mfu']:.1f}%" if "mfu" in p["phase_1"] else "-"
-        lines.append(f"| {name} | {p['phase_1']['tokens_per_s']:,.0f} | {p['decay']['tokens_per_s']:,.0f} | {mfu} |")
     ft = s["finetune"]
-    return lines + [
+    return [
+        "", f"## CKA: divergence (1 - CKA, %) by layer region, pair = {' vs '.join(design['pair'])}, control = "
+        f"{' vs '.join(design['control'])}", "",
+        f"{s['cka_n']} held-out biomedical texts x sampling seeds 42, 43, 44 (mean ± std), {s['cka_len']} "
+        "tokens, mean pooling, float64.", "", *cka_rows(results["cka_regions"]),
+        "", "![per-layer divergence](divergence.png)", "", "## CKA over the run", "",
+        open(os.path.join(out, "trajectory", "trajectory.md")).read().split("\n", 4)[4].strip(), "",
+        "![trajectory](trajectory.png)", "",
+        "## Validation losses (the base on general text, the arms on biomedical text; MLM at 15%)", "",
+        "| run | tokens | end of phase 1: MLM / CLM | after the decay: MLM / CLM |", "|---|---|---|---|",
+        *(f"| {name} | {p['tokens']:,} | {losses(p['end_of_phase_1'])} | {losses(p['after_decay'])} |"
+          for name, p in pretraining.items()),
+        "", "![loss curves](loss.png)", "", "## Time and throughput", "", "| stage | minutes |", "|---|---|",
+        *(f"| {k} | {v / 60:.2f} |" for k, v in results["stages_s"].items()),
+        f"| **total** | {results['minutes']:.2f} |", "",
+        "| run | tokens/s phase 1 | tokens/s decay | MFU phase 1 |", "|---|---|---|---|",
+        *(f"| {name} | {p['phase_1']['tokens_per_s']:,.0f} | {p['decay']['tokens_per_s']:,.0f} | "
+          + (f"{100 * p['phase_1']['mfu']:.1f}%" if "mfu" in p["phase_1"] else "-") + " |"
+          for name, p in pretraining.items()),
         "", "The arms ran side by side, their tokens/s each its own share of the device.", "",
         "## Design (fixed before the run)", "",
         "- Corpora: ../shared/data/study (general: Gutenberg books; biomedical: MedQuAD, CRAFT, PubMedQA, BioNLP; no "
@@ -482,7 +481,7 @@ class Study:
     def __init__(self, args):
         import torch
         self.s = s = {**STUDY["quick" if args.quick else "full"], **({"minutes": args.minutes} if args.minutes else {})}
-        self.out, self.py, data_dir = os.path.abspath(args.out), sys.executable, os.path.abspath(args.study)
+        self.out, data_dir = os.path.abspath(args.out), os.path.abspath(args.study)
         self.at = lambda *parts: os.path.join(self.out, *parts)
         self.corpora = {name: os.path.join(data_dir, "study", f"{name}.txt.xz") for name in ("general", "biomed")}
         self.tasks = {t: os.path.join(data_dir, t) for t in TASKS}
@@ -503,13 +502,12 @@ class Study:
 
     def stage(self, name):  # the end of a stage: its seconds said and kept in design.json; the next one starts
         self.design["stages_s"][name] = time.time() - self.t0
-        print(f"{name}: {time.time() - self.t0:.0f} s ({(time.time() - self.design['started']) / 60:.1f} min in)",
-              flush=True)
+        print(f"{name}: {time.time() - self.t0:.0f} s ({(time.time() - self.design['started']) / 60:.1f} min in)")
         Path(self.at("design.json")).write_text(json.dumps(self.design, indent=1))
         self.t0 = time.time()
 
     def data(self):
-        print("1. corpora: general (Gutenberg) and biomedical text, held-out biomedical texts, the tasks", flush=True)
+        print("1. corpora: general (Gutenberg) and biomedical text, held-out biomedical texts, the tasks")
         build_corpora(self.out, self.s, [self.corpora["general"]], [self.corpora["biomed"]])
         for t, src in self.tasks.items() if self.s["examples"] else ():  # quick: the first examples of each split
             self.tasks[t] = dst = self.at("text", t)
@@ -519,26 +517,26 @@ class Study:
                 examples = Path(src, name).read_text(encoding="utf-8").strip("\n").split(sep)[:self.s["examples"]]
                 Path(dst, name).write_text(sep.join(examples) + "\n", encoding="utf-8")
         self.stage("corpora")
-        print(f"2. token shards: a {self.s['bpe']:,}-token byte-level BPE trained on the general text", flush=True)
-        for corpus, text, tokenizer in (("general", "general", f"bpe:{self.s['bpe']}"),
-                                        ("biomed", "domain", self.at("data", "general"))):
-            run([([self.py, "data.py", "--input", self.at("text", f"{text}.jsonl"), "--tokenizer", tokenizer,
-                   "--out", self.at("data", corpus), "--val_docs", str(self.s["val_docs"])],
-                  self.at("logs", f"prepare_{corpus}.log"))])
+        print(f"2. token shards: a {self.s['bpe']:,}-token byte-level BPE trained on the general text")
+        run(self.at("logs"), [  # one after the other: the biomedical shards take the general text's tokenizer
+            (f"prepare_{corpus}", ["data.py", "--input", self.at("text", f"{text}.jsonl"), "--tokenizer", tokenizer,
+                                   "--out", self.at("data", corpus), "--val_docs", str(self.s["val_docs"])])
+            for corpus, text, tokenizer in (("general", "general", f"bpe:{self.s['bpe']}"),
+                                            ("biomed", "domain", self.at("data", "general")))])
         self.stage("prepare")
 
     def pretraining(self):
         s, design = self.s, self.design
         print("3. the probe: MLM steps of the base (tokens/s for the time rule), and a CLM warm-up beside it whose "
-              "compiled graph the detour arms then load from inductor's cache", flush=True)
-        train = [self.py, "train.py", "configs/study.py"]
-        general = lambda name, *extra: ([  # noqa: E731  (a run of the base's config on the general text)
+              "compiled graph the detour arms then load from inductor's cache")
+        train, logs = ["train.py", "configs/study.py"], self.at("logs")
+        general = lambda name, *extra: (name, [  # noqa: E731  (a run of the base's config on the general text)
             *train, "configs/study_base.py", *s["train"], f"--data_dir={self.at('data', 'general')}",
-            f"--out_dir={self.at(name)}", *extra], self.at("logs", f"{name}.log"))
+            f"--out_dir={self.at(name)}", *extra])
         probe = lambda name, objective, steps: general(  # noqa: E731
             name, f"--phases=[{{'name': '{name}', 'objective': '{objective}', 'steps': {steps}, "
             f"'warmup_steps': {steps}, 'mask_prob': {0.3 if objective == 'mlm' else 0}}}]")
-        run([probe("probe", "mlm", s["probe_steps"]), probe("clm_compile", "clm", 2)], parallel=2)
+        run(logs, [probe("probe", "mlm", s["probe_steps"]), probe("clm_compile", "clm", 2)], parallel=2)
         records = metrics.records(self.at("probe", "metrics.jsonl"))
         rate, per_step = steady_rate(records[1:])["tokens_per_s"], records[-1]["tokens"] // records[-1]["step"]
         sizes = {k: load_file(os.path.join(ROOT, f"configs/{name}.py"))["tokens"]
@@ -550,38 +548,36 @@ class Study:
                       keep_every=max(1, math.ceil(arm / per_step) // s["trajectory_points"]))
         self.stage("probe")
         print(f"the time rule: {rate:,.0f} tokens/s -> factor {factor:.3f}: base {base:,} tokens, each arm {arm:,} "
-              f"(+10% decay each); pretraining planned to end {s['reserve_s']} s before {s['minutes']} minutes",
-              flush=True)
-        print("4. the base: MLM on the general text", flush=True)
-        run([general("base", f"--tokens={base}")])
+              f"(+10% decay each); pretraining planned to end {s['reserve_s']} s before {s['minutes']} minutes")
+        print("4. the base: MLM on the general text")
+        run(logs, [general("base", f"--tokens={base}")])
         self.stage("base")
-        print(f"5. the arms, side by side: {', '.join(self.arms)}", flush=True)
-        run([([*train, *s["train"], f"--data_dir={self.at('data', 'biomed')}", f"--out_dir={self.at(name)}",
-               f"--init_from={self.at('base', 'final')}", f"--objective={objective}", f"--seed={seed}",
-               f"--tokens={arm}", f"--keep_every={design['keep_every']}"], self.at("logs", f"{name}.log"))
-             for name, (objective, seed) in self.arms.items()], self.parallel)
+        print(f"5. the arms, side by side: {', '.join(self.arms)}")
+        run(logs, [(name, [*train, *s["train"], f"--data_dir={self.at('data', 'biomed')}",
+                           f"--out_dir={self.at(name)}", f"--init_from={self.at('base', 'final')}",
+                           f"--objective={objective}", f"--seed={seed}", f"--tokens={arm}",
+                           f"--keep_every={design['keep_every']}"]) for name, (objective, seed) in self.arms.items()],
+            self.parallel)
         self.stage("arms")
 
     def analysis(self):
         s, ft = self.s, self.s["finetune"]
-        print("6. CKA (the pair and the control, at the end and over the run) and fine-tuning, side by side",
-              flush=True)
+        print("6. CKA (the pair and the control, at the end and over the run) and fine-tuning, side by side")
         Path(self.at("suite.py")).write_text(
             f"# The study's fine-tuning (written by demo.py --study): eval.py --suite {self.at('suite.py')} --models "
             f"ARM/final\nseeds = {ft['seeds']}\ntasks = [\n" + "".join(
                 f"    dict(name={t!r}, task={kind!r}, data={self.tasks[t]!r}, epochs={ft['epochs']}, "
                 f"lr={ft['lr']}, batch_size={ft['batch_size']}, warmup_ratio={ft['warmup_ratio']}),\n"
                 for t, kind in TASKS.items()) + "]\n")
-        cka = [self.py, "cka.py", "--texts", self.at("text", "heldout.jsonl"), "--n", str(s["cka_n"]), "--max_len",
-               str(s["cka_len"])]
+        cka = lambda out, *what: (out, [  # noqa: E731  (a cka.py step whose log and --out are named `out`)
+            "cka.py", "--texts", self.at("text", "heldout.jsonl"), "--n", str(s["cka_n"]), "--max_len",
+            str(s["cka_len"]), *what, "--out", self.at(out)])
         runs = lambda key, sub="": [self.at(name, sub) for name in self.design[key]]  # noqa: E731
-        steps = [([*cka, "--pair", *runs("pair", "final"), "--control", *runs("control", "final"), "--out",
-                   self.at("cka")], self.at("logs", "cka.log")),
-                 ([*cka, "--runs", *runs("pair"), "--control", *runs("control"), "--out", self.at("trajectory")],
-                  self.at("logs", "trajectory.log"))]
-        run(steps + [([self.py, "eval.py", "--suite", self.at("suite.py"), "--models", self.at(name, "final"), "--out",
-                       self.at("eval", name)], self.at("logs", f"eval_{name}.log")) for name in self.arms],
-            self.parallel)
+        run(self.at("logs"), [cka("cka", "--pair", *runs("pair", "final"), "--control", *runs("control", "final")),
+                              cka("trajectory", "--runs", *runs("pair"), "--control", *runs("control")),
+                              *((f"eval_{name}", ["eval.py", "--suite", self.at("suite.py"), "--models",
+                                                  self.at(name, "final"), "--out", self.at("eval", name)])
+                                for name in self.arms)], self.parallel)
         self.design["ended"] = time.time()
         self.stage("cka and fine-tuning")
 
@@ -606,6 +602,7 @@ def main(argv=None):
     if not args.study and (args.minutes or args.report):
         p.error("--minutes and --report are for the study (--study DATA)")
     args.out = args.out or ("out/study" if args.study else "out/demo")
+    sys.stdout.reconfigure(line_buffering=True)  # each line shows when it is printed, in a pipe or a log too
     if not args.study:
         return demo(args)
     if not args.report:  # the study's steps, then its report; --report: the report alone, of what --out holds
@@ -613,7 +610,7 @@ def main(argv=None):
         steps.data()
         steps.pretraining()
         steps.analysis()
-        print("7. report", flush=True)
+        print("7. report")
     print(study_report(out := os.path.abspath(args.out)) + f"\nwrote {os.path.join(out, 'report.md')} and study.json")
 
 
