@@ -66,9 +66,9 @@ def classification_metrics(y_true, y_pred):
     """Accuracy and macro / micro / weighted F1 over the labels seen in y_true or y_pred."""
     y_true, y_pred = np.asarray(y_true), np.asarray(y_pred)
     labels = np.union1d(y_true, y_pred)
-    f1s = np.array([f1_from_counts(((y_pred == c) & (y_true == c)).sum(), ((y_pred == c) & (y_true != c)).sum(),
-                                   ((y_pred != c) & (y_true == c)).sum()) for c in labels])
-    support = np.array([(y_true == c).sum() for c in labels])
+    t, p = y_true[:, None] == labels, y_pred[:, None] == labels  # one-hot (n, labels)
+    f1s = np.array([f1_from_counts(*c) for c in zip((t & p).sum(0), (~t & p).sum(0), (t & ~p).sum(0))])
+    support = t.sum(0)
     accuracy = float((y_true == y_pred).mean())
     return {"macro_f1": float(f1s.mean()), "micro_f1": accuracy,
             "weighted_f1": float((f1s * support).sum() / support.sum()), "accuracy": accuracy}
@@ -115,15 +115,6 @@ SPLITS = {"train": ("train",), "validation": ("validation", "dev", "devel", "val
 FIELDS = {"cls": ("text", "label"), "multilabel": ("text", "labels"), "ner": ("tokens", "tags")}
 
 
-def split_file(data_dir, split, task):
-    exts = (".jsonl", ".tsv", ".conll", ".txt") if task == "ner" else (".jsonl",)
-    names = [name + ext for name in SPLITS[split] for ext in exts]
-    path = next(filter(os.path.isfile, (os.path.join(data_dir, x) for x in names)), None)
-    if path is None:
-        raise SystemExit(f"{data_dir}: no {split} split; expected one of " + ", ".join(names))
-    return path
-
-
 def read_split(path, task):
     """-> list of examples: {"text", "label"} / {"text", "labels"} / {"tokens", "tags"}."""
     examples = []
@@ -131,16 +122,15 @@ def read_split(path, task):
         tokens, tags = [], []
         with open(path, encoding="utf-8") as f:
             for n, line in enumerate([*f, "\n"], 1):
-                if not line.strip():
-                    if tokens:
-                        examples.append({"tokens": tokens, "tags": tags})
+                if line.strip():
+                    parts = line.rstrip("\n").split("\t") if "\t" in line else line.split()
+                    if len(parts) < 2:
+                        raise SystemExit(f"{path}:{n}: expected 'token<TAB>tag', got {line.strip()!r}")
+                    tokens.append(parts[0])
+                    tags.append(parts[-1])
+                elif tokens:  # a blank line ends a sentence
+                    examples.append({"tokens": tokens, "tags": tags})
                     tokens, tags = [], []
-                    continue
-                parts = line.rstrip("\n").split("\t") if "\t" in line else line.split()
-                if len(parts) < 2:
-                    raise SystemExit(f"{path}:{n}: expected 'token<TAB>tag', got {line.strip()!r}")
-                tokens.append(parts[0])
-                tags.append(parts[-1])
     else:
         forms = {}  # a label value -> how it was first written, and where
         with open(path, encoding="utf-8") as f:
@@ -188,13 +178,16 @@ def labels_of(ex, task):
 
 
 def read_task(data_dir, task):
-    """-> ({split: examples}, labels): the three splits of a task directory, read and checked (every
-    file readable, every label of validation and test seen in train), or a message that names the problem."""
+    """-> ({split: examples}, labels), every file readable and every label of validation and test seen in train."""
     if not os.path.isdir(data_dir):
         raise SystemExit(f"{data_dir}: no such directory")
     raw, paths = {}, {}
+    exts = (".jsonl", ".tsv", ".conll", ".txt") if task == "ner" else (".jsonl",)
     for split in SPLITS:
-        paths[split] = path = split_file(data_dir, split, task)
+        names = [name + ext for name in SPLITS[split] for ext in exts]
+        paths[split] = path = next(filter(os.path.isfile, (os.path.join(data_dir, x) for x in names)), None)
+        if path is None:
+            raise SystemExit(f"{data_dir}: no {split} split; expected one of " + ", ".join(names))
         try:
             raw[split] = read_split(path, task)
         except (OSError, UnicodeDecodeError) as e:
@@ -210,12 +203,10 @@ def read_task(data_dir, task):
 
 
 def encode_examples(examples, tok, task, labels, max_len):
-    """-> a split as finetune() takes it: {"items": [(token ids, target), ...], "where": ..., "examples": examples}.
-    A target is a label id (cls), a 0/1 vector (multilabel) or a per-token list with the tag id on each word's
-    first sub-token and -100 elsewhere (ner). NER sentences longer than max_len are split at word boundaries
-    into several sequences, never truncated: "where" holds, per sequence, the (example, word) of each first
-    sub-token (None for cls and multilabel), so that scoring can put the words back together. `tok` is ours
-    ([CLS] ... [SEP]) or another family's own (support/baselines.py: its special tokens, truncation, word ids)."""
+    """-> {"items": [(token ids, target), ...], "where", "examples"}: a target is a label id (cls), a 0/1 vector
+    (multilabel) or the tag id on each word's first sub-token and -100 elsewhere (ner). NER sentences longer than
+    max_len are split at word boundaries, never truncated; "where" holds each sequence's (example, word) pairs so
+    that scoring can put them back together. `tok` is ours or another family's (support/baselines.py)."""
     index = {label: i for i, label in enumerate(labels)}
     ours = not isinstance(tok, baselines.Tokenizers)
     if task != "ner":
@@ -251,9 +242,8 @@ def encode_splits(raw, tok, task, labels, max_len):
 
 
 def micro_batches(items, max_tokens, max_items=None, padded=False):
-    """Consecutive groups of the items with at most max_tokens tokens (and max_items items) each; an item
-    longer than max_tokens is a group of its own. padded (a transformers model, support/baselines.py): a group
-    counts the tokens of its padded batch, its size x its longest item."""
+    """Consecutive groups of at most max_tokens tokens (and max_items items); a longer item is a group of its own.
+    padded (a transformers model): a group counts its padded batch, its size x its longest item."""
     groups, size, longest = [[]], 0, 0
     for item in items:
         n = len(item[0])
@@ -296,9 +286,8 @@ def count_targets(items, task, n_labels):
 
 
 def accumulate(model, items, task, device, weight, max_tokens, autocast, padded=False):
-    """Backward of weight x the summed loss of the items, one micro batch of at most max_tokens tokens at a
-    time: the gradients add up to those of the items in one forward. Under DDP only the last micro batch
-    all-reduces (ranks may have different numbers of them). -> the weighted loss, a float."""
+    """Backward of weight x the summed loss, one micro batch at a time: the gradients add up to those of one
+    forward. Under DDP only the last micro batch all-reduces (ranks may have different numbers). -> the loss."""
     parts, total = micro_batches(items, max_tokens, padded=padded), 0.0
     for k, part in enumerate(parts):
         with model.no_sync() if hasattr(model, "no_sync") and k < len(parts) - 1 else contextlib.nullcontext():
@@ -320,13 +309,11 @@ def predict(model, items, task, device, batch_size, max_tokens, rank, world, aut
         flat, _ = flat_batch([items[i] for i in idx], task, device)
         with autocast:
             logits = model(flat.tokens, cu_seqlens=flat.cu_seqlens, max_seqlen=flat.max_seqlen).float()
-        if task == "cls":
-            out = logits.argmax(-1).tolist()
-        elif task == "multilabel":
-            out = (logits > 0).int().tolist()
-        else:
+        if task == "ner":
             tags, cu = logits.argmax(-1).tolist(), flat.cu_seqlens.tolist()  # one device-to-host copy each
             out = [tags[cu[j]:cu[j + 1]] for j in range(len(idx))]
+        else:
+            out = (logits > 0).int().tolist() if task == "multilabel" else logits.argmax(-1).tolist()
         preds.update(zip(idx, out))
     if dist.is_initialized():
         parts = [None] * world
@@ -349,9 +336,8 @@ def score(task, split, preds, labels):
 
 
 def classifier(args, labels):
-    """The model to fine-tune, with a new classifier over `labels` (its init from torch's RNG): a ModernBERT
-    checkpoint by model.py, unpadded; a model of another family by transformers (support/baselines.py), with
-    the head that family has there (its pooling: --pooling is ModernBERT's)."""
+    """The model with a new classifier over `labels` (its init from torch's RNG): ModernBERT by model.py, another
+    family by transformers with that family's head (--pooling is ModernBERT's)."""
     id2label = {str(i): label for i, label in enumerate(labels)}
     problem = {"cls": "single_label_classification", "multilabel": "multi_label_classification"}.get(args.task)
     if not baselines.is_modernbert(args.model):
@@ -392,9 +378,8 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
             n = count_targets(batch, task, len(labels))  # the loss is the mean over the global batch
             mine, weight = batch[rank::world], world / max(n, 1)  # DDP averages over ranks: x world
             if not mine:
-                # The last batch of an epoch can have fewer examples than ranks. A rank without one still
-                # runs the DDP model (on an example, weighted 0): DDP's gradient all-reduce is armed by the
-                # forward, and a rank that skips it leaves the others waiting forever.
+                # A last batch with fewer examples than ranks: run one weighted 0, as DDP's all-reduce is armed by
+                # the forward, and a rank that skips it leaves the others waiting forever.
                 mine, weight = batch[:1], 0.0
             loss = accumulate(model, mine, task, device, weight, args.max_tokens, autocast, padded)
             if len(first_losses) < 10:  # the first steps' loss (the batch's mean, over every rank) is recorded:
@@ -424,10 +409,8 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
 
 
 def check_model(path, tokenizer, device, dtype):
-    """-> (the tokenizer to fine-tune a model with, what the table records of it: its family, its max_len, the
-    code that runs it), once it loads and the tokenizer fits its embedding. A ModernBERT checkpoint runs on
-    model.py (with --tokenizer if given); any other family on transformers, with its own tokenizer
-    (support/baselines.py)."""
+    """-> (its tokenizer, what the table records of it: family, max_len, the code that runs it), once it loads and
+    the tokenizer fits its embedding: ModernBERT on model.py, any other family on transformers (baselines.py)."""
     if not baselines.is_modernbert(path):
         return baselines.check_encoder(path, f"--model {path}")
     checkpoint_config(path, f"--model {path}")
@@ -453,10 +436,10 @@ def full_context(max_len, positions, where):
     return max_len or positions
 
 
-def check_suite(args, tasks, device, dtype):
-    """Every model and task of a suite checked before anything trains (a problem in the last task must not surface
-    hours in) -> ({model: tokenizer}, {model: what the table records of it}, {task: (splits, labels)},
-    {(task, model): max_len}), or one SystemExit listing every problem."""
+def suite_runs(args, seeds, tasks, names, device, dtype):
+    """Every model and task checked before anything trains (not hours in), else one SystemExit listing every problem
+    -> ({model: tokenizer}, {model: what the table records of it}, {task: (splits, labels)}, the runs in order).
+    A run's options, what finetune() sees less where it runs and writes, identify its file (no stale run reused)."""
     problems, toks, about, data, max_len = [], {}, {}, {}, {}
     for path in args.models:
         try:
@@ -472,25 +455,18 @@ def check_suite(args, tasks, device, dtype):
             problems.append(f"task {t['name']!r}: {e}")
     if problems:
         raise SystemExit(f"{args.suite}: nothing was trained; first fix:\n  " + "\n  ".join(problems))
-    return toks, about, data, max_len
-
-
-def suite_runs(args, seeds, tasks, names, max_len, device, dtype):
-    """The runs, in order. A run's options are what finetune() sees (the task's protocol, the model, the dtype, max_len
-    and max_tokens resolved) less where it runs and writes: they identify its file, so that a changed suite never
-    reuses a stale run."""
     runs = []
     for t in tasks:
         for path, name in zip(args.models, names):
             run_args = argparse.Namespace(**{**vars(args), **{k: t[k] for k in suite.TASK_KEYS if k != "name"},
                                              "model": os.path.abspath(path), "max_len": max_len[t["name"], path],
                                              "max_tokens": t["max_tokens"] or suite.max_tokens(device)})
-            options = {k: v for k, v in vars(run_args).items() if k not in ("suite", "models", "out", "seeds",
-                                                                              "device", "save_model")}
+            options = {k: v for k, v in vars(run_args).items()
+                       if k not in ("suite", "models", "out", "seeds", "device", "save_model")}
             options["dtype"] = str(dtype).removeprefix("torch.")
             runs += [dict(task=t, model=path, name=name, seed=seed, args=run_args, options={**options, "seed": seed},
                           file=suite.run_file(args.out, t["name"], name, seed)) for seed in seeds]
-    return runs
+    return toks, about, data, runs
 
 
 def run_suite(args, process, autocast, dtype):
@@ -498,9 +474,8 @@ def run_suite(args, process, autocast, dtype):
     rank, world, device = process.rank, process.world, process.device
     seeds, tasks = suite.load_suite(args.suite)
     names = suite.model_names(args.models)
-    toks, about, data, max_len = check_suite(args, tasks, device, dtype)
+    toks, about, data, runs = suite_runs(args, seeds, tasks, names, device, dtype)
     hold(args.out, process)  # one suite writes --out at a time; a killed one's successor goes on where it stopped
-    runs = suite_runs(args, seeds, tasks, names, max_len, device, dtype)
     # Rank 0's disk says which runs are finished and the other ranks take its word: every rank must skip
     # the same runs, or the ranks that train one wait forever for those that skipped it.
     done, stale = distributed.on_rank0(lambda: suite.finished_runs([(r["file"], r["options"]) for r in runs]), process)
@@ -564,8 +539,8 @@ def parse_args(argv):
     p.add_argument("--select", help=f"the validation metric that picks the best epoch (default "
                                     f"{suite.PROTOCOL['select']}; cls: {', '.join(suite.SELECT['cls'])}; multilabel: "
                                     f"{', '.join(suite.SELECT['multilabel'])}; ner: {', '.join(suite.SELECT['ner'])})")
-    p.add_argument("--pooling", choices=["mean", "cls"], help="ModernBERT's sequence classification pooling (default "
-                                                               "mean); another family has its own head's")
+    p.add_argument("--pooling", choices=["mean", "cls"], help="ModernBERT's sequence classification pooling "
+                   "(default mean); another family has its own head's")
     p.add_argument("--tokenizer", help="when a ModernBERT checkpoint carries no tokenizer.json (another family uses "
                                        "its own directory's)")
     p.add_argument("--device", default="auto")

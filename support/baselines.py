@@ -1,25 +1,18 @@
 """
 The paper's baseline rows: any other Hugging Face encoder (BERT, RoBERTa / CamemBERT, ELECTRA, DeBERTa, ...),
 fine-tuned by eval.py under the same protocol as a ModernBERT checkpoint, through transformers'
-AutoModelForSequenceClassification / AutoModelForTokenClassification and the directory's own fast tokenizer.
+AutoModelFor{Sequence,Token}Classification and the directory's own fast tokenizer.
 
-eval.py keeps one training loop for both: it hands a model flat tokens with cu_seqlens (the unpadded layout of
-model.py) and reads back logits, one row per sequence (cls, multilabel) or per token (ner), then takes the same
-summed loss, micro batches and optimizer. `Padded` below is the one adaptor: it lays a micro batch out as the
-(B, S) padded batch and attention mask transformers takes, and the logits back out flat. What differs between
-families is handled here:
-- the maximum length: each model's own (`max_len`: 512 for the BERTs);
-- special tokens: the tokenizer's own ([CLS] x [SEP], <s> x </s>), truncation as for ModernBERT (the first
-  max_len tokens of a text, the special tokens kept); NER sentences split at word boundaries by eval.py;
-- NER labels on each word's first sub-token, found through the tokenizer's word ids (the words given
-  pre-split, as transformers' token-classification recipe does: a byte-level BPE then marks every word as
-  following a space, as it would be in running text);
-- the classification head (pooling included) is the family's own, as transformers defines it;
-- padding: its pad id is the model's own (RoBERTa derives position ids from it), and a micro batch's token
-  budget counts the padded batch (eval.micro_batches).
+eval.py keeps one training loop for both: it hands a model flat tokens with cu_seqlens (model.py's unpadded
+layout) and reads back logits per sequence (cls, multilabel) or per token (ner). `Padded` is the one adaptor:
+the (B, S) padded batch and attention mask transformers takes, and the logits back out flat. What differs
+between families is handled here: the maximum length (512 for the BERTs); the tokenizer's own special tokens
+([CLS] x [SEP], <s> x </s>), truncation as for ModernBERT; NER labels on each word's first sub-token, through
+the tokenizer's word ids (words given pre-split, as transformers' token-classification recipe does); the
+family's own classification head; padding with the model's own pad id (RoBERTa derives position ids from it),
+a micro batch's token budget counting the padded batch (eval.micro_batches).
 
-transformers is imported here only, and only for a model that is not ModernBERT: a ModernBERT-only user never
-needs it.
+transformers is imported here only, and only for a model that is not ModernBERT.
 """
 
 import contextlib
@@ -32,14 +25,12 @@ from model import PreTrained
 from support.files import read_json
 from support.tokenizer import check_vocab
 
-INSTALL = "pip install transformers"
 PROBE = "The tumour grows; IL-2 levels rose in 3 of 10 patients."  # a text to compare two tokenizers on
 PROBE_WORDS = ["the", "tumour", "grows", "slowly"]  # words to compare pre-split and running-text sub-tokens on
 
 
 def is_modernbert(path):
-    """True unless the directory's config.json names another model_type; a missing or unreadable config.json is
-    left to the ModernBERT checks, which say what is wrong with it."""
+    """True unless config.json names another model_type (a missing or bad one: the ModernBERT checks say so)."""
     try:
         model_type = read_json(os.path.join(path, "config.json")).get("model_type", "modernbert")
     except (OSError, ValueError):
@@ -69,9 +60,8 @@ def one_line(e):
 
 
 def check_encoder(path, where):
-    """-> (its Tokenizers, what the table records of it: family, max_len, code path), once the directory loads
-    as a transformers encoder with a classification head for every task type, weights that fill its encoder,
-    and a fast tokenizer that fits its embedding; else one line that says what is missing."""
+    """-> (its Tokenizers, what the table records of it), once the directory loads as a transformers encoder with
+    both classification heads, weights that fill its encoder and a fast tokenizer that fits its embedding."""
     model_type = read_json(os.path.join(path, "config.json"))["model_type"]  # is_modernbert: it has another
 
     def refuse(problem):
@@ -82,7 +72,7 @@ def check_encoder(path, where):
     try:
         import transformers
     except ImportError:
-        refuse(f"is not installed: {INSTALL}")
+        refuse("is not installed: pip install transformers")
     from transformers.models.auto import modeling_auto as auto
     heads = {"sequence": auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(model_type),
              "token": auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES.get(model_type)}
@@ -102,37 +92,29 @@ def check_encoder(path, where):
             refuse(f"finds no weights for its encoder's {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
         tok = load_tokenizers(path, refuse)
     check_vocab(len(tok.text), model.config, f"the tokenizer of {path}", where, "give the model its own tokenizer")
-    return tok, {"family": model_type, "max_len": max_length(model, tok.text),
+    # The longest input: the positions, less pad id + 1 where position ids count from there (RoBERTa, CamemBERT:
+    # 514 -> 512), at most the tokenizer's model_max_length.
+    pad = getattr(model.base_model.embeddings, "padding_idx", None)  # set by those families' embeddings only
+    positions = model.config.max_position_embeddings - (0 if pad is None else pad + 1)
+    return tok, {"family": model_type, "max_len": min(positions, tok.text.model_max_length),
                  "code": f"transformers {heads['sequence']} / {heads['token']}, padded batches, attention "
                          f"{model.config._attn_implementation}"}
 
 
-def max_length(model, tokenizer):
-    """The longest input the model takes, special tokens included: its position embeddings, less the
-    offset of the families whose position ids count from the pad id + 1 (RoBERTa, CamemBERT: 514 -> 512),
-    and at most the tokenizer's model_max_length where it gives one."""
-    positions = model.config.max_position_embeddings
-    pad = getattr(model.base_model.embeddings, "padding_idx", None)  # set by those families' embeddings only
-    if pad is not None:
-        positions -= pad + 1
-    return min(positions, tokenizer.model_max_length)
-
-
 class Tokenizers:
-    """The model's fast tokenizer twice: `text` as the family runs it on running text (classification), `words`
-    as it runs on words given pre-split (NER; add_prefix_space for a byte-level BPE)."""
+    """The fast tokenizer twice: `text` for running text (classification), `words` for words given pre-split (NER;
+    add_prefix_space for a byte-level BPE)."""
 
     def __init__(self, text, words):
         self.text, self.words = text, words
 
     def texts(self, texts, max_len):
-        """-> the ids of each text with the tokenizer's special tokens, truncated to max_len tokens."""
+        """-> each text's ids with the special tokens, truncated to max_len."""
         return self.text(texts, truncation=True, max_length=max_len)["input_ids"]
 
     def sentences(self, sentences):
-        """Lists of words -> per sentence (the special ids before its words, each word's sub-token ids, those
-        after), through the tokenizer's word ids. A word the tokenizer drops (a lone control character) stands
-        as the unknown token, so that it keeps its label and its place."""
+        """Lists of words -> per sentence (the special ids before, each word's sub-token ids, those after). A word
+        the tokenizer drops (a lone control character) stands as the unknown token: it keeps its label and place."""
         enc = self.words(sentences, is_split_into_words=True)
         unk = self.words.unk_token_id if self.words.unk_token_id is not None else self.words.mask_token_id
         out = []
@@ -148,9 +130,9 @@ class Tokenizers:
 
 
 def load_tokenizers(path, refuse):
-    """The directory's fast tokenizer, checked: transformers builds it as its tokenizer.json encodes (transformers
-    5 rebuilds some classes from their vocabulary, e.g. CamemBERTv2's 'RobertaTokenizer' as a character-level BPE:
-    then tokenizer.json is taken as it is), and pre-split words get the sub-tokens they have in running text."""
+    """The directory's fast tokenizer, checked: it encodes as its tokenizer.json does (transformers 5 rebuilds some
+    classes from their vocabulary, e.g. CamemBERTv2's as a character-level BPE: then tokenizer.json is taken as it
+    is), and pre-split words get the sub-tokens they have in running text."""
     import tokenizers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
     try:
@@ -177,10 +159,9 @@ def load_tokenizers(path, refuse):
 
 
 class Padded(nn.Module):
-    """A transformers classifier behind the call eval.py makes of model.py's: flat tokens (T,) with cu_seqlens
-    in, logits out, (B, num_labels) per sequence or (T, num_labels) per token; inside, the (B, S) padded batch
-    and its attention mask. Padded with the model's pad id: RoBERTa's position ids count the tokens that are not
-    it (so a pad of another id would shift nothing but could index past the position table)."""
+    """A transformers classifier behind model.py's call: flat tokens (T,) with cu_seqlens in, logits (B, L) or
+    (T, L) out; inside, the (B, S) batch padded with the model's pad id (RoBERTa's position ids count the tokens
+    that are not it: another id could index past the position table)."""
 
     def __init__(self, hf, per_token):
         super().__init__()
@@ -204,9 +185,8 @@ class Padded(nn.Module):
 
 
 def classifier(path, task, id2label, problem_type):
-    """The transformers classifier of the directory for `task`, its new head initialised from torch's RNG
-    (eval.py seeds it), in float32 whatever dtype the weights are stored in, and in training mode (dropout on):
-    as model.py's classifiers come, where transformers' from_pretrained gives evaluation mode."""
+    """The directory's transformers classifier for `task`, its new head from torch's RNG (eval.py seeds it), in
+    float32 and in training mode, as model.py's come (transformers' from_pretrained gives evaluation mode)."""
     import transformers
     auto = (transformers.AutoModelForTokenClassification if task == "ner"
             else transformers.AutoModelForSequenceClassification)

@@ -4,24 +4,17 @@ statistics that tell a real gain from noise.
 
     python eval.py --suite suites/en_bio.py --models out/en_base/final out/en_base_mlm/final --out out/eval_en
 
-eval.py fine-tunes; this file holds what is around the fine-tuning:
-- the suite file: plain Python, like configs/, with `seeds = [...]` and `tasks = [dict(name=...,
-  task="cls" | "multilabel" | "ner", data=DIR, ...), ...]`. A key that a task leaves out takes the
-  protocol (PROTOCOL below, each default with its source); a relative `data` path is relative to the
-  suite file's folder.
-- the runs: each finished (task, model, seed) is one file OUT/runs/TASK/MODEL/seedN.json, written
-  atomically, with the options that determine it. The same command run again skips the runs that are
-  there, so a killed suite goes on where it stopped. A run stored with other options (the suite's lr
-  was changed since) stops the suite before any training: reusing it would mix two protocols in one
-  table, overwriting it would throw finished work away; the message says which files to delete. The
-  options hold max_len and max_tokens as resolved for the model and device, so runs stored by an older
-  protocol (512 tokens, a warmup, no max_tokens) are refused the same way.
-- the table (results.md, results.json, results.png): per task and model the test macro F1 (the
-  paper's metric) and the metric other papers report, mean ± std over seeds; their average over tasks
-  (the paper's headline); and each model's difference to the first model, paired over seeds (seed i
-  of one against seed i of the other), with a 95% t interval. The models may be of any family (our
-  ModernBERT beside the baselines transformers runs: support/baselines.py): results.json's model_info
-  records each one's family, maximum length and the code that ran it, and ran_with what each task ran with.
+eval.py fine-tunes; this file holds what is around it:
+- the suite file: plain Python with `seeds = [...]` and `tasks = [dict(name=..., task="cls" | "multilabel" |
+  "ner", data=DIR, ...), ...]`; a key a task leaves out takes PROTOCOL's; `data` is relative to the suite file.
+- the runs: each finished (task, model, seed) is one file OUT/runs/TASK/MODEL/seedN.json, written atomically
+  with the options that determine it, so a killed suite goes on where it stopped. A run stored with other
+  options (max_len and max_tokens included, as resolved) stops the suite before any training: reusing it would
+  mix two protocols in one table, overwriting it would throw finished work away.
+- the table (results.md/.json/.png): per task and model the test macro F1 (the paper's metric) and the metric
+  other papers report, mean ± std over seeds; their average over tasks (the paper's headline); each model's
+  difference to the first, paired over seeds, with a 95% t interval. The models may be of any family
+  (support/baselines.py): model_info records each one's family, maximum length and code, ran_with what it ran with.
 """
 
 import json
@@ -33,17 +26,15 @@ import numpy as np
 from support.config import check_type, load_file
 from support.files import make_dirs, number, open_file, read_json, replace_file
 
-# The fine-tuning protocol: what a task dict (or eval.py's command line) does not say, each with its source.
-# "The paper" is its fine-tuning section (English protocol after BioClinical-ModernBERT); what the paper does not
-# give comes from the protocol it follows, which runs the Hugging Face Trainer with its defaults, or is our choice.
+# The fine-tuning protocol: what a task dict (or eval.py's command line) does not say, each with its source: the
+# paper, the protocol it follows (BioClinical-ModernBERT: the Hugging Face Trainer's defaults), or our choice.
 PROTOCOL = dict(
     lr=5e-5,  # the paper
     batch_size=16,  # the paper: examples per optimizer step, however many micro batches they take
     weight_decay=0.01,  # the paper
     warmup_ratio=0.0,  # the followed protocol: HF Trainer default (no warmup, then its default "linear" decay to 0)
-    max_len=None,  # the followed protocol truncates only at the model's maximum length: None = the checkpoint's
-    # max_position_embeddings (8192 for ModernBERT), another family's own maximum (512 for the BERTs); a task may
-    # set less
+    max_len=None,  # the followed protocol truncates only at the model's maximum: None = its max_position_embeddings
+    # (8192 for ModernBERT), another family's own maximum (512 for the BERTs); a task may set less
     max_tokens=None,  # our choice, memory only (the update is the same): tokens per micro batch, None = MAX_TOKENS
     pooling="mean",  # the released ModernBERT checkpoints' classifier_pooling; the paper does not say. Another family
     # keeps the head transformers gives it (BERT: its pooler on [CLS]; RoBERTa: a dense layer on <s>)
@@ -54,7 +45,6 @@ EPOCHS = {"cls": 10, "multilabel": 10, "ner": 20}  # the paper
 SEEDS = [42, 43, 44, 45, 46]  # the paper: 5 seeds for English; which five is our choice (the French 42-50 begin so)
 TASK_KEYS = {"name": str, "task": str, "data": str, "epochs": int, "lr": float, "batch_size": int, "max_len": int,
              "max_tokens": int, "warmup_ratio": float, "weight_decay": float, "pooling": str, "select": str}
-OPTIONAL = {"max_len", "max_tokens"}  # None: the model's or the device's, known when the suite runs
 SELECT = {"cls": ("macro_f1", "micro_f1", "weighted_f1", "accuracy"),  # what `select` may name, per task type
           "multilabel": ("macro_f1", "micro_f1", "subset_accuracy"), "ner": ("macro_f1", "micro_f1")}
 
@@ -103,11 +93,10 @@ def load_suite(path):
             raise SystemExit(f"{where}: task={t['task']!r}; it must be one of {', '.join(EPOCHS)}")
         task = {**PROTOCOL, "epochs": EPOCHS[t["task"]], **t}
         for key, typ in TASK_KEYS.items():
-            if key in OPTIONAL and task[key] is None:
-                continue
-            task[key] = check_type(key, task[key], typ, where)
-            if typ is int and task[key] <= 0:
-                raise SystemExit(f"{where}: {key} must be a positive int, got {task[key]!r}")
+            if task[key] is not None or key not in ("max_len", "max_tokens"):  # None: the model's, the device's
+                task[key] = check_type(key, task[key], typ, where)
+                if typ is int and task[key] <= 0:
+                    raise SystemExit(f"{where}: {key} must be a positive int, got {task[key]!r}")
         if task["max_len"] is not None and task["max_len"] <= 2:
             raise SystemExit(f"{where}: max_len must be above 2 (it holds [CLS] and [SEP] too), got {task['max_len']}")
         if task["select"] not in SELECT[task["task"]]:
@@ -125,8 +114,7 @@ def load_suite(path):
 
 
 def model_names(paths):
-    """Short unique names for the tables: the last two components of each path, more where two
-    would clash (out/a/final and out/b/final -> a/final and b/final)."""
+    """Short unique names: the last two components of each path, more where two would clash."""
     parts = [os.path.abspath(p).split(os.sep) for p in paths]
     if len({tuple(p) for p in parts}) < len(parts):
         raise SystemExit(f"--models: a model is given twice ({' '.join(paths)})")
@@ -145,8 +133,7 @@ def run_file(out, task, model_name, seed):
 
 
 def finished_runs(runs):
-    """runs: a list of (file, options). -> ({index: result} of those already stored, problems): a
-    stored run whose options differ from what is asked now is a problem, not a finished run."""
+    """runs: [(file, options)] -> ({index: result} of those stored, problems: those stored with other options)."""
     done, problems = {}, []
     for i, (path, options) in enumerate(runs):
         if not os.path.isfile(path):
@@ -171,8 +158,7 @@ def finished_runs(runs):
 
 
 def store_run(path, options, result, out=None):
-    """Write a finished run atomically (a temporary file, then a rename): a kill leaves no half-written run. Its
-    folders below `out` (the suite's --out) are made, none of them a link (support/files.py)."""
+    """Write a finished run atomically (a kill leaves no half-written run), its folders below `out` none a link."""
     make_dirs(out or os.path.dirname(path), os.path.dirname(path))
     replace_file(path, json.dumps({"options": options, "result": result}, indent=1))
 
@@ -187,8 +173,7 @@ T975 = (12.706205, 4.302653, 3.182446, 2.776445, 2.570582, 2.446912, 2.364624, 2
 
 
 def t975(df):
-    """t_{0.975, df}: the table up to df = 30, then the Cornish-Fisher expansion around the normal
-    quantile, whose error beyond 30 is below 2e-6."""
+    """t_{0.975, df}: the table up to df = 30, then the Cornish-Fisher expansion (error below 2e-6)."""
     if df <= len(T975):
         return T975[df - 1]
     z = 1.959963984540054
@@ -205,9 +190,8 @@ def mean_std(values):
 
 def paired_delta(a, b):
     """b - a where a[i] and b[i] come from the same seed: the mean difference and its 95% interval
-    mean ± t_{0.975, n-1} sd(d) / sqrt(n). Pairing takes out what a seed does to both models alike (the
-    order of the batches, the classifier's init), which would otherwise count as noise. No interval
-    from one seed."""
+    mean ± t_{0.975, n-1} sd(d) / sqrt(n), none from one seed. Pairing takes out what a seed does to both
+    models alike (the order of the batches, the classifier's init), which would otherwise count as noise."""
     d = np.asarray(b, dtype=np.float64) - np.asarray(a, dtype=np.float64)
     mean = float(d.mean())
     if len(d) < 2:
@@ -217,13 +201,10 @@ def paired_delta(a, b):
 
 
 def nested_delta(a, b):
-    """b - a over two seed levels: a[p][f] and b[p][f] come from pretraining seed p and fine-tuning seed f, the same
-    seeds on both sides. Each pretraining seed's mean difference over the fine-tuning seeds varies with the pretraining
-    seed and with the fine-tuning noise left in the mean of F, so the interval over those P means, paired_delta's
-    t_{P-1}, holds both levels (the one-way random-effects interval: its between-seeds mean square over P x F).
-    Pairing the fine-tuning seeds alone would take P x F differences as independent and miss the pretraining seeds'
-    own spread. Adds half, the interval's half-width (the smallest difference this design tells from 0), and each
-    pretraining seed's mean difference."""
+    """b - a over two seed levels: a[p][f] and b[p][f] from pretraining seed p and fine-tuning seed f. The interval
+    over the P per-pretraining-seed means (paired_delta's t_{P-1}) holds both levels' noise (the one-way
+    random-effects interval); pairing the P x F differences as independent would miss the pretraining seeds' own
+    spread. Adds half, the half-width (the smallest difference this design tells from 0), and the P means."""
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)  # (P, F)
     delta = paired_delta(a.mean(axis=1), b.mean(axis=1))
     half = None if delta["low"] is None else delta["high"] - delta["mean"]
@@ -232,8 +213,8 @@ def nested_delta(a, b):
 
 
 def summarize(suite, seeds, tasks, models, scores):
-    """models: {name: path}, the first one the reference. scores[(task name, model name)]: the test
-    metrics of each seed, in the order of seeds. -> everything results.json holds."""
+    """models: {name: path}, the first the reference; scores[(task, model name)]: the test metrics of each seed.
+    -> everything results.json holds."""
     names = list(models)
     results = {"suite": suite, "seeds": seeds, "models": models, "metric": METRIC,
                "tasks": {t["name"]: {**t, "upstream": UPSTREAM[t["task"]], "models": {}} for t in tasks}}
@@ -259,12 +240,8 @@ def summarize(suite, seeds, tasks, models, scores):
 
 
 def markdown(results):
-    names, seeds = list(results["models"]), results["seeds"]
+    names, seeds, info = list(results["models"]), results["seeds"], results["model_info"]
     pct = lambda s: f"{100 * s['mean']:.2f} ± {100 * s['std']:.2f}"  # noqa: E731
-
-    def info(m):  # what ran each model: families differ in their maximum length and in the code that runs them
-        about = results["model_info"][m]
-        return f"{about['family']}, up to {about['max_len']} tokens; {about['code']}"
 
     def delta(d):
         if d["low"] is None:
@@ -272,31 +249,29 @@ def markdown(results):
         beyond_noise = " *" if d["low"] > 0 or d["high"] < 0 else ""
         return f"{100 * d['mean']:+.2f} [{100 * d['low']:+.2f}, {100 * d['high']:+.2f}]{beyond_noise}"
 
+    def row(label, stats, upstream=None):  # a task's line, or the average's (which has no upstream metric)
+        cells = [c for m in names for c in (pct(stats[m][METRIC]), pct(stats[m][upstream]) if upstream else "")]
+        return "| " + " | ".join([label, *cells, *(delta(stats[m]["delta_" + METRIC]) for m in names[1:])]) + " |"
+
     lines = [f"# Fine-tuning suite: {results['suite']}", "",
              f"Test scores in %, mean ± std over {len(seeds)} seeds ({', '.join(map(str, seeds))}). Macro F1 is "
              "the paper's metric; beside it, the metric other papers report (weighted F1 for classification, "
              "micro F1 for multi-label, seqeval entity micro F1 for NER). Δ: macro F1 minus the first "
              f"model's ({names[0]}), paired over seeds, with its 95% t interval; * where the interval excludes 0.",
-             "", "Models: " + "; ".join(f"{m} = {p} ({info(m)})" for m, p in results["models"].items()), "",
+             "", "Models: " + "; ".join(f"{m} = {p} ({info[m]['family']}, up to {info[m]['max_len']} tokens; "
+                                        f"{info[m]['code']})" for m, p in results["models"].items()), "",
              "| task | " + " | ".join(f"{m} macro F1 | {m} upstream" for m in names)
              + "".join(f" | Δ {m}" for m in names[1:]) + " |",
              "|---" * (1 + 2 * len(names) + len(names) - 1) + "|"]
-    for name, t in results["tasks"].items():
-        row = t["models"]
-        cells = [f"{name} ({t['task']}; upstream: {UPSTREAM_NAME[t['task']]})"]
-        cells += [c for m in names for c in (pct(row[m][METRIC]), pct(row[m][t["upstream"]]))]
-        cells += [delta(row[m]["delta_" + METRIC]) for m in names[1:]]
-        lines.append("| " + " | ".join(cells) + " |")
-    avg = results["average"]
-    cells = [f"**average** ({len(results['tasks'])} tasks)"] + [c for m in names for c in (pct(avg[m][METRIC]), "")]
-    cells += [delta(avg[m]["delta_" + METRIC]) for m in names[1:]]
-    lines += ["| " + " | ".join(cells) + " |", "", "![macro F1 per task](results.png)", ""]
+    lines += [row(f"{name} ({t['task']}; upstream: {UPSTREAM_NAME[t['task']]})", t["models"], t["upstream"])
+              for name, t in results["tasks"].items()]
+    lines += [row(f"**average** ({len(results['tasks'])} tasks)", results["average"]), "",
+              "![macro F1 per task](results.png)", ""]
     return "\n".join(lines)
 
 
 def figure(results, path):
-    """Per-task bars of macro F1 with the std over seeds as error bars, models side by side, the
-    average last."""
+    """Per-task bars of macro F1 with the std over seeds as error bars, models side by side, the average last."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
