@@ -1,9 +1,6 @@
-"""torch.compile as train.py uses it on GPU, checked on CPU: how many graphs a run compiles (dynamo's
-counters, with the aot_eager backend: the same tracing and guards as inductor, without its C++ build), with
-SDPA and through each kernel's real wrapper (tests/cpu_kernels.py), no graph break, compiled = eager with
-inductor, regional compilation (a graph per kind of block), and the two pieces around it: the chunked loss does
-no gradient work under no_grad and returns a tensor it never updated in place (which torch 2.11 compiles to zero
-gradients), and the prefetch thread keeps the batch stream as it is."""
+"""torch.compile as train.py uses it on GPU, checked on CPU: graphs compiled (dynamo's counters, with aot_eager: the
+same tracing and guards as inductor, without its C++ build) through each kernel's real wrapper, no graph break,
+compiled = eager, regional compilation; the chunked loss and the prefetch thread around it."""
 
 import os
 import re
@@ -26,9 +23,8 @@ from test_train import launcher
 from test_gpu_path import SPECIAL, needs_flash, randomized, tiny, train_losses  # noqa: F401 (tiny is a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Each process: the number of graphs it compiled printed on exit (train.py's end line says rank 0's alone).
-# One os.write per line: under PYTHONUNBUFFERED (as in CI) print() writes each piece on its own, and the two
-# ranks' lines could interleave on the shared pipe.
+# Each process prints its graph count on exit (train.py's end line says rank 0's alone), in one os.write: print()'s
+# pieces of two ranks could interleave on the shared pipe under PYTHONUNBUFFERED.
 COUNTED = ("import atexit, os, runpy, sys; from torch._dynamo.utils import counters; "
            "atexit.register(lambda: os.write(2, f\"compiled graphs {counters['stats']['unique_graphs']} graph breaks "
            "{sum(counters['graph_break'].values())}\\n\".encode())); "
@@ -36,11 +32,21 @@ COUNTED = ("import atexit, os, runpy, sys; from torch._dynamo.utils import count
 
 
 def run_args(tiny, out, **over):
-    """A CLM phase of 2 steps, then an MLM decay of 10 steps: the mask flips once, the target count moves."""
+    """A CLM phase of 2 steps, then an MLM decay of 10: the mask flips once, the target count moves."""
     args = dict(data_dir=tiny / "shards", init_from=tiny / "a", out_dir=out, seq_len=32, global_batch_size=4,
                 micro_batch_size=2, tokens=2 * 4 * 32, warmup_tokens=0, lr=1e-3, decay_frac=5.0, log_interval=4,
                 eval_interval=100, eval_windows=4, ckpt_interval=100, device="cpu", attn_out_dropout=0.0)
     return [f"--{k}={v}" for k, v in {**args, **over}.items()]
+
+
+def small(layers, **kw):
+    return randomized(ModernBertConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                                       num_attention_heads=2, local_attention=8, **SPECIAL, **kw))
+
+
+def assert_grads_close(grads, ref_grads):
+    for n, gr in ref_grads.items():
+        assert (grads[n] - gr).abs().max() <= 1e-5 * gr.abs().max() + 1e-7, n
 
 
 @pytest.fixture
@@ -52,26 +58,13 @@ def keep_signal_handlers():
         signal.signal(s, handler)
 
 
-def test_a_run_compiles_one_graph_per_mask(tiny, tmp_path, keep_signal_handlers):
-    torch._dynamo.reset()
-    counters.clear()
-    train.main(run_args(tiny, tmp_path / "compiled", compile="aot_eager"))
-    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
-    print(f"12 steps (2 CLM, 10 MLM with 4 micro batches each): {graphs} compiled graphs, {breaks} graph breaks")
-    assert breaks == 0 and graphs == 2  # causal and bidirectional; no graph per MLM target count
-    train.main(run_args(tiny, tmp_path / "eager", compile=False))
-    for (s, a, _), (t, b, _) in zip(train_losses(tmp_path / "compiled"), train_losses(tmp_path / "eager")):
-        assert s == t and abs(a - b) <= 1e-5 * abs(b)
-
-
 @pytest.mark.parametrize("kernel", [pytest.param("flash", marks=needs_flash), "varlen", "cudnn"])
 def test_a_run_through_each_kernel_compiles_one_graph_per_mask(tiny, tmp_path, monkeypatch, keep_signal_handlers,
                                                                capsys, kernel):
-    """The real wrappers (tests/cpu_kernels.py) under torch.compile and bf16 autocast, CLM then MLM. flash-attn
-    broke the graph at every layer when model.py gave it one tensor as both cu_seqlens_q and cu_seqlens_k
-    ("autograd.Function.apply: duplicate tensor input"): 14 graphs and 11 breaks for these 3 layers. cudnn: "auto"
-    on a GPU without flash-attn, SDPA restricted to one kernel in the global layers (SDPA's CPU flash kernel stands
-    in for cuDNN's), varlen_attn in the local ones."""
+    """The real wrappers (tests/cpu_kernels.py) under torch.compile and bf16 autocast, CLM then MLM: two graphs
+    (causal, bidirectional), none per MLM target count, no graph break, eager's losses. flash-attn broke the graph at
+    every layer when model.py gave it one tensor as both cu_seqlens_q and _k. cudnn: "auto" on a GPU without
+    flash-attn, SDPA's CPU flash kernel standing in for cuDNN's, varlen_attn locally. (SDPA: test_ddp_of_...)"""
     cpu_kernels.install(monkeypatch, backends=("varlen",) if kernel == "cudnn" else (kernel,))
     torch._dynamo.reset()
     counters.clear()
@@ -79,34 +72,31 @@ def test_a_run_through_each_kernel_compiles_one_graph_per_mask(tiny, tmp_path, m
     backend = "auto" if kernel == "cudnn" else kernel
     train.main(run_args(tiny, tmp_path / "compiled", compile="aot_eager", attn_backend=backend, **over))
     graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
-    print(f"{kernel}: 4 steps (1 CLM, 3 MLM): {graphs} compiled graphs, {breaks} graph breaks")
     if kernel == "cudnn":  # test_kernels checks the cuDNN layers' SDPA call
         assert "attention global cudnn, local varlen" in capsys.readouterr().out and cpu_kernels.calls["varlen"]
     else:
         assert {c["causal"] for c in cpu_kernels.calls[kernel]} == {True, False}  # the kernel ran, both masks
-    assert breaks == 0 and graphs == 2
+    assert (graphs, breaks) == (2, 0)
     train.main(run_args(tiny, tmp_path / "eager", compile=False, **over))
     for (s, a, _), (t, b, _) in zip(train_losses(tmp_path / "compiled"), train_losses(tmp_path / "eager")):
         assert s == t and abs(a - b) <= 1e-3 * abs(b)
 
 
 def test_ddp_of_the_compiled_model_under_torchrun(tiny, tmp_path):
+    """SDPA, 2 CLM steps then 10 MLM: each rank compiles one graph per mask, none per MLM target count, no break."""
     cmd = [*launcher(2), "--no-python", sys.executable, "-c", COUNTED, os.path.join(ROOT, "train.py"),
            *run_args(tiny, tmp_path / "ddp", compile="aot_eager")]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     per_rank = [tuple(map(int, m)) for m in re.findall(r"compiled graphs (\d+) graph breaks (\d+)", r.stderr)]
-    print(f"torchrun 2 processes, DDP(compiled): (graphs, breaks) per rank {per_rank}")
     assert per_rank == [(2, 0), (2, 0)]
 
 
 def test_inductor_step_equals_eager():
     """One MLM forward + backward through inductor (C++ on CPU) against eager, float32; the layers' kernels read
     RoPE's tables and compute no cos or sin (which inductor would recompute per element of q and k in every layer)."""
-    config = ModernBertConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                              num_attention_heads=2, local_attention=8, **SPECIAL)
-    model = randomized(config)
+    model = small(2)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(3, 256, (3 * 24,), generator=g)
     cu = torch.tensor([0, 24, 48, 72], dtype=torch.int32)
@@ -124,18 +114,14 @@ def test_inductor_step_equals_eager():
     ref, ref_grads = step(model)
     assert abs(loss - ref) <= 1e-5 * abs(ref)
     assert not re.search(r"\b(cos|sin)\(", "\n".join(code))
-    for n, gr in ref_grads.items():
-        assert (grads[n] - gr).abs().max() <= 1e-5 * gr.abs().max() + 1e-7, n
+    assert_grads_close(grads, ref_grads)
 
 
 def test_regional_compilation_compiles_a_graph_per_kind_of_block():
-    """compile_model(regional=True): each Block compiled in place, and the loss, the rest eager. The blocks share one
-    code, so the 7 layers compile 3 graphs, one per kind of block (layer 0, with no attention norm; global; local), the
-    loss one, and the causal mask at most 3 more; no graph break; the MLM loss and every gradient as eager's
-    (aot_eager: the same tracing as inductor)."""
-    config = ModernBertConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=7,
-                              num_attention_heads=2, local_attention=8, **SPECIAL)
-    model, eager = randomized(config), randomized(config)
+    """compile_model(regional=True): each Block and the loss compiled in place. The 7 layers compile a graph per kind
+    of block (layer 0, with no attention norm; global; local), the loss one, the causal mask at most 3 more; no graph
+    break; the MLM loss and every gradient as eager's."""
+    model, eager = small(7), small(7)
     kernels.compile_model(model, "aot_eager", regional=True)
     torch._dynamo.reset()
     counters.clear()
@@ -153,14 +139,12 @@ def test_regional_compilation_compiles_a_graph_per_kind_of_block():
         (loss, grads), (ref, ref_grads) = results
         assert counters["stats"]["unique_graphs"] in graphs and not counters["graph_break"]
         assert abs(loss - ref) <= 1e-5 * abs(ref)
-        for n, gr in ref_grads.items():
-            assert (grads[n] - gr).abs().max() <= 1e-5 * gr.abs().max() + 1e-7, n
+        assert_grads_close(grads, ref_grads)
 
 
 def test_the_chunked_loss_returns_a_tensor_never_updated_in_place():
     """torch 2.11's dynamo gives a zero gradient to an autograd.Function's output that its forward updated in place
-    (pytorch#180642): compiled, every gradient of a step is zero, and a GPU run never trains. Under torch 2.11
-    test_inductor_step_equals_eager fails on such a loss; under later versions only this test sees it."""
+    (pytorch#180642): a GPU run would never train. Later versions pass test_inductor_step_equals_eager regardless."""
     from support.loss import chunked_cross_entropy
 
     x, weight, bias = torch.randn(50, 16, requires_grad=True), torch.randn(64, 16, requires_grad=True), torch.zeros(64)
@@ -170,14 +154,10 @@ def test_the_chunked_loss_returns_a_tensor_never_updated_in_place():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_sequences_of_different_lengths_compiled_equal_eager(causal):
-    """SDPA on sequences of different lengths: eager attends each alone, compiled on a padded (B, S) view with a
-    padding mask (a loop over the lengths would recompile for every batch). Logits and gradients agree. Batch
-    after batch of other lengths (bench's variable case, train.py with split_docs), dynamo compiles the first
-    batch's shapes, then one dynamic graph for all the others, with no graph break (a break costs a recompile of
-    the code after it at every new length: 19 graphs and 0.08x eager's speed in bench's variable CLM on an H200)."""
-    config = ModernBertConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-                              num_attention_heads=2, local_attention=8, attn_backend="sdpa", **SPECIAL)
-    model = randomized(config)
+    """SDPA: eager attends each sequence alone, compiled on a padded (B, S) view with a padding mask; logits and
+    gradients agree. Over batches of other lengths, the first batch's graph, then one dynamic graph, no graph break
+    (a break recompiles the code after it at every new length: 0.08x eager's speed in bench's variable CLM)."""
+    model = small(3, attn_backend="sdpa")
 
     def run(m, lengths):
         model.zero_grad()
@@ -194,8 +174,7 @@ def test_sequences_of_different_lengths_compiled_equal_eager(causal):
         logits, grads = run(compiled, lengths)
         ref, ref_grads = run(model, lengths)
         torch.testing.assert_close(logits, ref, rtol=0, atol=1e-5)
-        for n, gr in ref_grads.items():
-            assert (grads[n] - gr).abs().max() <= 1e-5 * gr.abs().max() + 1e-7, n
+        assert_grads_close(grads, ref_grads)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 2
 
@@ -211,8 +190,7 @@ class CountMatmuls(TorchDispatchMode):
 
 
 def test_chunked_loss_does_no_gradient_work_under_no_grad():
-    model = randomized(ModernBertConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                        num_attention_heads=2, local_attention=8, **SPECIAL))
+    model = small(1)
     hidden, targets = torch.randn(50, 32), torch.randint(0, 256, (50,))
     counts = {}
     for grad in (True, False):
@@ -238,9 +216,9 @@ def test_prefetch_keeps_the_stream_and_raises_at_the_step():
 @pytest.mark.parametrize("freeze_phase", ["main", "decay"])
 def test_a_frozen_phase_compiles_without_breaks_and_keeps_the_frozen_weights(tiny, tmp_path, keep_signal_handlers,
                                                                              freeze_phase):
-    """Layer 0 frozen in one phase: its weights stop requiring gradients at the boundary, a guard the compiled
-    graph must see (a stale graph would still compute, or worse apply, their gradients). No graph break, a
-    graph per (mask, frozen set) at most, and the frozen weights bit-identical across the frozen phase."""
+    """Layer 0's weights stop requiring gradients at the boundary, a guard the compiled graph must see (a stale graph
+    would still compute, or apply, their gradients): no graph break, a graph per (mask, frozen set) at most, and the
+    frozen weights bit-identical across the frozen phase."""
     from safetensors.torch import load_file
 
     torch._dynamo.reset()
@@ -248,9 +226,7 @@ def test_a_frozen_phase_compiles_without_breaks_and_keeps_the_frozen_weights(tin
     out = tmp_path / "frozen"
     train.main(run_args(tiny, out, compile="aot_eager", freeze_layers="0", freeze_phase=freeze_phase, weight_decay=0.1,
                         ckpt_interval=2, max_ckpts=10))
-    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
-    print(f"layer 0 frozen in {freeze_phase}: {graphs} compiled graphs, {breaks} graph breaks")
-    assert breaks == 0 and graphs <= 3
+    assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"] <= 3
     before, after = ((tiny / "a", out / "ckpt-2") if freeze_phase == "main" else (out / "ckpt-2", out / "final"))
     a, b = (load_file(str(d / "model.safetensors")) for d in (before, after))
     layer0 = [k for k in a if ".layers.0." in k]
@@ -259,13 +235,9 @@ def test_a_frozen_phase_compiles_without_breaks_and_keeps_the_frozen_weights(tin
 
 
 def test_a_compiled_step_is_one_aot_autograds_cache_admits():
-    """A resumed run compiles the graphs of the run it continues: with inductor's caches it loads them instead
-    (train.py's end line gives the seconds). AOTAutograd's cache refuses a graph that calls an autograd.Function,
-    as the chunked loss is, unless compile_model allows it: torch's own check on the graph dynamo hands the backend
-    of a compiled MLM step."""
+    """A resumed run loads its graphs from inductor's caches, but AOTAutograd's cache refuses a graph that calls an
+    autograd.Function (the chunked loss) unless compile_model allows it: torch's own check on a compiled MLM step."""
     from torch._functorch._aot_autograd.autograd_cache import check_cacheable
-    config = ModernBertConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-                              num_attention_heads=2, local_attention=8, **SPECIAL)
     graphs = []
 
     def backend(gm, example_inputs):  # what inductor's compile_fx would receive, run as traced
@@ -273,7 +245,7 @@ def test_a_compiled_step_is_one_aot_autograds_cache_admits():
         return gm.forward
 
     torch._dynamo.reset()
-    model = kernels.compile_model(randomized(config), backend)
+    model = kernels.compile_model(small(3), backend)
     tokens, cu = torch.randint(3, 256, (48,)), torch.tensor([0, 24, 48], dtype=torch.int32)
     model(tokens, causal=False, cu_seqlens=cu, max_seqlen=24, rows=torch.arange(0, 48, 5),
           targets=tokens[::5]).backward()
