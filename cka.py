@@ -76,7 +76,9 @@ def outlier_diagnostic(X, Y):
         var = Z.var(0)
         top_dims = var.topk(max(1, math.ceil(0.01 * Z.shape[1]))).indices
         out[f"top_var_share_{name}"] = (var[top_dims].sum() / var.sum()).item()
-        keep.append(Z[:, np.setdiff1d(np.arange(Z.shape[1]), top_dims.numpy())])  # the other dimensions, in order
+        rest = torch.ones(Z.shape[1], dtype=torch.bool)
+        rest[top_dims] = False
+        keep.append(Z[:, rest])
     out["cka_without_top"] = linear_cka(*keep)
     return out
 
@@ -131,7 +133,8 @@ def token_rows(text_index, n):
 
 
 def tokenizer_of(paths, override, max_len):
-    """The one tokenizer all checkpoints share; refused if their tokenizer.json differ or one lacks max_len positions"""
+    """The one tokenizer every checkpoint shares: refused if their tokenizer.json files differ, or if one is not a
+    ModernBERT checkpoint with max_len positions."""
     for p in paths:
         config = checkpoint_config(p, p)
         with user_error():

@@ -257,7 +257,8 @@ def demo(args):
         kind = "ner"
     else:
         train_file = next(n for n in names if n.startswith("train") and n.endswith(".jsonl"))
-        first = json.loads(open(os.path.join(task_dir, train_file)).readline())
+        with open(os.path.join(task_dir, train_file)) as f:
+            first = json.loads(f.readline())
         kind = "ner" if "tags" in first else "multilabel" if "labels" in first else "cls"
     timings = {"corpora": time.time() - t0}
     print("2. token shards")

@@ -45,6 +45,7 @@ EPOCHS = {"cls": 10, "multilabel": 10, "ner": 20}  # the paper
 SEEDS = [42, 43, 44, 45, 46]  # the paper: 5 seeds for English; which five is our choice (the French 42-50 begin so)
 TASK_KEYS = {"name": str, "task": str, "data": str, "epochs": int, "lr": float, "batch_size": int, "max_len": int,
              "max_tokens": int, "warmup_ratio": float, "weight_decay": float, "pooling": str, "select": str}
+OPTIONAL = {"max_len", "max_tokens"}  # None: the model's or the device's, known when the suite runs
 SELECT = {"cls": ("macro_f1", "micro_f1", "weighted_f1", "accuracy"),  # what `select` may name, per task type
           "multilabel": ("macro_f1", "micro_f1", "subset_accuracy"), "ner": ("macro_f1", "micro_f1")}
 
@@ -93,10 +94,11 @@ def load_suite(path):
             raise SystemExit(f"{where}: task={t['task']!r}; it must be one of {', '.join(EPOCHS)}")
         task = {**PROTOCOL, "epochs": EPOCHS[t["task"]], **t}
         for key, typ in TASK_KEYS.items():
-            if task[key] is not None or key not in ("max_len", "max_tokens"):  # None: the model's, the device's
-                task[key] = check_type(key, task[key], typ, where)
-                if typ is int and task[key] <= 0:
-                    raise SystemExit(f"{where}: {key} must be a positive int, got {task[key]!r}")
+            if key in OPTIONAL and task[key] is None:
+                continue
+            task[key] = check_type(key, task[key], typ, where)
+            if typ is int and task[key] <= 0:
+                raise SystemExit(f"{where}: {key} must be a positive int, got {task[key]!r}")
         if task["max_len"] is not None and task["max_len"] <= 2:
             raise SystemExit(f"{where}: max_len must be above 2 (it holds [CLS] and [SEP] too), got {task['max_len']}")
         if task["select"] not in SELECT[task["task"]]:
