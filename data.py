@@ -269,15 +269,13 @@ def _write_shards(docs_fn, tokenizer, stage, val_docs, workers, sources, chunk_d
 
 
 def _stage_tokenizer(tokenizer, stage):
-    """The tokenizer copied into stage -> (what the workers load: the copy, or an encoding name such as gpt2, which
-    has no file; the shards' dtype; meta.json's keys about the tokenizer)."""
+    """The tokenizer copied into stage -> (what the workers load: the copy; the shards' dtype; meta.json's keys about
+    the tokenizer)."""
+    tok = load_tokenizer(tokenizer)  # first: a missing or broken tokenizer is said before anything is copied
     file = _copy_tokenizer(tokenizer, stage)
-    spec = file or tokenizer
-    tok = load_tokenizer(spec)
     dtype = np.uint16 if tok.vocab_size <= 2 ** 16 else np.uint32
-    return spec, dtype, dict(tokenizer=os.path.basename(file) if file else spec,
-                             tokenizer_sha256=sha256(file) if file else None, vocab_size=tok.vocab_size,
-                             dtype=np.dtype(dtype).name, **tok.special_ids)
+    return file, dtype, dict(tokenizer=os.path.basename(file), tokenizer_sha256=sha256(file),
+                             vocab_size=tok.vocab_size, dtype=np.dtype(dtype).name, **tok.special_ids)
 
 
 def _count_documents(docs_fn, where):
@@ -298,10 +296,8 @@ def _write_meta(stage, meta):
 
 def _copy_tokenizer(spec, stage):
     """Put the tokenizer file, whatever its name, as stage/tokenizer.json, and its companions beside it;
-    return the copy's path (None for an encoding name such as gpt2, which has no file)."""
+    return the copy's path."""
     path = tokenizer_file(spec)
-    if path is None:
-        return None
     for name in TOKENIZER_FILES:
         src = path if name == "tokenizer.json" else os.path.join(os.path.dirname(path), name)
         if os.path.isfile(src):
@@ -666,7 +662,7 @@ def parse_args(argv=None):
     src.add_argument("--input", nargs="+", help=".txt / .jsonl (either may be .xz-compressed) / .parquet files")
     src.add_argument("--demo", choices=["general", "domain"], help="the built-in docstring corpus")
     p.add_argument("--tokenizer", required=True,
-                    help="tokenizer.json, a checkpoint directory, an encoding name (gpt2), or bpe:N to train one here")
+                    help="tokenizer.json, a checkpoint directory holding one, or bpe:N to train one here")
     p.add_argument("--out", required=True)
     p.add_argument("--val_docs", type=int, default=1000)
     p.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)))

@@ -2,12 +2,11 @@
 Tokenizers that give exactly the ids of Hugging Face `tokenizers`, behind one interface:
 vocab_size, the special ids, encode / encode_batch (no special tokens added), decode.
 
-load_tokenizer(spec) picks one of three kinds:
-  - TiktokenBPE: a byte-level BPE tokenizer.json (ModernBERT) on tiktoken, 2.5-4x faster than
+load_tokenizer(spec) picks one of two kinds:
+  - TiktokenBPE: a byte-level BPE tokenizer.json (ModernBERT) on tiktoken, 3-4x faster than
     `tokenizers` itself; tests/test_tokenizer.py checks its ids against `tokenizers` on real
     tokenizers and fuzzed text.
   - HFTokenizer: any other tokenizer.json (WordPiece: ModernCamemBERT) on `tokenizers` itself.
-  - TiktokenEncoding: a tiktoken encoding name (gpt2, cl100k_base, ...), if cached locally.
 train_bpe trains a byte-level BPE on the input, for the offline demo (`--tokenizer bpe:N`).
 write_hf_config writes what transformers needs beside a tokenizer.json (its special tokens, its maximum length).
 """
@@ -33,20 +32,18 @@ GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+
 
 
 def load_tokenizer(spec):
-    """spec: a tokenizer.json path, a directory holding one, or a tiktoken encoding name."""
+    """spec: a tokenizer.json path, or a directory holding one."""
     path = tokenizer_file(spec)
-    if path:
-        d = read_json(path)
-        try:  # Hugging Face's own reader checks every field of the format
-            tok = tokenizers.Tokenizer.from_str(json.dumps(d))
-        except Exception as e:  # tokenizers raises a bare Exception
-            raise ValueError(f"{path} is not a tokenizer.json that Hugging Face tokenizers reads ({e})") from None
-        check_companions(os.path.dirname(path))
-        return TiktokenBPE(d, path) if _is_gpt2_byte_level_bpe(d) else HFTokenizer(tok, path)
-    if os.sep in spec or spec.endswith(".json"):
-        raise FileNotFoundError(f"tokenizer {spec!r} not found: give a tokenizer.json, a checkpoint directory "
-                                "holding one, or a tiktoken encoding name")
-    return TiktokenEncoding(spec)
+    if path is None:
+        raise FileNotFoundError(f"tokenizer {spec!r} not found: give a tokenizer.json or a checkpoint directory "
+                                "holding one")
+    d = read_json(path)
+    try:  # Hugging Face's own reader checks every field of the format
+        tok = tokenizers.Tokenizer.from_str(json.dumps(d))
+    except Exception as e:  # tokenizers raises a bare Exception
+        raise ValueError(f"{path} is not a tokenizer.json that Hugging Face tokenizers reads ({e})") from None
+    check_companions(os.path.dirname(path))
+    return TiktokenBPE(d, path) if _is_gpt2_byte_level_bpe(d) else HFTokenizer(tok, path)
 
 
 def tokenizer_file(spec):
@@ -58,8 +55,6 @@ def tokenizer_file(spec):
 class Tokenizer:
     """encode(text) -> ids (no special tokens added), encode_batch, decode, vocab_size,
     and the special ids cls_id, sep_id, pad_id, mask_id, eos_id (eos separates documents)."""
-
-    tiktoken = None  # the underlying tiktoken Encoding, where there is one (bench.py times it bare)
 
     def __init__(self, vocab_size, special, where):
         if vocab_size > MAX_VOCAB:
@@ -248,32 +243,6 @@ class HFTokenizer(Tokenizer):
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
-class TiktokenEncoding(Tokenizer):
-    """A tiktoken encoding; [CLS] [SEP] [PAD] [MASK] are appended after its vocabulary."""
-
-    def __init__(self, name):
-        try:
-            self.tiktoken = tiktoken.get_encoding(name)
-        except ValueError as e:
-            raise ValueError(f"unknown tokenizer {name!r}: give a tokenizer.json, a checkpoint directory holding one, "
-                             f"a tiktoken encoding name, or bpe:N to train one offline ({e})") from None
-        except Exception as e:  # offline: tiktoken tries to download the encoding file
-            raise RuntimeError(f"tiktoken encoding {name!r} is not cached here and cannot be downloaded "
-                               f"({type(e).__name__}). Point --tokenizer at a local tokenizer.json or checkpoint "
-                               "directory instead, or set TIKTOKEN_CACHE_DIR to a directory that holds the cached "
-                               "encoding.") from None
-        n = self.tiktoken.n_vocab
-        self.names = {n: "[CLS]", n + 1: "[SEP]", n + 2: "[PAD]", n + 3: "[MASK]"}
-        super().__init__(n + 4, dict(cls_id=n, sep_id=n + 1, pad_id=n + 2, mask_id=n + 3,
-                                     eos_id=self.tiktoken.eot_token), name)
-
-    def encode_batch(self, texts):
-        return self.tiktoken.encode_ordinary_batch(texts)
-
-    def decode(self, ids):
-        return "".join(self.names[i] if i in self.names else self.tiktoken.decode([i]) for i in map(int, ids))
-
-
 def train_bpe(texts, vocab_size, path):
     """Train a byte-level BPE (GPT-2 pre-tokenization, NFC, BERT special tokens) and write tokenizer.json."""
     tok = tokenizers.Tokenizer(models.BPE())
@@ -293,7 +262,7 @@ def write_hf_config(directory, model_max_length):
     tokenizer's own files are kept, completed with what they lack; the maximum length is the model's."""
     path = os.path.join(directory, "tokenizer.json")
     if not os.path.isfile(path):
-        return  # a tiktoken encoding name: there is no Hugging Face tokenizer to describe
+        return  # the data directory had no tokenizer to copy
     tok = tokenizers.Tokenizer.from_file(path)
     # the tokens load_tokenizer takes as special (_special_ids_from_tokens); documents end with [SEP]
     special = {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "mask_token": "[MASK]",
