@@ -17,11 +17,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_bench_tiny(tmp_path):
     pytest.importorskip("transformers")
     args = ["--size", "tiny", "--seq_len", "64", "--batch_size", "2", "--min_time", "0.02", "--warmup", "1",
-            "--largest", "2", "--out", str(tmp_path / "bench.json"), "--profile", str(tmp_path / "prof")]
+            "--out", str(tmp_path / "bench.json"), "--profile", str(tmp_path / "prof")]  # --largest: the GPU check's d
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), *args], cwd=ROOT, capture_output=True,
                        text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert "1. Training step" in r.stdout and "2. Attention" in r.stdout and "3. The largest" in r.stdout
+    assert "1. Training step" in r.stdout and "2. Attention" in r.stdout and "3. The largest" not in r.stdout
     res = json.loads((tmp_path / "bench.json").read_text())
     assert {(row["case"], row["objective"], row["impl"]) for row in res["step"]} == {  # no compile on CPU by default
         (c, o, i) for c in ("variable", "packed") for o in ("mlm", "clm") for i in ("ours", "transformers")}
@@ -41,8 +41,6 @@ def test_bench_tiny(tmp_path):
             assert "needs CUDA" in row[needs_cuda]["note"] and "fwd_ms" not in row[needs_cuda]
         assert float(row["sdpa"]["err"]) <= 1e-5 and float(row["sdpa"]["grad_err"]) <= 1e-5
         assert float(row["flex"]["err"]) <= 1e-5 and row["flex"]["note"] == "forward only: no backward on CPU"
-    assert [(row["objective"], row["largest"], row["capped"]) for row in res["largest"]] == [
-        ("mlm", 2, True), ("clm", 2, True)]  # on CPU nothing runs out of memory: the cap is the answer
 
 
 def test_a_failed_worker_loses_no_other_row(tmp_path):
