@@ -226,32 +226,6 @@ def test_attention_pairs_match_a_brute_force_count():
             assert attention_pairs(n, left, right) == brute_force_pairs(n, left, right), (n, left, right)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_training_flops_counts_every_matmul(causal):
-    """6 x the block matmul weights (counted on a real model) x tokens + (6 x the head's + 2 x the decoder bias's,
-    whose gradient is a matrix product) on the predicted rows + 12 x H x the pairs each layer's mask keeps (built
-    here per layer, as the float64 reference of test_model does), per real sequence length."""
-    c = small_config("long_seqs")  # 4 layers: global, local, local, global; window +-4
-    m = ModernBertForMaskedLM(c)
-    block_weights = sum(p.numel() for n, p in m.named_parameters() if n.startswith("model.layers.") and p.ndim == 2)
-    head = m.head.dense.weight.numel() + m.decoder.weight.numel()
-    lengths, R = [1, 3, 9, 40, 100], 51
-    pairs = 0
-    for layer in range(c.num_hidden_layers):
-        for n in lengths:
-            q, k = torch.arange(n)[:, None], torch.arange(n)[None, :]
-            allowed = torch.ones(n, n, dtype=torch.bool)
-            if causal:
-                allowed &= k <= q
-            if not c.is_global(layer):
-                allowed &= (q - k).abs() <= c.local_attention // 2
-            pairs += int(allowed.sum())
-    head_rows = (6 * head + 2 * m.decoder.bias.numel()) * R
-    expected = 6 * block_weights * sum(lengths) + head_rows + 12 * c.hidden_size * pairs
-    assert training_flops(c, lengths, causal, R) == expected
-    assert training_flops(c, torch.tensor(lengths), causal, R) == expected  # cu_seqlens.diff() works too
-
-
 def test_peak_flops_by_exact_gpu_model(monkeypatch):
     cuda = torch.device("cuda")
     for name, tflops in [("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835),
@@ -300,15 +274,9 @@ SPECIAL = dict(pad_token_id=0, cls_token_id=1, sep_token_id=2, bos_token_id=1, e
 
 def kept_pairs(config, lengths, causal):
     """The pairs every layer's mask keeps, from (n, n) masks built here."""
-    total = 0
-    for layer in range(config.num_hidden_layers):
-        for n in lengths:
-            q, k = torch.arange(n)[:, None], torch.arange(n)[None, :]
-            ok = k <= q if causal else torch.ones(n, n, dtype=torch.bool)
-            if not config.is_global(layer):
-                ok = ok & ((q - k).abs() <= config.local_attention // 2)
-            total += int(ok.sum())
-    return total
+    window = lambda layer: -1 if config.is_global(layer) else config.local_attention // 2  # noqa: E731
+    return sum(brute_force_pairs(n, window(layer), 0 if causal else window(layer))
+               for layer in range(config.num_hidden_layers) for n in lengths)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -334,6 +302,7 @@ def test_training_flops_against_flop_counter(causal):
     print(f"causal={causal}: training_flops / FlopCounterMode = {ours / counted:.6f} raw, "
           f"{(ours + 12 * config.hidden_size * masked_out) / counted:.6f} with the pairs SDPA masks out")
     assert ours + 12 * config.hidden_size * masked_out == counted
+    assert training_flops(config, cu.diff(), causal, rows.numel()) == ours  # cu_seqlens.diff() works too
 
 
 def test_the_usual_convention_by_hand():
