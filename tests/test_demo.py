@@ -35,7 +35,7 @@ def checkout(tmp_path_factory):
     demo = shlex.split(main.split("&&")[-1])  # python demo.py
     assert demo == ["python", "demo.py"]
     r = subprocess.run([sys.executable, *demo[1:], "--quick"], cwd=work, capture_output=True, text=True,
-                       env={**os.environ, "OMP_NUM_THREADS": "2"})
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
     return work, r
 
 
