@@ -5,11 +5,9 @@ run it by hand, before and after changing tests or the code they cover.
 
     python tests/mutate.py                                  # every mutant (81): about 30 minutes on 2 cores
     python tests/mutate.py --only eval.best_by_reference data.epochs_repeat   # some of them
-    python tests/mutate.py --before                         # without the tests issue 31 added (ADDED below)
     python tests/mutate.py --without tests/test_data.py::test_two_epochs_are_two_permutations_of_every_window
                                                             # as if that test did not exist (node-id prefixes)
     python tests/mutate.py --baseline                       # each selection on the unmutated copy: must pass
-    python tests/mutate.py --all-at-once --tests tests      # the chosen mutants planted together, one run
     python tests/mutate.py --only train. --tests "tests/test_train.py -k phase"   # another selection
     python tests/mutate.py --list
 
@@ -75,28 +73,6 @@ def load_mutants(path=MUTANTS_FILE):
 MUTANTS = load_mutants()
 
 
-# The tests issue 31 added, each against an outside expectation: --before leaves them out, for the table as it
-# was before them.
-ADDED = [
-    "tests/test_train.py::test_every_step_trains_on_the_batch_its_phase_calls_for",
-    "tests/test_train.py::test_evaluations_measure_mlm_at_15_percent_and_clm",
-    "tests/test_train.py::test_each_step_runs_at_its_phase_lr",
-    "tests/test_train.py::test_logged_loss_is_the_mean_of_the_steps_since_the_last_record",
-    "tests/test_train.py::test_logged_mfu_is_the_flops_of_the_steps_since_the_last_record",
-    "tests/test_data.py::test_two_epochs_are_two_permutations_of_every_window",
-    "tests/test_model.py::test_presets_are_the_released_configs",
-    "tests/test_model.py::test_init_follows_modernbert_at_22_layers",
-    "tests/test_model.py::test_bare_encoder_checkpoint_from_transformers_loads_into_classifiers",
-    "tests/test_speed.py::test_every_gpu_in_the_peak_table_gets_its_own_peak",
-    "tests/test_eval.py::test_test_split_is_scored_with_the_selected_epochs_weights",
-    "tests/test_eval.py::test_fine_tuning_optimizer_is_the_trainers",
-    "tests/test_eval.py::test_multilabel_predicts_at_probability_one_half",
-    "tests/test_eval.py::test_ner_scores_are_seqeval_on_the_saved_models_first_sub_tokens",
-    "tests/test_cka.py::test_regions_are_the_papers_at_22_layers_and_thirds_otherwise",
-    "tests/test_cka.py::test_ratios_and_regions_are_computed_from_the_per_seed_divergences",
-]
-
-
 def copy_repository(dest):
     """The working tree as it is (tracked, untracked, tests/.kernels), without .git and caches, at dest/<name>;
     ../shared linked beside it."""
@@ -109,14 +85,14 @@ def copy_repository(dest):
     return repo
 
 
-def pytest_args(tests, without, stop_first=True):
+def pytest_args(tests, without):
     """The pytest command for a selection, less the node ids (prefixes) in `without`."""
     args = [a for a in shlex.split(tests) if not any(a == w or a.startswith(w + "::") for w in without)]
     if not any(a.startswith("tests") for a in args):  # all left out: pytest would run its testpaths, everything
         return None
     deselect = [x for w in without for x in ("--deselect", w)]
     # -o addopts=: pytest.ini's -q with ours would be -qq, which drops the line of counts
-    return [sys.executable, "-m", "pytest", *(["-x"] if stop_first else []), "-q", "-o", "addopts=", "-p",
+    return [sys.executable, "-m", "pytest", "-x", "-q", "-o", "addopts=", "-p",
             "no:cacheprovider", *args, *deselect]
 
 
@@ -170,18 +146,13 @@ def main(argv=None):
     p.add_argument("--only", nargs="+", default=[], help="mutant names (or name prefixes, e.g. eval.)")
     p.add_argument("--without", nargs="+", default=[], metavar="NODEID",
                    help="tests to leave out, as pytest node ids or their prefixes (a file, a file::test)")
-    p.add_argument("--before", action="store_true", help="leave out the tests issue 31 added (ADDED)")
     p.add_argument("--baseline", action="store_true", help="run each distinct selection on the unmutated copy")
-    p.add_argument("--all-at-once", action="store_true", help="plant the chosen mutants together and run --tests")
-    p.add_argument("--tests", help="pytest arguments that replace each mutant's selection (with --all-at-once: the "
-                                   "one run's; default there: tests)")
+    p.add_argument("--tests", help="pytest arguments that replace each mutant's selection")
     p.add_argument("--timeout", type=float, default=900, help="seconds per pytest run")
     p.add_argument("--list", action="store_true")
     args = p.parse_args(argv)
     # SIGTERM as Ctrl-C: the running tests are stopped and the temporary copy removed.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    if args.before:
-        args.without += ADDED
 
     chosen = [m for m in MUTANTS if not args.only or any(m.name == o or m.name.startswith(o) for o in args.only)]
     if not chosen:
@@ -193,30 +164,13 @@ def main(argv=None):
 
     with tempfile.TemporaryDirectory(prefix="mutate-") as tmp:
         repo = copy_repository(tmp)
-        left_out = "the tests issue 31 added" if args.before else ""
-        left_out = ", ".join(filter(None, [left_out, *[w for w in args.without if w not in ADDED or not args.before]]))
-        print(f"copy of {ROOT} in {repo}; left out: {left_out or 'nothing'}", flush=True)
+        print(f"copy of {ROOT} in {repo}; left out: {', '.join(args.without) or 'nothing'}", flush=True)
         if args.baseline:
             print("| selection | unmutated | first failing test | s |\n|---|---|---|---|")
             for tests in dict.fromkeys(args.tests or m.tests for m in chosen):
                 outcome, first, seconds, _ = run_tests(repo, pytest_args(tests, args.without), args.timeout)
                 print(f"| `{tests}` | {outcome} | {first} | {seconds:.0f} |", flush=True)
             return
-        if args.all_at_once:
-            originals = {}
-            for m in chosen:
-                if m.file not in originals:
-                    with open(os.path.join(repo, m.file)) as f:
-                        originals[m.file] = f.read()
-                if plant(repo, m) is None:
-                    print(f"{m.name}: old text not found once in {m.file} (n/a)")
-            tests = args.tests or "tests"
-            cmd = pytest_args(tests, args.without, stop_first=False)
-            outcome, first, seconds, summary = run_tests(repo, cmd, args.timeout * len(chosen))
-            print(f"{len(chosen)} mutants planted together, `{tests}`: {outcome} ({summary}) in {seconds:.0f}s"
-                  + (f"; first failing test {first}" if first else ""))
-            return
-
         rows, started = [], time.time()
         print("| mutant | file | result | first failing test | s |\n|---|---|---|---|---|", flush=True)
         for m in chosen:
