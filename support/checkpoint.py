@@ -387,7 +387,7 @@ class Checkpointer:
             self.save(path, model, optimizer, state)
             stopping = stopping or self.agree()[0]  # a signal during the save: this checkpoint answers it
         elif self.c.keep_every and state.step % self.c.keep_every == 0 and path != self.saved:
-            self.keep(path, model, state)
+            self.save(path, model, None, state)  # a trajectory point, not a resume point
         if not stopping or last:
             return False
         self.exit_code = 128 + (self.caught or signal.SIGTERM)  # what a shell reports for a process it killed
@@ -409,18 +409,20 @@ class Checkpointer:
         return bool(stopping), bool(late)
 
     def save(self, path, model, optimizer, state):
-        """Every rank: gather the per-rank state (random streams, loss sum); rank 0 writes the checkpoint and
-        drops the oldest beyond max_ckpts; every rank checks that it sees the result."""
-        started = time.time()
-        mine = dict(rng=rng_state(self.process.device), loss_acc=state.loss.item())
-        ranks = [mine]
-        if dist.is_initialized():
-            ranks = [None] * self.process.world
-            dist.all_gather_object(ranks, mine)
-        bad = [r["loss_acc"] for r in ranks if not math.isfinite(r["loss_acc"])]
-        if bad:  # a checkpoint between two logs: its loss was not checked yet
-            raise loss_error(bad[0], state.step, self.c.out_dir)
-        saved = dict(**self.progress(state), loader=state.loader, loss_steps=state.loss_steps, ranks=ranks)
+        """Every rank: rank 0 writes the checkpoint and drops the oldest beyond max_ckpts, every rank checks that it
+        sees the result. With the optimizer, a resume point: the per-rank state (random streams, loss sum) is
+        gathered; without (None), weights-only."""
+        started, saved = time.time(), self.progress(state)
+        if optimizer is not None:
+            mine = dict(rng=rng_state(self.process.device), loss_acc=state.loss.item())
+            ranks = [mine]
+            if dist.is_initialized():
+                ranks = [None] * self.process.world
+                dist.all_gather_object(ranks, mine)
+            bad = [r["loss_acc"] for r in ranks if not math.isfinite(r["loss_acc"])]
+            if bad:  # a checkpoint between two logs: its loss was not checked yet
+                raise loss_error(bad[0], state.step, self.c.out_dir)
+            saved.update(loader=state.loader, loss_steps=state.loss_steps, ranks=ranks)
 
         def write():
             save_checkpoint(path, model, optimizer, saved, self.c, self.schedule)
@@ -428,15 +430,8 @@ class Checkpointer:
 
         on_rank0(write, self.process)  # also the barrier: no rank reads the checkpoint before it is complete
         every_rank_sees(path, self.process)
-        self.saved, self.saved_at = path, time.monotonic()
-        self.written.append(time.time() - started)
-
-    def keep(self, path, model, state):
-        """A weights-only checkpoint at `path`, written by rank 0: no optimizer, no per-rank state to gather."""
-        started = time.time()
-        on_rank0(lambda: save_checkpoint(path, model, None, self.progress(state), self.c, self.schedule),
-                 self.process)
-        every_rank_sees(path, self.process)
+        if optimizer is not None:
+            self.saved, self.saved_at = path, time.monotonic()
         self.written.append(time.time() - started)
 
     def progress(self, state):

@@ -134,8 +134,7 @@ def check_model_config(c):
     m = (ModernBertConfig.large if c.model_size == "large" else ModernBertConfig)(**{**ids, **c.model_config})
     with user_error():
         hf.check_config(m, "model_config", "fix the config or the --model_config")
-        m.check_positions(c.seq_len, "seq_len={}", f"use --seq_len={m.max_position_embeddings} or less, or "
-                          f"set model_config's max_position_embeddings to {c.seq_len}", whose="model_config's ")
+    check_seq_len(m, c.seq_len, f"set model_config's max_position_embeddings to {c.seq_len}", "model_config's ")
 
 
 def check_wandb(c):
@@ -173,9 +172,7 @@ def check_run(c, steps, world):
             config = ModernBertConfig.from_pretrained(path)
         except (OSError, ValueError):
             continue  # a damaged checkpoint: resume warns and skips it
-        with user_error():
-            config.check_positions(c.seq_len, "seq_len={}", f"use --seq_len={config.max_position_embeddings} "
-                                   "or less, or a new out_dir", whose=f"the run in {c.out_dir}'s ")
+        check_seq_len(config, c.seq_len, "a new out_dir", f"the run in {c.out_dir}'s ")
         break
     return meta
 
@@ -193,9 +190,7 @@ def check_init_from(path, meta=None, data_dir=None, seq_len=None):
     with user_error(f"init_from={path}"):
         open(hf.weights_file(path), "rb").close()
     if seq_len:
-        with user_error():
-            config.check_positions(seq_len, "seq_len={}", f"use --seq_len={config.max_position_embeddings} or "
-                                   f"less, or a checkpoint with {seq_len} positions or more", whose=f"init_from={path}'s ")
+        check_seq_len(config, seq_len, f"a checkpoint with {seq_len} positions or more", f"init_from={path}'s ")
     if meta is None:
         return
     fix = f"prepare the data with the checkpoint's tokenizer: python data.py --tokenizer {path}"
@@ -203,6 +198,13 @@ def check_init_from(path, meta=None, data_dir=None, seq_len=None):
     tok = os.path.join(path, "tokenizer.json")
     if os.path.isfile(tok) and meta.get("tokenizer_sha256") and sha256(tok) != meta["tokenizer_sha256"]:
         raise SystemExit(f"tokenizer mismatch: {tok} differs from the one {data_dir} was prepared with; {fix}")
+
+
+def check_seq_len(config, seq_len, fix, whose):
+    """The model `config` (`whose`, e.g. "init_from=X's ") has positions for seq_len, or one line ending in `fix`."""
+    with user_error():
+        config.check_positions(seq_len, "seq_len={}", f"use --seq_len={config.max_position_embeddings} or less, or "
+                               f"{fix}", whose=whose)
 
 
 def checkpoint_config(path, where):

@@ -28,13 +28,11 @@ class Process:
 
 def setup(device="auto", timeout_minutes=60.0, compile="false"):
     """-> this Process, its CPU threads set (support/threads.py) and `compile` resolved (kernels.compiler) for its
-    device. Under torchrun: join the process group (NCCL on GPU, gloo on CPU) and take
-    this rank's GPU; from then on the scripts run DDP and their collectives whenever a group exists, a world of
-    one included (so `torchrun --nproc_per_node=1` tries NCCL's path on one GPU). Without torchrun: one process
-    (rank 0 of 1) on `device`, no group. `timeout_minutes`: how long a
-    rank waits in a collective before the run fails. It must cover the slowest wait: the other ranks sit in
-    a collective while rank 0 writes a checkpoint (for Large about 5 GB, read back for its sha256, synced),
-    which on a slow shared filesystem takes far longer than NCCL's default of 10 minutes."""
+    device. Under torchrun: join the process group (NCCL on GPU, gloo on CPU; a world of one too, so that
+    `torchrun --nproc_per_node=1` tries NCCL's path on one GPU) and take this rank's GPU; without: rank 0 of 1 on
+    `device`, no group. `timeout_minutes` must cover the slowest wait in a collective: the other ranks wait while
+    rank 0 writes a checkpoint (Large: about 5 GB, read back for its sha256, synced), which on a slow shared
+    filesystem takes far longer than NCCL's default of 10 minutes."""
     cuda = device != "cpu" and torch.cuda.is_available()
     if device.startswith("cuda") and not cuda:
         raise SystemExit(f"device={device!r}: PyTorch sees no CUDA GPU here ({torch.__version__}); use --device=cpu "
@@ -112,12 +110,10 @@ def autocast(device, dtype="auto"):
 
 
 def teardown():
-    """Leave the process group, once the prefetch thread is joined and the DDP model is gone, so that the group
-    is freed here, its threads (gloo's two workers and its TCP loop, rank 0's TCPStore server) joined, before
-    the interpreter exits. A group that outlives this call is freed, or not, during the interpreter's
-    finalization, with those threads still running: a rank then sometimes aborted after its last line
-    ("terminate called without an active exception", SIGABRT, no Python frame left), and torchrun reported
-    a finished run as failed. Two things kept the group alive: a DDP model freed later (at exit, where freeing
-    the group holding the GIL also deadlocked on gloo's threads), and the default argument named in setup."""
+    """Leave the process group once the prefetch thread is joined and the DDP model is gone, so that its threads
+    (gloo's workers and TCP loop, rank 0's TCPStore server) are joined before the interpreter exits. Freed during
+    finalization instead, it sometimes aborted a rank after its last line (SIGABRT, "terminate called without an
+    active exception") and torchrun reported a finished run as failed. What kept it alive: a DDP model freed later
+    (at exit, where freeing the group deadlocked on gloo's threads), and the default argument named in setup."""
     if dist.is_initialized():
         dist.destroy_process_group()

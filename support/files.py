@@ -57,9 +57,7 @@ def read_bytes(path, limit):
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else \
-                "a device or a socket"
-            raise ValueError(f"{path} is {kind}, not a file")
+            raise ValueError(f"{path} is {kind(path, st)}, not a file")
         if st.st_size > limit:
             raise ValueError(f"{path} has {st.st_size:,} bytes, more than such a file can hold ({limit:,})")
         chunks, left = [], limit + 1
@@ -159,7 +157,8 @@ def kind(path, st):
     if stat.S_ISLNK(st.st_mode):
         return f"a symbolic link to {os.readlink(path)}"
     if not stat.S_ISREG(st.st_mode):
-        return "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device"
+        return "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else \
+            "a device or a socket"
     return f"a hard link (one of the {st.st_nlink} names of a file)" if st.st_nlink > 1 else None
 
 

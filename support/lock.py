@@ -17,7 +17,9 @@ lease expires (NFSv4: 90 s by default, within the wait) or, on NFSv3, until that
 says to remove DIR/.lock. Lustre: mounted with `-o flock`; with `-o localflock` only one node's processes see each
 other's lock; with neither, flock fails and the run warns that nothing guards its directory, then goes on
 unguarded. BeeGFS: with tuneUseGlobalFileLocks. POSIX locks belong to a process, not to an open file: this
-process must never open and close DIR/.lock elsewhere, which on NFS would drop its lock.
+process must never open and close DIR/.lock elsewhere, which on NFS would drop its lock. That is also why the lock
+is fcntl.flock on the descriptor that carries the record, not filelock's: filelock lends its descriptor to one
+callback at the take, and the heartbeat writes through it for the whole run.
 
 The lock file is the project's own: a link there, a directory, a FIFO (a second run would wait on it forever) or a
 file with another name is refused in one line (support/files.py); one larger than its record is cut to it once
