@@ -204,15 +204,13 @@ def test_suite_cka_eval_and_data_outputs_refuse_a_planted_link(tmp_path, elsewhe
 
 
 def test_train_refuses_a_link_in_out_dir_before_any_work(data_dir, tmp_path, elsewhere):
-    """The lock file a dangling link (the record would create its target), and a `final` that a run would replace
-    at its very end: each refused at the start, in one line, nothing written."""
-    for name, target in ((".lock", elsewhere / "created.txt"), ("final", elsewhere / "folder")):
-        out = tmp_path / f"run{name}"
-        out.mkdir()
-        os.symlink(target, out / name)
-        before = sums(tmp_path)
-        r = subprocess.run(train_cmd(out, data_dir), cwd=ROOT, capture_output=True, text=True,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == refused(str(out / name), target), r.stderr
-        assert "Traceback" not in r.stderr and "step" not in r.stdout
-        assert sums(tmp_path) == before and not (elsewhere / "created.txt").exists()
+    """A `final` that a run would replace at its very end: refused at the start (the scan of out_dir that also meets a
+    linked .lock), in one line, nothing written."""
+    out, target = tmp_path / "run", elsewhere / "folder"
+    out.mkdir()
+    os.symlink(target, out / "final")
+    before = sums(tmp_path)
+    r = subprocess.run(train_cmd(out, data_dir), cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == refused(str(out / "final"), target), r.stderr
+    assert "Traceback" not in r.stderr and "step" not in r.stdout and sums(tmp_path) == before

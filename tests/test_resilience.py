@@ -15,15 +15,13 @@ import time
 import pytest
 import torch
 
-from data import load_meta, prepare, read_documents
+from data import load_meta
 from model import ModernBertConfig, ModernBertForMaskedLM
 from support.card import latest_records
 from support.checkpoint import (MANIFEST, TRAIN_STATE, checkpoint_problem, latest_valid_checkpoint, rng_state,
                                 save_checkpoint, set_rng_state, weights_only)
 from support.checks import check_init_from
-from support.files import sha256
 from support.metrics import records, trim_metrics
-from test_links import sums
 from test_train import ROOT, TINY, base_ckpt, data_dir, metrics, train_cmd  # noqa: F401 (fixtures)
 from train import Config, build_model, make_optimizer
 
@@ -386,69 +384,6 @@ def test_ranks_wait_for_a_slow_checkpoint_write(data_dir, base_ckpt, tmp_path, s
     code, out, err = finish(start(cmd("default")))
     assert "done:" in out and [m["step"] for m in metrics(tmp_path / "default")] == [1, 2, 3, 4]
     assert time.time() - started > 6
-
-
-def test_a_small_validation_split_stops_the_run_before_any_step(data_dir, base_ckpt, tmp_path, start):
-    corpus = os.path.join(os.path.dirname(data_dir), "corpus.txt")
-    small_val = str(tmp_path / "small_val")
-    prepare(lambda: read_documents([corpus]), os.path.join(data_dir, "tokenizer.json"), small_val, val_docs=3)
-    windows = os.path.getsize(os.path.join(small_val, "val.bin")) // 2 // 64  # uint16 tokens
-    assert windows < 4 * 2, "3 documents must make fewer windows than micro_batch_size x world"
-    code, out, err = finish(start(train_cmd(tmp_path / "out", small_val, f"--init_from={base_ckpt}", nproc=2)),
-                            check=False)
-    assert code != 0
-    said = [line for line in err.splitlines() if "val.bin makes" in line]
-    assert said and f"val.bin makes {windows} windows of seq_len=64" in said[0], err[-3000:]
-    assert "micro_batch_size=4 x world size 2 = 8" in said[0] and "--val_docs" in said[0]
-    assert not (tmp_path / "out" / "metrics.jsonl").exists() and not list((tmp_path / "out").glob("ckpt-*"))
-
-
-@pytest.fixture(scope="module")
-def finished(data_dir, tmp_path_factory):
-    """A run of 16 steps with one checkpoint to resume, ckpt-16 (and final), and 16 records in metrics.jsonl."""
-    out = tmp_path_factory.mktemp("finished") / "run"
-    r = subprocess.run(train_cmd(out, data_dir, "--run_phases=main", "--ckpt_interval=16"), cwd=ROOT, env=ENV,
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out
-
-
-def train_state_of_another_code(ckpt):
-    state = ckpt / TRAIN_STATE
-    torch.save({**torch.load(state, weights_only=True), "ranks": [{}]}, state)  # no random streams for rank 0
-    manifest = json.loads((ckpt / MANIFEST).read_text())
-    manifest[TRAIN_STATE] = {"bytes": os.path.getsize(state), "sha256": sha256(state)}  # the manifest vouches for it
-    (ckpt / MANIFEST).write_text(json.dumps(manifest))
-
-
-@pytest.mark.parametrize("damage", ["manifest", "train_state"])
-def test_a_checkpoint_of_another_shape_leaves_the_run_and_its_log_as_they_were(finished, data_dir, tmp_path, damage):
-    """The only checkpoint's manifest.json is `[]` (it once counted as weights-only: the run restarted at step 0 and
-    cut metrics.jsonl), or its train_state.pt is not one this code wrote: refused in one line, no traceback, nothing
-    changed but the lock's record."""
-    out, ckpt = tmp_path / "run", tmp_path / "run" / "ckpt-16"
-    shutil.copytree(finished, out)
-    if damage == "manifest":
-        (ckpt / MANIFEST).write_text("[]")
-    else:
-        train_state_of_another_code(ckpt)
-    before = sums(out)
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == 16
-    r = subprocess.run(train_cmd(out, data_dir, "--run_phases=main", "--ckpt_interval=16"), cwd=ROOT, env=ENV,
-                       capture_output=True, text=True)
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    if damage == "manifest":
-        assert lines[-2].startswith(f"warning: checkpoint {ckpt} is damaged ({MANIFEST} is unreadable "
-                                    f"({ckpt / MANIFEST} ") and "JSON array" in lines[-2]
-        assert lines[-1] == (f"no valid checkpoint in {out}: {ckpt} are damaged (see the warnings). Restore one "
-                             "from a copy, or move them away to start over from init_from.")
-    else:
-        assert lines[-1] == (f"{ckpt / TRAIN_STATE}: not a train state this code wrote (KeyError: 'rng'). Restore the "
-                             "checkpoint from a copy, or move it away to resume from the one before")
-    after = sums(out)
-    assert after.pop(".lock") != before.pop(".lock")  # the refusal came under the hold: its record, only
-    assert after == before
 
 
 def test_metrics_lines_that_hold_no_record_are_kept_and_skipped(tmp_path, capsys):

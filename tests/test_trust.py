@@ -40,8 +40,17 @@ def analyses(ckpt, tmp_path, out):
                             "--epochs", "1"])]
 
 
-def test_a_train_state_that_would_run_code_is_refused_or_ignored(data_dir, tmp_path):
-    run_train(tmp_path / "run", data_dir, "--run_phases=main", "--ckpt_interval=4")  # 16 steps: ckpt-4 ... ckpt-16
+@pytest.fixture(scope="module")
+def finished(data_dir, tmp_path_factory):
+    """A run of 16 steps with one checkpoint to resume, ckpt-16 (and final), and 16 records in metrics.jsonl; each
+    test copies it."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    run_train(out, data_dir, "--run_phases=main", "--ckpt_interval=16")
+    return out
+
+
+def test_a_train_state_that_would_run_code_is_refused_or_ignored(finished, data_dir, tmp_path):
+    shutil.copytree(finished, tmp_path / "run")
     ckpt, marker = tmp_path / "run" / "ckpt-16", tmp_path / "it_ran"
     # A callable in train_state.pt, the manifest updated to match, as a forger would.
     state = torch.load(ckpt / TRAIN_STATE, weights_only=True)  # what train.py writes loads as plain data
@@ -53,11 +62,10 @@ def test_a_train_state_that_would_run_code_is_refused_or_ignored(data_dir, tmp_p
     assert marker.is_dir()
     marker.rmdir()
 
-    # Resuming from it (out_dir's newest checkpoint), and the decay from it (--init_from), are refused in one line.
-    for out, extra in (("run", []), ("decay", [f"--init_from={ckpt}", "--run_phases=decay"])):
-        r = run_train(tmp_path / out, data_dir, *extra, check=False)
-        assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(
-            f"{ckpt / TRAIN_STATE}: refused: it holds objects other than tensors"), r.stderr
+    # Resuming from it (out_dir's newest checkpoint; a decay run from it as init_from loads it the same way): refused
+    r = run_train(tmp_path / "run", data_dir, check=False)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(
+        f"{ckpt / TRAIN_STATE}: refused: it holds objects other than tensors"), r.stderr
     # Weights from it (a new run), its CKA and its fine-tuning never read the train state.
     run_train(tmp_path / "new", data_dir, f"--init_from={ckpt}", "--run_phases=main", f"--tokens={2 * 8 * 64}")
     for r in analyses(str(ckpt), tmp_path, tmp_path / "out"):
@@ -94,9 +102,11 @@ def wait_for(condition, proc, log, seconds=120):
 LONG = [f"--tokens={100 * 8 * 64}", "--ckpt_interval=20", "--eval_interval=100"]  # 125 steps: seconds
 
 
-def test_a_second_run_on_one_out_dir_is_refused(data_dir, tmp_path):
-    out = tmp_path / "run"
-    first = start(out, data_dir, tmp_path / "first.log", *LONG)
+def test_a_second_run_on_one_out_dir_is_refused_and_a_signalled_holder_says_it_is_stopping(data_dir, tmp_path):
+    """A second run is refused at once; from the holder's SIGTERM on, its lock says "stopping" (a requeued job waits
+    for it) while it writes its checkpoint and exits 143 as before."""
+    out, log = tmp_path / "run", tmp_path / "first.log"
+    first = start(out, data_dir, log, *LONG)
     first.send_signal(signal.SIGSTOP)  # paused, not finished, while the same command starts again
     second = run_train(out, data_dir, *LONG, check=False)
     job = run_train(out, data_dir, *LONG, check=False, nproc=2)  # under torchrun: said once, by rank 0
@@ -106,22 +116,16 @@ def test_a_second_run_on_one_out_dir_is_refused(data_dir, tmp_path):
     assert "choose another out_dir" in line and "step" not in second.stdout  # refused before any work
     said = [line for line in job.stderr.splitlines() if "is in use by" in line]
     assert job.returncode != 0 and len(said) == 1 and said[0].startswith(f"out_dir={out} is in use by pid {first.pid}")
-    assert first.wait() == 0  # undisturbed
-    steps = [m["step"] for m in metrics(out)]
-    assert steps == sorted(set(steps)) and steps[-1] == 125  # each step logged once
 
-
-def test_a_signalled_run_says_it_is_stopping(data_dir, tmp_path):
-    """From the SIGTERM on (a requeued job waits for it); the run writes its checkpoint and exits 143 as before."""
-    out, log = tmp_path / "run", tmp_path / "run.log"
-    proc = start(out, data_dir, log, *LONG)
-    wait_for(lambda: (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size, proc, log)
-    proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size, first, log)
+    first.send_signal(signal.SIGTERM)
     deadline = time.time() + 60
     while lock.holder(str(out / ".lock")).get("state") != "stopping":
         assert time.time() < deadline
         time.sleep(0.01)
-    assert proc.wait() == 143
+    assert first.wait() == 143
+    steps = [m["step"] for m in metrics(out)]
+    assert steps == sorted(set(steps)) and "stopped by SIGTERM at step" in open(log).read()  # each step logged once
 
 
 def hold_in_another_process(out, state="running", beat_age=0.0, beat=3600):
@@ -155,11 +159,11 @@ def let_go(proc):
 @pytest.mark.parametrize("state, beat_age, why", [
     ("stopping", 0, "stopping: it is writing its last checkpoint"),
     ("running", 1000, r"its heartbeat 10\d\d s old by its clock \(lost, or its clock is not ours\)")])
-def test_a_requeued_run_waits_for_a_stopping_or_silent_holder(data_dir, tmp_path, state, beat_age, why):
+def test_a_requeued_run_waits_for_a_stopping_or_silent_holder(finished, data_dir, tmp_path, state, beat_age, why):
     """A holder writing its last checkpoint after SIGTERM, or a lost node whose lock the filesystem has not dropped
     yet: waited for; once it lets go, the run resumes."""
     out, log = tmp_path / "run", tmp_path / "requeued.log"
-    run_train(out, data_dir, "--run_phases=main", "--ckpt_interval=8")
+    shutil.copytree(finished, out)
     holder = hold_in_another_process(out, state, beat_age)
     run = subprocess.Popen(train_cmd(out, data_dir), cwd=ROOT, env=ENV, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     pattern = f"out_dir={out} is held by pid {holder.pid} on .*, {why}; waiting up to 10 minutes for it"
@@ -239,12 +243,12 @@ def test_a_held_lock_whose_record_names_no_holder_is_refused_in_one_line(tmp_pat
     let_go(holder)
 
 
-def test_a_changed_run_that_waited_for_a_stopping_holder_is_refused_under_the_hold(data_dir, tmp_path):
+def test_a_changed_run_that_waited_for_a_stopping_holder_is_refused_under_the_hold(finished, data_dir, tmp_path):
     """Run A holds out_dir, writing its first checkpoint after a SIGTERM; run B, with another objective, lr and seed,
     starts meanwhile: nothing to resume yet, so its start-up checks pass and it waits. Once A has written ckpt-16 and
     let go, B holds out_dir and is refused in one line, leaving out_dir (the lock file included) as A left it."""
     out, aside = tmp_path / "run", tmp_path / "aside"
-    run_train(out, data_dir, "--run_phases=main", "--ckpt_interval=16")
+    shutil.copytree(finished, out)
     aside.mkdir()
     for name in ("ckpt-16", "final"):  # A, before its last checkpoint
         shutil.move(out / name, aside / name)
@@ -267,3 +271,25 @@ def test_a_changed_run_that_waited_for_a_stopping_holder_is_refused_under_the_ho
         "--resume_changes=objective,lr,seed"), said
     assert "Traceback" not in said and "resuming at step" not in said
     assert sums(out) == before
+
+
+def test_a_train_state_of_another_code_leaves_the_run_and_its_log_as_they_were(finished, data_dir, tmp_path):
+    """The only checkpoint's train_state.pt, vouched for by its manifest, is not one this code wrote: refused in one
+    line, no traceback, nothing changed but the lock's record."""
+    out, ckpt = tmp_path / "run", tmp_path / "run" / "ckpt-16"
+    shutil.copytree(finished, out)
+    state = ckpt / TRAIN_STATE
+    torch.save({**torch.load(state, weights_only=True), "ranks": [{}]}, state)  # no random streams for rank 0
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    manifest[TRAIN_STATE] = {"bytes": os.path.getsize(state), "sha256": sha256(state)}
+    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+    before = sums(out)
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 16
+    r = run_train(out, data_dir, "--run_phases=main", "--ckpt_interval=16", check=False)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"{state}: not a train state this code wrote (KeyError: 'rng'). Restore the checkpoint from a copy, or move it "
+        "away to resume from the one before")
+    after = sums(out)
+    assert after.pop(".lock") != before.pop(".lock")  # the refusal came under the hold: its record, only
+    assert after == before
