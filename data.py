@@ -17,6 +17,7 @@ import argparse
 import ast
 import contextlib
 import functools
+import itertools
 import json
 import lzma
 import math
@@ -61,50 +62,32 @@ def extension(path):
     return os.path.splitext(stem)[1] + ext if ext == ".xz" else ext
 
 
-def open_text(path):
-    return (lzma.open if path.lower().endswith(".xz") else open)(path, "rt", encoding="utf-8")
-
-
 def read_documents(paths, text_field="text", blank_line_docs=False):
     """Yield the documents of the input files, in order: strings, "" for an empty or null text (prepare
     skips and counts those). A text that is not a string is refused with its file and line."""
     check_inputs(paths)
     for path in paths:
-        ext = extension(path).removesuffix(".xz")
+        ext = extension(path)
         try:
-            if ext == ".txt":
-                yield from _read_txt(path, blank_line_docs)
-            elif ext == ".jsonl":
-                yield from _read_jsonl(path, text_field)
-            else:
+            if ext == ".parquet":
                 yield from _read_parquet(path, text_field)
+                continue
+            with (lzma.open if ext.endswith(".xz") else open)(path, "rt", encoding="utf-8") as f:
+                if ext.startswith(".jsonl"):
+                    for n, obj in json_lines(f, path):
+                        if not isinstance(obj, dict) or text_field not in obj:
+                            raise SystemExit(f"{path}:{n}: no {text_field!r} field; choose the text field with "
+                                             "--text_field")
+                        yield _text(obj[text_field], f"{path}:{n}")
+                elif blank_line_docs:  # a document per run of non-blank lines
+                    for blank, lines in itertools.groupby(f, key=lambda line: not line.strip()):
+                        if not blank:
+                            yield "".join(lines).rstrip("\n")
+                else:
+                    yield from (line.rstrip("\n") for line in f if line.strip())
         except (OSError, EOFError, lzma.LZMAError, UnicodeDecodeError) as e:  # EOFError: an .xz file cut short
-            raise SystemExit(f"{path}: cannot be read as {'xz-compressed ' * (ext != extension(path))}UTF-8 text "
+            raise SystemExit(f"{path}: cannot be read as {'xz-compressed ' * ext.endswith('.xz')}UTF-8 text "
                              f"({e})") from None
-
-
-def _read_txt(path, blank_line_docs):
-    with open_text(path) as f:
-        if not blank_line_docs:
-            yield from (line.rstrip("\n") for line in f if line.strip())
-            return
-        para = []
-        for line in f:
-            if line.strip():
-                para.append(line.rstrip("\n"))
-            elif para:
-                yield "\n".join(para)
-                para = []
-        if para:
-            yield "\n".join(para)
-
-
-def _read_jsonl(path, field):
-    with open_text(path) as f:
-        for n, obj in json_lines(f, path):
-            if not isinstance(obj, dict) or field not in obj:
-                raise SystemExit(f"{path}:{n}: no {field!r} field; choose the text field with --text_field")
-            yield _text(obj[field], f"{path}:{n}")
 
 
 def _read_parquet(path, field):
@@ -115,11 +98,9 @@ def _read_parquet(path, field):
     table = pq.ParquetFile(path)
     if field not in table.schema_arrow.names:
         raise SystemExit(f"{path}: no {field!r} column (columns: {table.schema_arrow.names}); use --text_field")
-    row = 0
-    for batch in table.iter_batches(columns=[field]):
-        for t in batch.column(0).to_pylist():
-            row += 1
-            yield _text(t, f"{path}: row {row}")
+    texts = (t for batch in table.iter_batches(columns=[field]) for t in batch.column(0).to_pylist())
+    for row, t in enumerate(texts, 1):
+        yield _text(t, f"{path}: row {row}")
 
 
 def _text(value, where):
@@ -141,8 +122,7 @@ def demo_documents(part):
     if part == "general":  # module names relative to the stdlib folder: json.decoder
         roots = [(sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["stdlib"])]
     elif part == "domain":  # relative to site-packages: torch.nn.functional
-        import numpy
-        roots = [(os.path.dirname(m.__file__), os.path.dirname(os.path.dirname(m.__file__))) for m in (torch, numpy)]
+        roots = [(os.path.dirname(m.__file__), os.path.dirname(os.path.dirname(m.__file__))) for m in (torch, np)]
     else:
         raise ValueError(f"unknown demo corpus part {part!r}: 'general' or 'domain'")
     skip = {"test", "tests", "testing", "idlelib", "lib2to3", "site-packages", "dist-packages", "_vendor"}
@@ -150,9 +130,7 @@ def demo_documents(part):
     for root, base in roots:
         for dirpath, dirnames, filenames in os.walk(root):
             dirnames[:] = sorted(d for d in dirnames if d not in skip and not d.startswith("."))
-            for name in sorted(filenames):
-                if not name.endswith(".py"):
-                    continue
+            for name in sorted(f for f in filenames if f.endswith(".py")):
                 path = os.path.join(dirpath, name)
                 module = os.path.relpath(path, base)[:-3].replace(os.sep, ".").removesuffix(".__init__")
                 try:
@@ -173,7 +151,7 @@ def demo_documents(part):
 # -----------------------------------------------------------------------------
 # prepare: text -> train.bin / val.bin / meta.json
 
-_worker_tok = None
+_worker_tok = None  # this process's tokenizer: a pool worker's, or the main process's for one worker
 
 
 def _init_worker(spec):
@@ -182,100 +160,34 @@ def _init_worker(spec):
 
 
 def _encode_chunk(job):
-    """(key, documents) -> (key, the number of documents, their ids with eos after each document, each
-    document's length with its eos). The key says where the chunk goes (a split, a source)."""
+    """(key, documents) -> (key, their ids with an eos after each document, each document's length with its eos)."""
     key, docs = job
-    out, lengths = [], []
-    for ids in _worker_tok.encode_batch(docs):
-        out.extend(ids)
-        out.append(_worker_tok.eos_id)
-        lengths.append(len(ids) + 1)
-    return key, len(docs), np.asarray(out, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+    encoded = [ids + [_worker_tok.eos_id] for ids in _worker_tok.encode_batch(docs)]
+    return (key, np.fromiter(itertools.chain.from_iterable(encoded), dtype=np.int64),
+            np.array([len(ids) for ids in encoded], dtype=np.int64))
 
 
-def _encoded(jobs, spec, workers):
-    """_encode_chunk of each job, in job order, on a pool of `workers` processes (or here for one)."""
+def _tokenized(keyed_docs, spec, workers, chunk_docs, n_docs, desc):
+    """Tokenize the non-empty texts of keyed_docs, (key, text) pairs whose key says where a document goes, in chunks
+    of up to chunk_docs documents of one key, on a pool of `workers` processes (or here, for one). Yields the
+    _encode_chunk of each chunk in input order whatever the number of workers, so the output is deterministic."""
+    def jobs():
+        for key, group in itertools.groupby(((k, doc) for k, doc in keyed_docs if doc), key=lambda kd: kd[0]):
+            docs = (doc for _, doc in group)
+            while chunk := list(itertools.islice(docs, chunk_docs)):
+                yield key, chunk
+
     pool = mp.get_context("spawn").Pool(workers, _init_worker, (spec,)) if workers > 1 else None
     if pool is None:
         _init_worker(spec)
     try:
-        yield from (pool.imap(_encode_chunk, jobs) if pool else map(_encode_chunk, jobs))
+        with tqdm(total=n_docs, desc=desc, unit="doc", disable=None) as bar:
+            for key, ids, lengths in (pool.imap(_encode_chunk, jobs()) if pool else map(_encode_chunk, jobs())):
+                yield key, ids, lengths
+                bar.update(len(lengths))
     finally:
         if pool:
             pool.terminate()
-
-
-def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk_docs=512):
-    """Tokenize the documents that docs_fn() yields into out/{train,val}.bin and out/meta.json,
-    with the tokenizer copied beside them.
-
-    Every file (the tokenizer copy and meta.json included) is written into a staging folder
-    beside out and moved into out only at the end: a failed or interrupted run leaves what
-    out held as it was.
-    """
-    return _staged(out, lambda stage: _write_shards(docs_fn, tokenizer, stage, val_docs, workers, sources,
-                                                    chunk_docs))
-
-
-def _staged(out, write):
-    """write(stage) into a fresh staging folder beside out, then its files moved into out (see prepare)."""
-    stage = fresh_dir(os.path.normpath(out) + ".prepare.tmp")  # one that a killed run left is removed
-    try:
-        meta = write(stage)
-        _publish(stage, out)
-    finally:
-        remove(stage)
-    return meta
-
-
-def _write_shards(docs_fn, tokenizer, stage, val_docs, workers, sources, chunk_docs):
-    """The work of prepare, into stage. docs_fn is called twice (a count, then the real pass) so nothing
-    holds the corpus in memory; empty texts are skipped and counted. The val documents are drawn at
-    random (seed 0) from the whole input. Chunks are written in input order whatever the number of
-    workers, so the output is deterministic."""
-    spec, dtype, about = _stage_tokenizer(tokenizer, stage)
-    n_docs = _count_documents(docs_fn, "prepare")
-    if n_docs == 0:
-        raise SystemExit("prepare: the input holds no documents (empty files?)")
-    if n_docs <= val_docs:
-        raise SystemExit(f"prepare: only {n_docs} documents, not enough for --val_docs {val_docs} plus training")
-    val_set = set(np.random.default_rng(0).choice(n_docs, size=val_docs, replace=False).tolist())
-
-    def jobs():  # (split, chunk of documents), in input order
-        bufs = {"train": [], "val": []}
-        for i, doc in enumerate(d for d in docs_fn() if d):
-            split = "val" if i in val_set else "train"
-            bufs[split].append(doc)
-            if len(bufs[split]) == chunk_docs:
-                yield split, bufs[split]
-                bufs[split] = []
-        yield from ((split, buf) for split, buf in bufs.items() if buf)
-
-    counts = {"train": [0, 0], "val": [0, 0]}  # documents, tokens
-    files = {split: open_file(os.path.join(stage, f"{split}.bin"), "wb") for split in counts}
-    try:
-        with (tqdm(total=n_docs, desc="prepare", unit="doc", disable=None) as bar,
-              contextlib.closing(_encoded(jobs(), spec, workers)) as chunks):
-            for split, docs, ids, _ in chunks:
-                files[split].write(ids.astype(dtype).tobytes())
-                counts[split][0] += docs
-                counts[split][1] += len(ids)
-                bar.update(docs)
-    finally:
-        for f in files.values():
-            f.close()
-    return _write_meta(stage, dict(**about, train_docs=counts["train"][0], train_tokens=counts["train"][1],
-                                   val_docs=counts["val"][0], val_tokens=counts["val"][1], sources=list(sources)))
-
-
-def _stage_tokenizer(tokenizer, stage):
-    """The tokenizer copied into stage -> (what the workers load: the copy; the shards' dtype; meta.json's keys about
-    the tokenizer)."""
-    tok = load_tokenizer(tokenizer)  # first: a missing or broken tokenizer is said before anything is copied
-    file = _copy_tokenizer(tokenizer, stage)
-    dtype = np.uint16 if tok.vocab_size <= 2 ** 16 else np.uint32
-    return file, dtype, dict(tokenizer=os.path.basename(file), tokenizer_sha256=sha256(file),
-                             vocab_size=tok.vocab_size, dtype=np.dtype(dtype).name, **tok.special_ids)
 
 
 def _count_documents(docs_fn, where):
@@ -288,33 +200,63 @@ def _count_documents(docs_fn, where):
     return n_docs
 
 
-def _write_meta(stage, meta):
-    with open_file(os.path.join(stage, "meta.json")) as f:
-        json.dump(meta, f, indent=2)
+def _staged(out, tokenizer, write):
+    """Prepare out: the tokenizer copied (whatever its file's name) as tokenizer.json with its companions, and
+    write(stage, the copy's path, the shards' dtype) -> the counts of meta.json, which is written last. Every file
+    goes into a staging folder beside out and is moved into out only at the end: a failed or interrupted run leaves
+    what out held as it was."""
+    stage = fresh_dir(os.path.normpath(out) + ".prepare.tmp")  # one that a killed run left is removed
+    try:
+        tok = load_tokenizer(tokenizer)  # first: a missing or broken tokenizer is said before anything is copied
+        path = tokenizer_file(tokenizer)
+        for name in TOKENIZER_FILES:
+            src = path if name == "tokenizer.json" else os.path.join(os.path.dirname(path), name)
+            if os.path.isfile(src):
+                shutil.copyfile(src, os.path.join(stage, name))
+        spec = os.path.join(stage, "tokenizer.json")
+        dtype = np.uint16 if tok.vocab_size <= 2 ** 16 else np.uint32
+        meta = dict(tokenizer="tokenizer.json", tokenizer_sha256=sha256(spec), vocab_size=tok.vocab_size,
+                    dtype=np.dtype(dtype).name, **tok.special_ids, **write(stage, spec, dtype))
+        with open_file(os.path.join(stage, "meta.json")) as f:
+            json.dump(meta, f, indent=2)
+        # meta.json leaves out first and comes back last: a kill in between leaves a folder that train.py refuses
+        # (no meta.json), never old shards beside a new tokenizer. An earlier run's tokenizer file that this one
+        # does not have is removed.
+        os.makedirs(out, exist_ok=True)
+        for name in ("meta.json", *TOKENIZER_FILES):
+            if name == "meta.json" or not os.path.exists(os.path.join(stage, name)):
+                remove(os.path.join(out, name))
+        for name in sorted(os.listdir(stage), key=lambda n: n == "meta.json"):
+            os.replace(os.path.join(stage, name), os.path.join(out, name))
+    finally:
+        remove(stage)
     return meta
 
 
-def _copy_tokenizer(spec, stage):
-    """Put the tokenizer file, whatever its name, as stage/tokenizer.json, and its companions beside it;
-    return the copy's path."""
-    path = tokenizer_file(spec)
-    for name in TOKENIZER_FILES:
-        src = path if name == "tokenizer.json" else os.path.join(os.path.dirname(path), name)
-        if os.path.isfile(src):
-            shutil.copyfile(src, os.path.join(stage, name))
-    return os.path.join(stage, "tokenizer.json")
+def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk_docs=512):
+    """Tokenize the documents that docs_fn() yields into out/{train,val}.bin and out/meta.json, with the tokenizer
+    copied beside them (staged: see _staged). docs_fn is called twice (a count, then the real pass) so nothing holds
+    the corpus in memory; empty texts are skipped and counted. The val documents are drawn at random (seed 0) from
+    the whole input."""
+    def write(stage, spec, dtype):
+        n_docs = _count_documents(docs_fn, "prepare")
+        if n_docs == 0:
+            raise SystemExit("prepare: the input holds no documents (empty files?)")
+        if n_docs <= val_docs:
+            raise SystemExit(f"prepare: only {n_docs} documents, not enough for --val_docs {val_docs} plus training")
+        val_set = set(np.random.default_rng(0).choice(n_docs, size=val_docs, replace=False).tolist())
+        keyed = (("val" if i in val_set else "train", doc) for i, doc in enumerate(d for d in docs_fn() if d))
+        counts = dict(train_docs=0, train_tokens=0, val_docs=0, val_tokens=0)
+        with (open_file(os.path.join(stage, "train.bin"), "wb") as train,
+              open_file(os.path.join(stage, "val.bin"), "wb") as val,
+              contextlib.closing(_tokenized(keyed, spec, workers, chunk_docs, n_docs, "prepare")) as chunks):
+            for split, ids, lengths in chunks:
+                (val if split == "val" else train).write(ids.astype(dtype).tobytes())
+                counts[f"{split}_docs"] += len(lengths)
+                counts[f"{split}_tokens"] += len(ids)
+        return dict(**counts, sources=list(sources))
 
-
-def _publish(stage, out):
-    """Move the staged files into out. meta.json leaves first and comes back last: a kill in between
-    leaves a folder that train.py refuses (no meta.json), never old shards beside a new tokenizer.
-    A tokenizer file of an earlier run that this one does not have is removed."""
-    os.makedirs(out, exist_ok=True)
-    for name in ("meta.json", *TOKENIZER_FILES):
-        if name == "meta.json" or not os.path.exists(os.path.join(stage, name)):
-            remove(os.path.join(out, name))
-    for name in sorted(os.listdir(stage), key=lambda n: n == "meta.json"):
-        os.replace(os.path.join(stage, name), os.path.join(out, name))
+    return _staged(out, tokenizer, write)
 
 
 # -----------------------------------------------------------------------------
@@ -337,18 +279,16 @@ def prepare_mixture(docs_fns, weights, tokenizer, out, tokens=None, val_docs=100
     mixture that repeats no document. The val_docs validation documents are drawn from every source (split by
     weight, at least one each), never repeated and never in train. meta.json has prepare's keys and
     "mixture": the seed, the tokens asked for, and per source its documents, tokens, share and repeat factor.
-    Staged and published like prepare; the scratch file lives in the staging folder."""
+    The weights and val_docs are as check_args lets them through."""
     sources = list(sources) or [f"source {i}" for i in range(len(docs_fns))]
-    check_mixture(weights, len(docs_fns), val_docs)
     weights = np.asarray(weights, dtype=np.float64)
-    return _staged(out, lambda stage: _write_mixture(docs_fns, weights / weights.sum(), tokenizer, stage, tokens,
-                                                     val_docs, workers, seed, sources, chunk_docs))
+    return _staged(out, tokenizer, lambda stage, spec, dtype: _write_mixture(
+        docs_fns, weights / weights.sum(), stage, spec, dtype, tokens, val_docs, workers, seed, sources, chunk_docs))
 
 
-def _write_mixture(docs_fns, weights, tokenizer, stage, tokens, val_docs, workers, seed, sources, chunk_docs):
+def _write_mixture(docs_fns, weights, stage, spec, dtype, tokens, val_docs, workers, seed, sources, chunk_docs):
     """The work of prepare_mixture, into stage: count (every source is checked before any tokenizing),
     tokenize once, split off validation, plan the shares, write both splits interleaved."""
-    spec, dtype, about = _stage_tokenizer(tokenizer, stage)
     n_docs = [_count_documents(docs_fn, f"prepare: {name}") for name, docs_fn in zip(sources, docs_fns)]
     n_val = split_val_docs(val_docs, weights)
     for name, n, v in zip(sources, n_docs, n_val):
@@ -356,8 +296,15 @@ def _write_mixture(docs_fns, weights, tokenizer, stage, tokens, val_docs, worker
             raise SystemExit(f"prepare: {name} has {n} document(s), too few to give one to training beside its "
                              f"{v} validation document(s) (--val_docs {val_docs}, split by weight)")
     scratch = os.path.join(stage, "sources.tmp")
-    lengths = _tokenize_sources(docs_fns, spec, scratch, dtype, workers, chunk_docs, sum(n_docs))
-    offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))])  # document d: tokens offsets[d]:offsets[d+1]
+    keyed = ((i, doc) for i, docs_fn in enumerate(docs_fns) for doc in docs_fn())
+    doc_tokens = []  # each document's tokens (eos included), in the scratch file's order
+    with (open_file(scratch, "wb") as f,
+          contextlib.closing(_tokenized(keyed, spec, workers, chunk_docs, sum(n_docs), "tokenize")) as chunks):
+        for _, ids, lengths in chunks:
+            f.write(ids.astype(dtype).tobytes())
+            doc_tokens.append(lengths)
+    doc_tokens = np.concatenate(doc_tokens)
+    offsets = np.concatenate([[0], np.cumsum(doc_tokens)])  # document d: tokens offsets[d]:offsets[d+1]
     first = np.cumsum([0, *n_docs])  # each source's first document
     val, train = [], []  # each source's documents of each split (ids into offsets, in file order)
     for i, (n, v) in enumerate(zip(n_docs, n_val)):
@@ -365,7 +312,6 @@ def _write_mixture(docs_fns, weights, tokenizer, stage, tokens, val_docs, worker
         is_val[np.random.default_rng([seed, 0, i]).choice(n, size=v, replace=False)] = True
         val.append(first[i] + np.flatnonzero(is_val))
         train.append(first[i] + np.flatnonzero(~is_val))
-    doc_tokens = np.diff(offsets)
     plan = plan_mixture([doc_tokens[d] for d in train], weights, tokens, seed, sources)
     token_file = np.memmap(scratch, dtype=dtype, mode="r")
     n_train = _write_interleaved(os.path.join(stage, "train.bin"), token_file, offsets,
@@ -383,54 +329,17 @@ def _write_mixture(docs_fns, weights, tokenizer, stage, tokens, val_docs, worker
                          documents_used=copies * len(d) + len(sample), tokens_used=used,
                          share=round(used / n_train[1], 6), repeat=round(used / available, 6),
                          val_docs=len(v), val_tokens=int(doc_tokens[v].sum())))
-    return _write_meta(stage, dict(**about, train_docs=n_train[0], train_tokens=n_train[1], val_docs=n_val_written[0],
-                                   val_tokens=n_val_written[1], sources=list(sources),
-                                   mixture=dict(seed=seed, tokens=tokens, sources=rows)))
-
-
-def check_mixture(weights, n_sources, val_docs):
-    """One positive weight per source, and a validation document or more from each, or one line saying what not."""
-    if len(weights) != n_sources:
-        raise SystemExit(f"--weights has {len(weights)} value(s) for {n_sources} --input file(s): give one weight "
-                         "per file")
-    if not all(math.isfinite(w) and w > 0 for w in weights):
-        raise SystemExit(f"--weights {' '.join(f'{w:g}' for w in weights)}: every weight must be a positive number")
-    if val_docs < n_sources:
-        raise SystemExit(f"--val_docs {val_docs}: a mixture draws at least one validation document from each of "
-                         f"its {n_sources} sources")
+    return dict(train_docs=n_train[0], train_tokens=n_train[1], val_docs=n_val_written[0],
+                val_tokens=n_val_written[1], sources=list(sources),
+                mixture=dict(seed=seed, tokens=tokens, sources=rows))
 
 
 def split_val_docs(val_docs, weights):
-    """val_docs split over the sources by weight, at least one each (largest remainders; check_mixture: enough)."""
+    """val_docs split over the sources by weight, at least one each (largest remainders; check_args: enough)."""
     quota = np.asarray(weights) * (val_docs - len(weights))
     n = 1 + np.floor(quota).astype(np.int64)
     n[np.argsort(np.floor(quota) - quota, kind="stable")[:val_docs - int(n.sum())]] += 1
     return n.tolist()
-
-
-def _tokenize_sources(docs_fns, spec, path, dtype, workers, chunk_docs, n_docs):
-    """Every source's documents, tokenized once into the scratch file at path (the sources one after another,
-    each document followed by eos); -> per source, its documents' lengths in tokens (eos included)."""
-    def jobs():  # (source, chunk of its documents), in input order
-        for i, docs_fn in enumerate(docs_fns):
-            buf = []
-            for doc in docs_fn():
-                if doc:
-                    buf.append(doc)
-                if len(buf) == chunk_docs:
-                    yield i, buf
-                    buf = []
-            if buf:
-                yield i, buf
-
-    lengths = [[] for _ in docs_fns]
-    with (open_file(path, "wb") as f, tqdm(total=n_docs, desc="tokenize", unit="doc", disable=None) as bar,
-          contextlib.closing(_encoded(jobs(), spec, workers)) as chunks):
-        for i, docs, ids, lens in chunks:
-            f.write(ids.astype(dtype).tobytes())
-            lengths[i].append(lens)
-            bar.update(docs)
-    return [np.concatenate(x) for x in lengths]
 
 
 def plan_mixture(lengths, weights, tokens=None, seed=0, names=None):
@@ -732,10 +641,17 @@ def check_args(args):
         check_inputs(args.input)
     if args.weights is None and (args.tokens is not None or args.seed is not None):
         raise SystemExit("--tokens and --seed size and order a mixture: give --weights too, one per --input file")
-    if args.weights is not None:
+    if args.weights is not None:  # a mixture: checked before a tokenizer is trained
         if not args.input:
             raise SystemExit("--weights mixes --input files; --demo is one corpus")
-        check_mixture(args.weights, len(args.input), args.val_docs)  # before a tokenizer is trained
+        weights, n = args.weights, len(args.input)
+        if len(weights) != n:
+            raise SystemExit(f"--weights has {len(weights)} value(s) for {n} --input file(s): give one weight per file")
+        if not all(math.isfinite(w) and w > 0 for w in weights):
+            raise SystemExit(f"--weights {' '.join(f'{w:g}' for w in weights)}: every weight must be a positive number")
+        if args.val_docs < n:
+            raise SystemExit(f"--val_docs {args.val_docs}: a mixture draws at least one validation document from each "
+                             f"of its {n} sources")
     check_out_dir(args.out)
     spec = args.tokenizer
     if spec.startswith("bpe:"):
