@@ -200,11 +200,12 @@ def _count_documents(docs_fn, where):
     return n_docs
 
 
-def _staged(out, tokenizer, write):
-    """Prepare out: the tokenizer copied (whatever its file's name) as tokenizer.json with its companions, and
-    write(stage, the copy's path, the shards' dtype) -> the counts of meta.json, which is written last. Every file
-    goes into a staging folder beside out and is moved into out only at the end: a failed or interrupted run leaves
-    what out held as it was."""
+@contextlib.contextmanager
+def _staged(out, tokenizer):
+    """The frame of prepare: yields (stage, spec, dtype, meta): a staging folder beside out that holds the tokenizer,
+    copied (whatever its file's name) as tokenizer.json with its companions; the copy's path, for the workers; the
+    shards' dtype; meta.json's keys about the tokenizer, which the caller completes. Then meta.json is written and
+    every staged file moved into out: a failed or interrupted run leaves what out held as it was."""
     stage = fresh_dir(os.path.normpath(out) + ".prepare.tmp")  # one that a killed run left is removed
     try:
         tok = load_tokenizer(tokenizer)  # first: a missing or broken tokenizer is said before anything is copied
@@ -216,7 +217,8 @@ def _staged(out, tokenizer, write):
         spec = os.path.join(stage, "tokenizer.json")
         dtype = np.uint16 if tok.vocab_size <= 2 ** 16 else np.uint32
         meta = dict(tokenizer="tokenizer.json", tokenizer_sha256=sha256(spec), vocab_size=tok.vocab_size,
-                    dtype=np.dtype(dtype).name, **tok.special_ids, **write(stage, spec, dtype))
+                    dtype=np.dtype(dtype).name, **tok.special_ids)
+        yield stage, spec, dtype, meta
         with open_file(os.path.join(stage, "meta.json")) as f:
             json.dump(meta, f, indent=2)
         # meta.json leaves out first and comes back last: a kill in between leaves a folder that train.py refuses
@@ -230,7 +232,6 @@ def _staged(out, tokenizer, write):
             os.replace(os.path.join(stage, name), os.path.join(out, name))
     finally:
         remove(stage)
-    return meta
 
 
 def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk_docs=512):
@@ -238,7 +239,7 @@ def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk
     copied beside them (staged: see _staged). docs_fn is called twice (a count, then the real pass) so nothing holds
     the corpus in memory; empty texts are skipped and counted. The val documents are drawn at random (seed 0) from
     the whole input."""
-    def write(stage, spec, dtype):
+    with _staged(out, tokenizer) as (stage, spec, dtype, meta):
         n_docs = _count_documents(docs_fn, "prepare")
         if n_docs == 0:
             raise SystemExit("prepare: the input holds no documents (empty files?)")
@@ -246,17 +247,15 @@ def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk
             raise SystemExit(f"prepare: only {n_docs} documents, not enough for --val_docs {val_docs} plus training")
         val_set = set(np.random.default_rng(0).choice(n_docs, size=val_docs, replace=False).tolist())
         keyed = (("val" if i in val_set else "train", doc) for i, doc in enumerate(d for d in docs_fn() if d))
-        counts = dict(train_docs=0, train_tokens=0, val_docs=0, val_tokens=0)
+        meta.update(train_docs=0, train_tokens=0, val_docs=0, val_tokens=0, sources=list(sources))
         with (open_file(os.path.join(stage, "train.bin"), "wb") as train,
               open_file(os.path.join(stage, "val.bin"), "wb") as val,
               contextlib.closing(_tokenized(keyed, spec, workers, chunk_docs, n_docs, "prepare")) as chunks):
             for split, ids, lengths in chunks:
                 (val if split == "val" else train).write(ids.astype(dtype).tobytes())
-                counts[f"{split}_docs"] += len(lengths)
-                counts[f"{split}_tokens"] += len(ids)
-        return dict(**counts, sources=list(sources))
-
-    return _staged(out, tokenizer, write)
+                meta[f"{split}_docs"] += len(lengths)
+                meta[f"{split}_tokens"] += len(ids)
+    return meta
 
 
 # -----------------------------------------------------------------------------
@@ -275,63 +274,59 @@ def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk
 def prepare_mixture(docs_fns, weights, tokenizer, out, tokens=None, val_docs=1000, workers=1, seed=0,
                     sources=(), chunk_docs=512):
     """prepare for a weighted mixture: docs_fns[i]() yields the documents of source i (named sources[i]),
-    which makes weights[i] (normalized to sum to 1) of the `tokens` training tokens; tokens=None: the largest
-    mixture that repeats no document. The val_docs validation documents are drawn from every source (split by
-    weight, at least one each), never repeated and never in train. meta.json has prepare's keys and
-    "mixture": the seed, the tokens asked for, and per source its documents, tokens, share and repeat factor.
-    The weights and val_docs are as check_args lets them through."""
+    which makes weights[i] (normalized to sum to 1; check_args checks them) of the `tokens` training tokens;
+    tokens=None: the largest mixture that repeats no document. The val_docs validation documents are drawn from
+    every source (split by weight, at least one each), never repeated and never in train. meta.json has prepare's
+    keys and "mixture": the seed, the tokens asked for, and per source its documents, tokens, share and repeat."""
     sources = list(sources) or [f"source {i}" for i in range(len(docs_fns))]
     weights = np.asarray(weights, dtype=np.float64)
-    return _staged(out, tokenizer, lambda stage, spec, dtype: _write_mixture(
-        docs_fns, weights / weights.sum(), stage, spec, dtype, tokens, val_docs, workers, seed, sources, chunk_docs))
-
-
-def _write_mixture(docs_fns, weights, stage, spec, dtype, tokens, val_docs, workers, seed, sources, chunk_docs):
-    """The work of prepare_mixture, into stage: count (every source is checked before any tokenizing),
-    tokenize once, split off validation, plan the shares, write both splits interleaved."""
-    n_docs = [_count_documents(docs_fn, f"prepare: {name}") for name, docs_fn in zip(sources, docs_fns)]
-    n_val = split_val_docs(val_docs, weights)
-    for name, n, v in zip(sources, n_docs, n_val):
-        if n <= v:
-            raise SystemExit(f"prepare: {name} has {n} document(s), too few to give one to training beside its "
-                             f"{v} validation document(s) (--val_docs {val_docs}, split by weight)")
-    scratch = os.path.join(stage, "sources.tmp")
-    keyed = ((i, doc) for i, docs_fn in enumerate(docs_fns) for doc in docs_fn())
-    doc_tokens = []  # each document's tokens (eos included), in the scratch file's order
-    with (open_file(scratch, "wb") as f,
-          contextlib.closing(_tokenized(keyed, spec, workers, chunk_docs, sum(n_docs), "tokenize")) as chunks):
-        for _, ids, lengths in chunks:
-            f.write(ids.astype(dtype).tobytes())
-            doc_tokens.append(lengths)
-    doc_tokens = np.concatenate(doc_tokens)
-    offsets = np.concatenate([[0], np.cumsum(doc_tokens)])  # document d: tokens offsets[d]:offsets[d+1]
-    first = np.cumsum([0, *n_docs])  # each source's first document
-    val, train = [], []  # each source's documents of each split (ids into offsets, in file order)
-    for i, (n, v) in enumerate(zip(n_docs, n_val)):
-        is_val = np.zeros(n, dtype=bool)
-        is_val[np.random.default_rng([seed, 0, i]).choice(n, size=v, replace=False)] = True
-        val.append(first[i] + np.flatnonzero(is_val))
-        train.append(first[i] + np.flatnonzero(~is_val))
-    plan = plan_mixture([doc_tokens[d] for d in train], weights, tokens, seed, sources)
-    token_file = np.memmap(scratch, dtype=dtype, mode="r")
-    n_train = _write_interleaved(os.path.join(stage, "train.bin"), token_file, offsets,
-                                 [(d, copies, d[sample]) for d, (copies, sample) in zip(train, plan)],
-                                 np.random.default_rng([seed, 2, 0]), "train")
-    n_val_written = _write_interleaved(os.path.join(stage, "val.bin"), token_file, offsets,
-                                       [(d, 1, d[:0]) for d in val], np.random.default_rng([seed, 2, 1]), "val")
-    del token_file
-    os.remove(scratch)
-    rows = []
-    for name, w, d, v, (copies, sample) in zip(sources, weights, train, val, plan):
-        available, sampled = int(doc_tokens[d].sum()), int(doc_tokens[d[sample]].sum())
-        used = copies * available + sampled
-        rows.append(dict(path=name, weight=round(float(w), 6), documents=len(d), tokens=available,
-                         documents_used=copies * len(d) + len(sample), tokens_used=used,
-                         share=round(used / n_train[1], 6), repeat=round(used / available, 6),
-                         val_docs=len(v), val_tokens=int(doc_tokens[v].sum())))
-    return dict(train_docs=n_train[0], train_tokens=n_train[1], val_docs=n_val_written[0],
-                val_tokens=n_val_written[1], sources=list(sources),
-                mixture=dict(seed=seed, tokens=tokens, sources=rows))
+    weights = weights / weights.sum()
+    with _staged(out, tokenizer) as (stage, spec, dtype, meta):
+        # count: every source is checked before any tokenizing
+        n_docs = [_count_documents(docs_fn, f"prepare: {name}") for name, docs_fn in zip(sources, docs_fns)]
+        n_val = split_val_docs(val_docs, weights)
+        for name, n, v in zip(sources, n_docs, n_val):
+            if n <= v:
+                raise SystemExit(f"prepare: {name} has {n} document(s), too few to give one to training beside its "
+                                 f"{v} validation document(s) (--val_docs {val_docs}, split by weight)")
+        scratch = os.path.join(stage, "sources.tmp")
+        keyed = ((i, doc) for i, docs_fn in enumerate(docs_fns) for doc in docs_fn())
+        doc_tokens = []  # each document's tokens (eos included), in the scratch file's order
+        with (open_file(scratch, "wb") as f,
+              contextlib.closing(_tokenized(keyed, spec, workers, chunk_docs, sum(n_docs), "tokenize")) as chunks):
+            for _, ids, lengths in chunks:
+                f.write(ids.astype(dtype).tobytes())
+                doc_tokens.append(lengths)
+        doc_tokens = np.concatenate(doc_tokens)
+        offsets = np.concatenate([[0], np.cumsum(doc_tokens)])  # document d: tokens offsets[d]:offsets[d+1]
+        first = np.cumsum([0, *n_docs])  # each source's first document
+        val, train = [], []  # each source's documents of each split (ids into offsets, in file order)
+        for i, (n, v) in enumerate(zip(n_docs, n_val)):
+            is_val = np.zeros(n, dtype=bool)
+            is_val[np.random.default_rng([seed, 0, i]).choice(n, size=v, replace=False)] = True
+            val.append(first[i] + np.flatnonzero(is_val))
+            train.append(first[i] + np.flatnonzero(~is_val))
+        plan = plan_mixture([doc_tokens[d] for d in train], weights, tokens, seed, sources)
+        token_file = np.memmap(scratch, dtype=dtype, mode="r")
+        meta["train_docs"], meta["train_tokens"] = _write_interleaved(
+            os.path.join(stage, "train.bin"), token_file, offsets,
+            [(d, copies, d[sample]) for d, (copies, sample) in zip(train, plan)], np.random.default_rng([seed, 2, 0]),
+            "train")
+        meta["val_docs"], meta["val_tokens"] = _write_interleaved(
+            os.path.join(stage, "val.bin"), token_file, offsets, [(d, 1, d[:0]) for d in val],
+            np.random.default_rng([seed, 2, 1]), "val")
+        del token_file
+        os.remove(scratch)
+        rows = []
+        for name, w, d, v, (copies, sample) in zip(sources, weights, train, val, plan):
+            available, sampled = int(doc_tokens[d].sum()), int(doc_tokens[d[sample]].sum())
+            used = copies * available + sampled
+            rows.append(dict(path=name, weight=round(float(w), 6), documents=len(d), tokens=available,
+                             documents_used=copies * len(d) + len(sample), tokens_used=used,
+                             share=round(used / meta["train_tokens"], 6), repeat=round(used / available, 6),
+                             val_docs=len(v), val_tokens=int(doc_tokens[v].sum())))
+        meta.update(sources=list(sources), mixture=dict(seed=seed, tokens=tokens, sources=rows))
+    return meta
 
 
 def split_val_docs(val_docs, weights):
@@ -495,7 +490,7 @@ def _layout(windows, eos_id, split_docs):
     ends[:, -1] = True  # every window ends a sequence
     cut = ends.flatten().nonzero().squeeze(1) + 1  # exclusive end of each sequence
     cu = torch.cat([torch.zeros(1, dtype=torch.int64), cut]).to(torch.int32)
-    return cu, int((cu[1:] - cu[:-1]).max())
+    return cu, int(cu.diff().max())
 
 
 def clm_batch(windows, eos_id, split_docs=False):
