@@ -16,7 +16,6 @@ import os
 import re
 import unicodedata
 
-import numpy as np
 import tiktoken
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
@@ -114,7 +113,13 @@ class TiktokenBPE(Tokenizer):
             if not set(a + b) <= BYTE_OF.keys():
                 raise ValueError(f"{path}: the merge {merge!r} is not of byte-level BPE tokens")
             ranks.setdefault(_to_bytes(a) + _to_bytes(b), len(ranks))
-        self.rank_to_id = _rank_to_id(ranks, vocab, path)
+        self.rank_to_id = [0] * len(ranks)  # the file's id of each tiktoken rank
+        for tok_bytes, rank in ranks.items():
+            tok = "".join(CHAR_OF[x] for x in tok_bytes)
+            if tok in vocab:
+                self.rank_to_id[rank] = vocab[tok]
+            elif not (len(tok_bytes) == 1 and tok_bytes[0] in NEVER_IN_UTF8):
+                raise ValueError(f"{path}: BPE token {tok!r} is not in the vocabulary")
         self.tiktoken = tiktoken.Encoding(name=f"hf:{path}", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
                                           special_tokens={})
         added = {a["content"]: a for a in d.get("added_tokens", [])}
@@ -141,33 +146,18 @@ class TiktokenBPE(Tokenizer):
                 out.append(p)
         return out
 
+    def encode(self, text):
+        ids = []
+        for p in self._split(text):  # tiktoken's BPE ranks mapped to the file's ids; an added token is its id
+            ids += [self.rank_to_id[r] for r in self.tiktoken.encode_ordinary(p)] if isinstance(p, str) else [p]
+        return ids
+
     def encode_batch(self, texts):
-        # Split every text into plain segments and added tokens; BPE all plain segments in one batch.
-        plans = [self._split(t) for t in texts]
-        segments = [p for plan in plans for p in plan if isinstance(p, str)]
         # A plain loop: encode_ordinary_batch's thread pool costs more than it gains on short texts.
-        encoded = map(self.tiktoken.encode_ordinary, segments)
-        # An added token's id goes in as -1 - id, apart from the BPE ranks until the remap below.
-        out = [[i for p in plan for i in (next(encoded) if isinstance(p, str) else [-1 - p])] for plan in plans]
-        flat = np.fromiter((i for ids in out for i in ids), dtype=np.int64)
-        flat = np.where(flat >= 0, self.rank_to_id[np.maximum(flat, 0)], -1 - flat)
-        splits = np.cumsum([len(ids) for ids in out])[:-1]
-        return [x.tolist() for x in np.split(flat, splits)]
+        return [self.encode(t) for t in texts]
 
     def decode(self, ids):
         return b"".join(self.id_to_bytes.get(int(i), b"") for i in ids).decode("utf-8", errors="replace")
-
-
-def _rank_to_id(ranks, vocab, path):
-    """The file's id of each tiktoken rank."""
-    rank_to_id = np.zeros(len(ranks), dtype=np.int64)
-    for tok_bytes, rank in ranks.items():
-        tok = "".join(CHAR_OF[x] for x in tok_bytes)
-        if tok in vocab:
-            rank_to_id[rank] = vocab[tok]
-        elif not (len(tok_bytes) == 1 and tok_bytes[0] in NEVER_IN_UTF8):
-            raise ValueError(f"{path}: BPE token {tok!r} is not in the vocabulary")
-    return rank_to_id
 
 
 class AddedTokens:
