@@ -110,13 +110,6 @@ def test_loader_resumes_exactly_and_reshards(shards):
     assert torch.equal(one.next(), torch.cat([ld.next() for ld in halves]))
 
 
-def test_loader_errors(tmp_path, shards):
-    with pytest.raises(SystemExit, match="python data.py --input"):
-        Loader(str(tmp_path), "train", 20, 2, data_seed=0)
-    with pytest.raises(ValueError, match="fewer than one step"):
-        Loader(shards, "val", 512, 4, data_seed=0)
-
-
 # -----------------------------------------------------------------------------
 # 3. prepare
 
