@@ -142,12 +142,18 @@ def test_demo_corpus_is_each_docstring_once_in_ast_walk_order():
 
 
 def test_prepare_writes_shards_and_meta(tmp_path):
+    """.txt and .jsonl, plain or xz-compressed (Python's lzma, the xz format), are read as the documents they hold;
+    the shards hold each document once, with its eos."""
     docs = [f"document number {i} says hello {'world ' * (i % 7)}" for i in range(300)]
-    (tmp_path / "a.txt").write_text("\n".join(docs[:200]) + "\n\n")
-    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"body": d}) for d in docs[200:]))
+    plain = {"a.txt": "\n".join(docs[:200]) + "\n\n", "b.jsonl": "\n".join(json.dumps({"body": d}) for d in docs[200:])}
+    for name, text in plain.items():
+        (tmp_path / name).write_text(text)
+        (tmp_path / f"{name}.xz").write_bytes(lzma.compress(text.encode()))
+    for suffix in ("", ".xz"):
+        assert list(read_documents([str(tmp_path / f"{name}{suffix}") for name in plain], text_field="body")) == docs
     train_bpe(iter(docs), 400, str(tmp_path / "tok.json"))
     out = tmp_path / "new" / "out"  # its folder is made too
-    src = [str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")]
+    src = [str(tmp_path / "a.txt.xz"), str(tmp_path / "b.jsonl.xz")]
     meta = prepare(lambda: read_documents(src, text_field="body"), str(tmp_path / "tok.json"), str(out),
                    val_docs=30, workers=1)
     assert sorted(os.listdir(out)) == ["meta.json", "tokenizer.json", "train.bin", "val.bin"]
@@ -173,23 +179,6 @@ def test_prepare_is_deterministic_across_workers(tmp_path):
                 val_docs=40, workers=workers, chunk_docs=64)
         outs.append((out / "train.bin").read_bytes() + (out / "val.bin").read_bytes())
     assert outs[0] == outs[1]
-
-
-def test_xz_compressed_inputs_give_the_shards_of_their_text(tmp_path):
-    """.txt.xz and .jsonl.xz (Python's lzma, the xz format) are read as the text they hold."""
-    docs = [f"text {i} " + "word " * (i % 9) for i in range(120)]
-    plain = {"a.txt": "\n".join(docs[:60]) + "\n", "b.jsonl": "\n".join(json.dumps({"text": d}) for d in docs[60:])}
-    for name, text in plain.items():
-        (tmp_path / name).write_text(text)
-        (tmp_path / f"{name}.xz").write_bytes(lzma.compress(text.encode()))
-    train_bpe(iter(docs), 300, str(tmp_path / "tok.json"))
-    shards = []
-    for suffix in ("", ".xz"):
-        src = [str(tmp_path / f"{name}{suffix}") for name in plain]
-        assert list(read_documents(src)) == docs
-        prepare(lambda: read_documents(src), str(tmp_path / "tok.json"), str(tmp_path / f"out{suffix}"), val_docs=10)
-        shards.append((tmp_path / f"out{suffix}" / "train.bin").read_bytes())
-    assert shards[0] == shards[1]
 
 
 def run_data(cwd, *args):
