@@ -8,16 +8,16 @@ The whole study of the paper, small, on CPU, with no download: one command.
     python demo.py --study ../shared/data    # the study on real text, sized for one GPU and 8.25 minutes (--minutes)
 
 Steps, each a command a user could type (printed as it runs):
-  1. corpora: general and domain text (built-in: docstrings of the standard library, and of
-     PyTorch and NumPy, installed with this project), held-out domain texts for CKA, and a
-     downstream task (built-in: which subpackage a PyTorch/NumPy docstring comes from);
+  1. corpora: general and domain text (built-in: docstrings of the standard library, and of PyTorch and NumPy,
+     installed with this project), held-out domain texts for CKA, and a downstream task (built-in: which
+     subpackage a PyTorch/NumPy docstring comes from);
   2. data.py: a byte-level BPE trained on the general text, token shards;
-  3. train.py: a tiny ModernBERT pretrained with MLM on the general text (the stand-in for
-     "a pretrained ModernBERT"; skipped with --base);
-  4. train.py from that base on the domain text: the CLM-detour arm, the MLM arm and an
-     MLM seed twin, each followed by the MLM decay, with identical budgets;
-  5. cka.py: the pair (detour vs MLM) and the control (MLM vs its seed twin), at the end and
-     over training (the checkpoints each arm kept every 100 steps: keep_every in configs/demo.py);
+  3. train.py: a tiny ModernBERT pretrained with MLM on the general text (the stand-in for "a pretrained
+     ModernBERT"; skipped with --base);
+  4. train.py from that base on the domain text: the CLM-detour arm, the MLM arm and an MLM seed twin, each
+     followed by the MLM decay, with identical budgets;
+  5. cka.py: the pair (detour vs MLM) and the control (MLM vs its seed twin), at the end and over training (the
+     checkpoints each arm kept every 100 steps: keep_every in configs/demo.py);
   6. eval.py: fine-tuning of both arms on the task over 3 seeds;
   7. report.md with the tables, loss.png, divergence.png and trajectory.png.
 With --study the same steps run on real text (the last section below): a Gutenberg base, biomedical arms with 3
@@ -50,10 +50,11 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 # Sizes. "full" is the demo; "quick" is the test's: every step, tiny, on the first 2,000 docstrings of each
 # corpus, with as many held-out texts as the README's cka.py commands draw. train: train.py overrides.
 SCALES = {
-    "full": dict(docs=None, base_tokens=1_200_000, arm_tokens=600_000, heldout=300, cka_n=200, task_per_class=150,
-                 eval_epochs=4, eval_lr=5e-4, eval_seeds="42,43,44", eval_max_len=128, train=[]),
-    "quick": dict(docs=2000, base_tokens=20_000, arm_tokens=10_000, heldout=200, cka_n=16, task_per_class=12,
-                  eval_epochs=1, eval_lr=5e-4, eval_seeds="42,43", eval_max_len=32,
+    "full": dict(docs=None, base_tokens=1_200_000, arm_tokens=600_000, val_docs=200, heldout=300, cka_n=200,
+                 cka_len=256, task_per_class=150, eval_epochs=4, eval_lr=5e-4, eval_seeds="42,43,44", eval_max_len=128,
+                 train=[]),
+    "quick": dict(docs=2000, base_tokens=20_000, arm_tokens=10_000, val_docs=200, heldout=200, cka_n=16, cka_len=256,
+                  task_per_class=12, eval_epochs=1, eval_lr=5e-4, eval_seeds="42,43", eval_max_len=32,
                   train=["--eval_windows=8", "--keep_every=4"]),
 }
 # name -> train.py overrides on top of configs/demo.py, identical budgets; mlm_twin: the seed-noise control
@@ -96,6 +97,18 @@ def run(logs, steps, parallel=1):
             print("\r" + status[:width] + "\033[K" if tty else status, end="" if tty else "\n", flush=True)
             shown = time.time()
     return took
+
+
+def prepare_step(out, s, name, text, tokenizer):
+    """data.py's step: the token shards of text/TEXT.jsonl in data/NAME."""
+    return (f"prepare_{name}", ["data.py", "--input", os.path.join(out, "text", f"{text}.jsonl"), "--tokenizer",
+                                tokenizer, "--out", os.path.join(out, "data", name), "--val_docs", str(s["val_docs"])])
+
+
+def cka_step(out, s, name, *what):
+    """cka.py's step on the held-out texts, its log and --out named `name`."""
+    return (name, ["cka.py", "--texts", os.path.join(out, "text", "heldout.jsonl"), "--n", str(s["cka_n"]),
+                   "--max_len", str(s["cka_len"]), *what, "--out", os.path.join(out, name)])
 
 
 def build_corpora(out, s, general, domain):
@@ -244,52 +257,50 @@ def report(args, s, out, task_dir, kind, timings, total):
     return text
 
 
+def task_kind(task_dir):
+    """eval.py's --task for a task folder: ner for CoNLL/TSV or token/tag JSONL, multilabel for "labels", else cls."""
+    names = os.listdir(task_dir)
+    if any(n.endswith((".tsv", ".conll")) for n in names):
+        return "ner"
+    with open(os.path.join(task_dir, next(n for n in names if n.startswith("train") and n.endswith(".jsonl")))) as f:
+        first = json.loads(f.readline())
+    return "ner" if "tags" in first else "multilabel" if "labels" in first else "cls"
+
+
 def demo(args):
     s, out, t0 = SCALES["quick" if args.quick else "full"], os.path.abspath(args.out), time.time()
     at = lambda *parts: os.path.join(out, *parts)  # noqa: E731
-    os.makedirs(at("logs"), exist_ok=True)
-    step = lambda log, *cmd: run(at("logs"), [(log, cmd)])[0]  # noqa: E731  (one step, its seconds)
+    os.makedirs(logs := at("logs"), exist_ok=True)
     print("1. corpora")
     build_corpora(out, s, None if args.base else "builtin", args.domain or "builtin")
     task_dir = args.task or at("task")
-    names = os.listdir(task_dir)  # its kind: ner for CoNLL/TSV or token/tag JSONL, multilabel for "labels", else cls
-    if any(n.endswith((".tsv", ".conll")) for n in names):
-        kind = "ner"
-    else:
-        train_file = next(n for n in names if n.startswith("train") and n.endswith(".jsonl"))
-        with open(os.path.join(task_dir, train_file)) as f:
-            first = json.loads(f.readline())
-        kind = "ner" if "tags" in first else "multilabel" if "labels" in first else "cls"
+    kind = task_kind(task_dir)
     timings = {"corpora": time.time() - t0}
     print("2. token shards")
     shards = [("general", "bpe:4096")] * (not args.base) + [("domain", args.base or at("data", "general"))]
-    timings["prepare"] = sum(step(f"prepare_{name}", "data.py", "--input", at("text", f"{name}.jsonl"), "--tokenizer",
-                                  tokenizer, "--out", at("data", name), "--val_docs", "200")
-                             for name, tokenizer in shards)
+    timings["prepare"] = sum(run(logs, [prepare_step(out, s, name, name, tokenizer) for name, tokenizer in shards]))
     train, base = ["train.py", "configs/demo.py", *s["train"]], args.base
     if not base:
         print("3. base model: MLM on the general text")
-        timings["base"] = step(  # keep_every=0, eval_interval=100: no trajectory; no curve drawn
-            "base", *train, f"--data_dir={at('data', 'general')}", f"--out_dir={at('base')}", "--init_from=scratch",
-            "--objective=mlm", f"--tokens={s['base_tokens']}", "--keep_every=0", "--eval_interval=100")
+        timings["base"] = run(logs, [("base", [  # keep_every=0, eval_interval=100: no trajectory; no curve drawn
+            *train, f"--data_dir={at('data', 'general')}", f"--out_dir={at('base')}", "--init_from=scratch",
+            "--objective=mlm", f"--tokens={s['base_tokens']}", "--keep_every=0", "--eval_interval=100"])])[0]
         base = at("base", "final")
     print("4. continued pretraining: the detour, the MLM arm, the MLM seed twin")
-    for name, overrides in ARMS.items():
-        timings[name] = step(name, *train, f"--data_dir={at('data', 'domain')}", f"--out_dir={at(name)}",
-                             f"--init_from={base}", f"--tokens={s['arm_tokens']}", *overrides)
+    timings.update(zip(ARMS, run(logs, [(name, [
+        *train, f"--data_dir={at('data', 'domain')}", f"--out_dir={at(name)}", f"--init_from={base}",
+        f"--tokens={s['arm_tokens']}", *overrides]) for name, overrides in ARMS.items()])))
     print("5. CKA: pair (clm vs mlm) and control (mlm vs mlm_twin), at the end and over training")
-    cka = ["cka.py", "--texts", at("text", "heldout.jsonl"), "--n", str(s["cka_n"]), "--max_len", "256"]
     final = lambda *names: [at(name, "final") for name in names]  # noqa: E731
-    timings["cka"] = step("cka", *cka, "--pair", *final("clm", "mlm"), "--control", *final("mlm", "mlm_twin"),
-                          "--out", at("cka"))
-    step("cka_self", *cka, "--pair", *final("clm", "clm"), "--seeds", "42", "--out", at("cka_self"))
-    timings["trajectory"] = step("trajectory", *cka, "--runs", at("clm"), at("mlm"), "--control", at("mlm"),
-                                 at("mlm_twin"), "--out", at("trajectory"))
+    timings["cka"], _, timings["trajectory"] = run(logs, [
+        cka_step(out, s, "cka", "--pair", *final("clm", "mlm"), "--control", *final("mlm", "mlm_twin")),
+        cka_step(out, s, "cka_self", "--pair", *final("clm", "clm"), "--seeds", "42"),
+        cka_step(out, s, "trajectory", "--runs", at("clm"), at("mlm"), "--control", at("mlm"), at("mlm_twin"))])
     print(f"6. fine-tuning on the task ({kind}) over seeds {s['eval_seeds']}")
-    timings["eval"] = sum(step(f"eval_{name}", "eval.py", "--model", at(name, "final"), "--task", kind, "--data",
-                               task_dir, "--seeds", s["eval_seeds"], "--epochs", str(s["eval_epochs"]), "--lr",
-                               str(s["eval_lr"]), "--max_len", str(s["eval_max_len"]), "--out", at(f"eval_{name}"))
-                          for name in ("clm", "mlm"))
+    timings["eval"] = sum(run(logs, [(f"eval_{name}", [
+        "eval.py", "--model", at(name, "final"), "--task", kind, "--data", task_dir, "--seeds", s["eval_seeds"],
+        "--epochs", str(s["eval_epochs"]), "--lr", str(s["eval_lr"]), "--max_len", str(s["eval_max_len"]), "--out",
+        at(f"eval_{name}")]) for name in ("clm", "mlm")]))
     print("7. report")
     print(report(args, s, out, task_dir, kind, timings, time.time() - t0))
     print(f"wrote {at('report.md')} ({(time.time() - t0) / 60:.1f} min)")
@@ -306,9 +317,9 @@ STUDY = {
     # 26 s the base, and 220 s to fine-tune them all (CKA beside it). finetune: ELECTRA-small's GLUE recipe (Clark et
     # al. 2020), a small model's in place of the paper's Base one (5e-5, 16, 10-20 epochs): 10 times this call.
     "full": dict(docs=None, examples=None, bpe=16384, val_docs=500, heldout=1500, cka_n=500, cka_len=512,
-                 seeds=(17, 42, 43),
-                 scale=1.0, minutes=8.25, reserve_s=260, start_s=35, probe_steps=60, trajectory_points=8,
-                 finetune=dict(seeds=[42, 43, 44], epochs=3, lr=3e-4, batch_size=32, warmup_ratio=0.1), train=[]),
+                 seeds=(17, 42, 43), scale=1.0, minutes=8.25, reserve_s=260, start_s=35, probe_steps=60,
+                 trajectory_points=8, finetune=dict(seeds=[42, 43, 44], epochs=3, lr=3e-4, batch_size=32,
+                                                    warmup_ratio=0.1), train=[]),
     # the test's: every step, tiny, on the first documents of each corpus and the first examples of each split
     "quick": dict(docs=300, examples=40, bpe=1024, val_docs=20, heldout=40, cka_n=16, cka_len=128, seeds=(17, 42),
                   scale=1 / 5000, minutes=60, reserve_s=60, start_s=5, probe_steps=4, trajectory_points=2,
@@ -520,10 +531,8 @@ class Study:
         self.stage("corpora")
         print(f"2. token shards: a {self.s['bpe']:,}-token byte-level BPE trained on the general text")
         run(self.at("logs"), [  # one after the other: the biomedical shards take the general text's tokenizer
-            (f"prepare_{corpus}", ["data.py", "--input", self.at("text", f"{text}.jsonl"), "--tokenizer", tokenizer,
-                                   "--out", self.at("data", corpus), "--val_docs", str(self.s["val_docs"])])
-            for corpus, text, tokenizer in (("general", "general", f"bpe:{self.s['bpe']}"),
-                                            ("biomed", "domain", self.at("data", "general")))])
+            prepare_step(self.out, self.s, "general", "general", f"bpe:{self.s['bpe']}"),
+            prepare_step(self.out, self.s, "biomed", "domain", self.at("data", "general"))])
         self.stage("prepare")
 
     def pretraining(self):
@@ -570,15 +579,12 @@ class Study:
                 f"    dict(name={t!r}, task={kind!r}, data={self.tasks[t]!r}, epochs={ft['epochs']}, "
                 f"lr={ft['lr']}, batch_size={ft['batch_size']}, warmup_ratio={ft['warmup_ratio']}),\n"
                 for t, kind in TASKS.items()) + "]\n")
-        cka = lambda out, *what: (out, [  # noqa: E731  (a cka.py step whose log and --out are named `out`)
-            "cka.py", "--texts", self.at("text", "heldout.jsonl"), "--n", str(s["cka_n"]), "--max_len",
-            str(s["cka_len"]), *what, "--out", self.at(out)])
         runs = lambda key, sub="": [self.at(name, sub) for name in self.design[key]]  # noqa: E731
-        run(self.at("logs"), [cka("cka", "--pair", *runs("pair", "final"), "--control", *runs("control", "final")),
-                              cka("trajectory", "--runs", *runs("pair"), "--control", *runs("control")),
-                              *((f"eval_{name}", ["eval.py", "--suite", self.at("suite.py"), "--models",
-                                                  self.at(name, "final"), "--out", self.at("eval", name)])
-                                for name in self.arms)], self.parallel)
+        run(self.at("logs"), [
+            cka_step(self.out, s, "cka", "--pair", *runs("pair", "final"), "--control", *runs("control", "final")),
+            cka_step(self.out, s, "trajectory", "--runs", *runs("pair"), "--control", *runs("control")),
+            *((f"eval_{name}", ["eval.py", "--suite", self.at("suite.py"), "--models", self.at(name, "final"),
+                                "--out", self.at("eval", name)]) for name in self.arms)], self.parallel)
         self.design["ended"] = time.time()
         self.stage("cka and fine-tuning")
 
