@@ -99,14 +99,12 @@ def run(logs, steps, parallel=1):
     return took
 
 
-def prepare_step(out, s, name, text, tokenizer):
-    """data.py's step: the token shards of text/TEXT.jsonl in data/NAME."""
+def prepare_step(out, s, name, text, tokenizer):  # data.py: the token shards of text/TEXT.jsonl in data/NAME
     return (f"prepare_{name}", ["data.py", "--input", os.path.join(out, "text", f"{text}.jsonl"), "--tokenizer",
                                 tokenizer, "--out", os.path.join(out, "data", name), "--val_docs", str(s["val_docs"])])
 
 
-def cka_step(out, s, name, *what):
-    """cka.py's step on the held-out texts, its log and --out named `name`."""
+def cka_step(out, s, name, *what):  # cka.py on the held-out texts, its log and --out named `name`
     return (name, ["cka.py", "--texts", os.path.join(out, "text", "heldout.jsonl"), "--n", str(s["cka_n"]),
                    "--max_len", str(s["cka_len"]), *what, "--out", os.path.join(out, name)])
 
@@ -122,10 +120,9 @@ def build_corpora(out, s, general, domain):
         return islice(demo_documents(part) if source == "builtin" else ((None, d) for d in read_documents(source)),
                       s["docs"])
 
-    def jsonl(rows, *path):
-        os.makedirs(os.path.join(out, *path[:-1]), exist_ok=True)
-        with open(os.path.join(out, *path), "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
+    def jsonl(rows, *parts):
+        os.makedirs(os.path.join(out, *parts[:-1]), exist_ok=True)
+        Path(out, *parts).write_text("".join(json.dumps(row) + "\n" for row in rows))
     rng, task = random.Random(0), {"train": [], "validation": [], "test": []}
     if general:
         jsonl(({"text": d} for _, d in docs(general, "general")), "text", "general.jsonl")
