@@ -26,7 +26,7 @@ def readme_commands(section="Set up"):
 @pytest.fixture(scope="module")
 def checkout(tmp_path_factory):
     """A checkout as a user has it (links to this one's files), where `python demo.py --quick` ran: its outputs are
-    in out/demo, where the README's commands look for them. -> (the folder, the demo's CompletedProcess)."""
+    in out/demo, where the README's commands look for them. -> (the folder, the demo's output)."""
     work = tmp_path_factory.mktemp("checkout")
     for name in os.listdir(ROOT):
         if name not in ("out", ".git"):
@@ -36,7 +36,8 @@ def checkout(tmp_path_factory):
     assert demo == ["python", "demo.py"]
     r = subprocess.run([sys.executable, *demo[1:], "--quick"], cwd=work, capture_output=True, text=True,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return work, r
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return work, r.stdout
 
 
 def test_readme_commands_are_what_ci_runs():
@@ -48,10 +49,9 @@ def test_readme_commands_are_what_ci_runs():
 
 
 def test_demo_pipeline_quick(checkout):
-    work, r = checkout
+    work, stdout = checkout
     out = work / "out" / "demo"
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count("\n$ ") == r.stdout.count("  done in "), "every step says when it ends"
+    assert stdout.count("\n$ ") == stdout.count("  done in "), "every step says when it ends"
     report = (out / "report.md").read_text()
     for heading in ("## Settings", "## Final validation loss per arm", "## The decay", "## CKA: divergence",
                     "## CKA over training", "## Fine-tuning on the task"):
@@ -77,8 +77,7 @@ def test_demo_pipeline_quick(checkout):
 def test_readme_table_has_the_digits_the_demo_prints_and_its_time(checkout):
     """The README's table shows what report.md prints, to its digits: losses to 3 decimals (the fourth moves
     between CPUs' kernels), F1 and CKA to 2; the README and demo.py give the same time."""
-    work, r = checkout
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    work, _ = checkout
     report = (work / "out" / "demo" / "report.md").read_text()
     printed = re.findall(r"^\| (?:clm|mlm|mlm_twin) \| --objective=\S+(?: --seed=42)? \| (\S+) \| (\S+) \|$", report,
                          re.M)
@@ -96,8 +95,7 @@ def test_readme_table_has_the_digits_the_demo_prints_and_its_time(checkout):
 
 def test_readme_commands_after_the_demo_run_on_its_outputs(checkout):
     """The commands of the README's demo section, as written, in the checkout where the demo ran."""
-    work, demo = checkout
-    assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
+    work, _ = checkout
     commands = readme_commands("The demo")
     assert len(commands) >= 4 and any(c.startswith("torchrun") for c in commands)
     for command in commands:
@@ -193,9 +191,8 @@ def test_study_quick_runs_every_step_on_slices_of_the_real_data(tmp_path):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"({png})" in report
     # A run cut short in its fine-tuning: --report tables the tasks every arm finished for every seed
     next((out / "eval" / "mlm_s42" / "runs" / "gad").rglob("seed43.json")).unlink()
-    r = subprocess.run([sys.executable, "demo.py", "--study", STUDY_DATA, "--out", str(out), "--report"], cwd=ROOT,
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    import demo
+    demo.main(["--study", STUDY_DATA, "--out", str(out), "--report"])  # in this process: it starts no step
     again = json.loads((out / "study.json").read_text())["finetune"]
     assert again["finished"] == ["ncbi_disease", "anatem"] and "gad" not in again["detour_minus_mlm"]
     assert "| average (2 of 3 tasks) |" in (out / "report.md").read_text()
