@@ -3,23 +3,18 @@ Layer-wise linear CKA between checkpoints: how the CLM detour changes the model.
 
     python cka.py --pair out/clm/final out/mlm/final --control out/mlm/final out/mlm_seed42/final \
                   --texts heldout.txt --n 500 --seeds 42,43,44 --out out/cka
-    torchrun --nproc_per_node=4 -- cka.py ...   # texts sharded over GPUs; the "--" keeps
-                                                # torchrun from reading --n as its own option
+    python cka.py --runs out/clm out/mlm --control out/mlm out/mlm_seed42 ...  # at every step both runs kept
+    torchrun --nproc_per_node=4 -- cka.py ...   # texts sharded over GPUs ("--": --n is cka.py's, not torchrun's)
 
-For every sampling seed, n held-out texts are drawn, truncated to max_len tokens,
-and run once through every model (bidirectional). Each of the L layer outputs is
-mean-pooled per text (masked mean over its tokens), and linear CKA is computed
-per layer in float64 between the two models of the pair (e.g. detour vs MLM) and
-of the control (two runs that differ only in seed). Divergence = 1 - CKA; what
-the pair shows above the control is attributed to the objective. The paper gives
-the 500 texts, the 3 seeds, the layer outputs and float64; the truncation to 512
-tokens, the mean pooling and the half-precision forward on GPU are our choice
-(its text as we have it does not say).
-
-Also per layer: debiased CKA (the U-statistic HSIC), and an outlier diagnostic
-(the share of variance in the top 1% of dimensions, and CKA without them),
-because a few huge dimensions can dominate linear CKA in deep layers.
-Writes results.json, results.md and divergence.png (if matplotlib is installed).
+For every sampling seed, n held-out texts are drawn, truncated to max_len tokens, and run once through every model
+(bidirectional). Each of the L layer outputs is mean-pooled per text (masked mean over its tokens), and linear CKA is
+computed per layer in float64 between the two models of the pair (e.g. detour vs MLM) and of the control (two runs
+that differ only in seed). Divergence = 1 - CKA; what the pair shows above the control is attributed to the
+objective. The paper gives the 500 texts, the 3 seeds, the layer outputs and float64; the truncation to 512 tokens,
+the mean pooling and the half-precision forward on GPU are our choice (its text as we have it does not say).
+Also per layer: debiased CKA (the U-statistic HSIC), and an outlier diagnostic (the share of variance in the top 1%
+of dimensions, and CKA without them), because a few huge dimensions can dominate linear CKA in deep layers.
+Writes results.json, results.md and divergence.png (if matplotlib is installed); --runs: trajectory.json/.md/.png.
 """
 
 import argparse
@@ -76,9 +71,7 @@ def outlier_diagnostic(X, Y):
         var = Z.var(0)
         top_dims = var.topk(max(1, math.ceil(0.01 * Z.shape[1]))).indices
         out[f"top_var_share_{name}"] = (var[top_dims].sum() / var.sum()).item()
-        rest = torch.ones(Z.shape[1], dtype=torch.bool)
-        rest[top_dims] = False
-        keep.append(Z[:, rest])
+        keep.append(Z[:, ~torch.isin(torch.arange(Z.shape[1]), top_dims)])
     out["cka_without_top"] = linear_cka(*keep)
     return out
 
@@ -100,7 +93,8 @@ TOKENS_PER_TEXT = 8  # rows per text for pool="tokens"
 @torch.no_grad()
 def pooled_layers(model, encoded, indices, pool, device, autocast, batch_tokens, desc):
     """The texts `indices` (token ids `encoded`) through the model once. -> per layer, {text index: (r, H) float64
-    array}: r = 1 for pool="mean" (masked mean over its tokens), up to TOKENS_PER_TEXT (token_rows) for "tokens"."""
+    array}: r = 1 for pool="mean" (masked mean over its tokens); for "tokens", up to TOKENS_PER_TEXT rows drawn by the
+    text's index, the same for every model."""
     model.eval()
     out = [{} for _ in range(model.config.num_hidden_layers)]
     batches = [[]]  # similar lengths batch together: the texts by length, as many as batch_tokens holds padded
@@ -116,16 +110,13 @@ def pooled_layers(model, encoded, indices, pool, device, autocast, batch_tokens,
         with autocast:
             _, layers = model.model(tokens, cu, max(lengths), return_layers=True)
         starts = cu.tolist()
+        rows = [[j] if pool == "mean" else starts[j] + np.sort(np.random.default_rng(indices[k]).choice(
+            n, size=min(TOKENS_PER_TEXT, n), replace=False)) for j, (k, n) in enumerate(zip(batch, lengths))]
         for layer, h in enumerate(layers):  # h: (T, H)
             h = (mean_pool(h.float(), cu) if pool == "mean" else h).double().cpu().numpy()  # mean: (B, H)
-            for j, (k, n) in enumerate(zip(batch, lengths)):
-                out[layer][indices[k]] = h[j:j + 1] if pool == "mean" else h[starts[j] + token_rows(indices[k], n)]
+            for k, r in zip(batch, rows):
+                out[layer][indices[k]] = h[r]
     return out
-
-
-def token_rows(text_index, n):
-    """The rows pool="tokens" keeps of a text of n tokens: drawn by the text's index, the same for every model."""
-    return np.sort(np.random.default_rng(text_index).choice(n, size=min(TOKENS_PER_TEXT, n), replace=False))
 
 
 # -----------------------------------------------------------------------------
