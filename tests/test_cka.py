@@ -1,17 +1,19 @@
 """cka.py: linear CKA against the Gram-matrix textbook formula in float64; invariances; end to end."""
 
+import contextlib
+import io
 import json
 import os
 import random
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
 from tokenizers import Tokenizer
 
 import numpy as np
+import cka
 from cka import linear_cka
 from model import ModernBertConfig, ModernBertForMaskedLM
 from support.checkpoint import latest_valid_checkpoint, step_checkpoints, weights_only
@@ -119,65 +121,78 @@ def setup(tmp_path_factory):
     return tmp, paths
 
 
-def run_cka(tmp, out, *args, nproc=1, check=True):
-    cmd = launcher(nproc) + ["--"] * (nproc > 1)  # else torchrun reads cka.py's --n as one of its own options
-    r = subprocess.run(cmd + [os.path.join(ROOT, "cka.py"), "--texts", str(tmp / "texts.txt"), "--n", "60",
-                              "--seeds", "1,2", "--out", str(out), "--device", "cpu", *args],
-                       capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if check:
-        assert r.returncode == 0, r.stderr[-3000:]
-        with open(out / "results.json") as f:
-            return json.load(f)
-    return r
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():  # as the subprocesses run (OMP_NUM_THREADS=1): tiny matmuls on 2 shared threads crawl
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def cka_here(texts, out, *args):
+    """cka.py in this process: -> the results.json or trajectory.json it wrote."""
+    cka.main([str(a) for a in ("--texts", texts, "--device", "cpu", "--out", out, *args)])
+    return json.loads((out / ("trajectory.json" if "--runs" in args else "results.json")).read_text())
+
+
+def run_cka(tmp, out, *args):
+    return cka_here(tmp / "texts.txt", out, "--n", "60", "--seeds", "1,2,3", *args)
 
 
 def divergences(results, name="pair"):
     return [results["layers"][str(k)][f"{name}_divergence"]["mean"] for k in range(len(results["layers"]))]
 
 
-def test_identical_checkpoints_diverge_nowhere_and_noise_grows(setup, tmp_path):
+@pytest.fixture(scope="module")
+def one_process(setup, tmp_path_factory):
+    """The pair: 0.05 noise; the control: 0.002 noise."""
     tmp, paths = setup
-    same = run_cka(tmp, tmp_path / "same", "--pair", paths["a"], paths["a_copy"])
-    assert max(abs(d) for d in divergences(same)) < 1e-9
-    means = [np.mean(divergences(run_cka(tmp, tmp_path / f"n{eps}", "--pair", paths["a"], paths[eps])))
-             for eps in (0.002, 0.01, 0.05)]
+    return run_cka(tmp, tmp_path_factory.mktemp("one"), "--pair", paths["a"], paths[0.05], "--control", paths["a"],
+                   paths[0.002])
+
+
+def test_identical_checkpoints_diverge_nowhere_and_noise_grows(setup, one_process, tmp_path):
+    tmp, paths = setup
+    same = run_cka(tmp, tmp_path, "--pair", paths["a"], paths["a_copy"], "--control", paths["a"], paths[0.01])
+    tokens = run_cka(tmp, tmp_path / "tokens", "--pair", paths["a"], paths["a_copy"], "--pool", "tokens")
+    assert max(abs(d) for d in divergences(same) + divergences(tokens)) < 1e-9
+    means = [np.mean(d) for d in (divergences(one_process, "control"), divergences(same, "control"),
+                                  divergences(one_process, "pair"))]
     print("mean divergence vs perturbation 0.002/0.01/0.05:", ", ".join(f"{m:.4f}" for m in means))
     assert 0 < means[0] < means[1] < means[2]
-    assert (tmp_path / "same" / "results.md").read_text().count("|") > 20
-    assert (tmp_path / "same" / "divergence.png").is_file()
+    assert (tmp_path / "results.md").read_text().count("|") > 20
+    assert (tmp_path / "divergence.png").is_file()
 
 
-def test_torchrun_two_processes_equal_one(setup, tmp_path):
-    tmp, paths = setup
-    args = ["--pair", paths["a"], paths[0.01], "--control", paths["a"], paths[0.002]]
-    one = run_cka(tmp, tmp_path / "one", *args)
-    two = run_cka(tmp, tmp_path / "two", *args, nproc=2)
+def test_torchrun_two_processes_equal_one(setup, one_process, tmp_path):
+    tmp, settings = setup[0], one_process["settings"]
+    # "--": else torchrun reads cka.py's --n as one of its own options
+    r = subprocess.run(launcher(2) + ["--", os.path.join(ROOT, "cka.py"), "--texts", str(tmp / "texts.txt"), "--n",
+                                      "60", "--seeds", "1,2,3", "--out", str(tmp_path), "--device", "cpu", "--pair",
+                                      *settings["pair"], "--control", *settings["control"]],
+                       capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    two = json.loads((tmp_path / "results.json").read_text())
     for name in ("pair", "control"):
-        assert np.allclose(divergences(one, name), divergences(two, name), atol=1e-6)
-    assert one["regions"][0]["ratio"]["mean"] == pytest.approx(two["regions"][0]["ratio"]["mean"], rel=1e-4)
-
-
-def test_token_pooling_runs(setup, tmp_path):
-    tmp, paths = setup
-    res = run_cka(tmp, tmp_path / "tok", "--pair", paths["a"], paths["a_copy"], "--pool", "tokens")
-    assert max(abs(d) for d in divergences(res)) < 1e-9
+        assert np.allclose(divergences(one_process, name), divergences(two, name), atol=1e-6)
+    assert one_process["regions"][0]["ratio"]["mean"] == pytest.approx(two["regions"][0]["ratio"]["mean"], rel=1e-4)
 
 
 def test_bad_inputs_are_clear(setup, tmp_path):
     tmp, paths = setup
-    r = run_cka(tmp, tmp_path / "x", "--pair", paths["a"], paths["a_copy"], "--n", "500", check=False)
-    assert r.returncode != 0 and "fewer than --n 500" in r.stderr
+    with pytest.raises(SystemExit, match="fewer than --n 500"):
+        run_cka(tmp, tmp_path, "--pair", paths["a"], paths["a_copy"], "--n", "500")
     other = tmp_path / "other_tok"
     shutil.copytree(paths["a"], other)
     train_bpe(iter(["completely different text corpus here"] * 30), 280, str(other / "tokenizer.json"))
-    r = run_cka(tmp, tmp_path / "x", "--pair", paths["a"], str(other), check=False)
-    assert r.returncode != 0 and "do not share a tokenizer" in r.stderr
+    with pytest.raises(SystemExit, match="do not share a tokenizer"):
+        run_cka(tmp, tmp_path, "--pair", paths["a"], other)
     deeper = tmp_path / "deeper"
     ModernBertForMaskedLM(ModernBertConfig(vocab_size=320, hidden_size=32, intermediate_size=48,
                                            num_hidden_layers=7, num_attention_heads=2)).save_pretrained(deeper)
     shutil.copyfile(tmp / "tokenizer.json", deeper / "tokenizer.json")
-    r = run_cka(tmp, tmp_path / "x", "--pair", paths["a"], str(deeper), check=False)
-    assert r.returncode != 0 and "layer count mismatch" in r.stderr
+    with pytest.raises(SystemExit, match="layer count mismatch"):
+        run_cka(tmp, tmp_path, "--pair", paths["a"], deeper)
 
 
 # -----------------------------------------------------------------------------
@@ -185,30 +200,17 @@ def test_bad_inputs_are_clear(setup, tmp_path):
 
 
 def test_regions_are_the_papers_at_22_layers_and_thirds_otherwise():
-    from cka import regions
-
-    assert regions(22) == [(0, 8), (8, 15), (15, 22)]  # PAPER.md: layers 0-7, 8-14, 15-21 (French Base)
-    assert regions(28) == [(0, 10), (10, 19), (19, 28)]  # Large: thirds, the larger first
-    assert regions(6) == [(0, 2), (2, 4), (4, 6)]
+    assert cka.regions(22) == [(0, 8), (8, 15), (15, 22)]  # PAPER.md: layers 0-7, 8-14, 15-21 (French Base)
+    assert cka.regions(28) == [(0, 10), (10, 19), (19, 28)]  # Large: thirds, the larger first
+    assert cka.regions(6) == [(0, 2), (2, 4), (4, 6)]
 
 
-def test_ratios_and_regions_are_computed_from_the_per_seed_divergences(setup, tmp_path):
+def test_ratios_and_regions_are_computed_from_the_per_seed_divergences(one_process):
     """results.json's summaries, recomputed here from its per-seed, per-layer CKAs: divergence = 1 - CKA; a
     layer's ratio is the mean over seeds of pair divergence / control divergence; a region's divergence is
     the mean over seeds of its layers' mean divergence (sample std over seeds), and its ratio that of the
     pair's region mean to the control's. Two processes against one cannot see a ratio turned upside down."""
-    import cka
-
-    tmp, paths = setup
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        cka.main(["--pair", paths["a"], paths[0.05], "--control", paths["a"], paths[0.002], "--texts",
-                  str(tmp / "texts.txt"), "--n", "60", "--seeds", "1,2,3", "--out", str(tmp_path), "--device", "cpu"])
-    finally:
-        torch.set_num_threads(threads)
-    res = json.loads((tmp_path / "results.json").read_text())
-    seeds = ("1", "2", "3")
+    res, seeds = one_process, ("1", "2", "3")
     div = {name: np.array([[1 - row["cka"] for row in res["per_seed"][name][s]] for s in seeds])
            for name in ("pair", "control")}  # (seeds, layers)
     for name in div:
@@ -285,20 +287,17 @@ def test_resume_picks_the_newest_full_checkpoint_not_a_weights_only_one(runs, da
         assert (run / "final" / name).read_bytes() == (runs / "clm" / "final" / name).read_bytes()
 
 
-def cka(runs, out, *args):
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "cka.py"), "--texts", str(runs / "texts.txt"), "--n", "40",
-                        "--seeds", "1,2", "--max_len", "48", "--device", "cpu", "--out", str(out), *args],
-                       capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return r
+def run_cka_on(runs, out, *args):
+    return cka_here(runs / "texts.txt", out, "--n", "40", "--seeds", "1,2", "--max_len", "48", *args)
 
 
 @pytest.fixture(scope="module")
 def trajectory(runs):
-    r = cka(runs, runs / "traj", "--runs", str(runs / "clm"), str(runs / "mlm"),
-            "--control", str(runs / "mlm"), str(runs / "mlm_twin"))
-    assert r.stdout.count("divergence by region, pair") == 5  # progress: a line per step (the bar is off on a pipe)
-    return json.loads((runs / "traj" / "trajectory.json").read_text())
+    with contextlib.redirect_stdout(io.StringIO()) as said:
+        results = run_cka_on(runs, runs / "traj", "--runs", runs / "clm", runs / "mlm", "--control", runs / "mlm",
+                             runs / "mlm_twin")
+    assert said.getvalue().count("divergence by region, pair") == 5  # progress: a line per step, the bar off
+    return results
 
 
 def test_trajectory_has_every_common_step_and_its_place_in_the_run(runs, trajectory):
@@ -318,8 +317,7 @@ def test_trajectory_has_every_common_step_and_its_place_in_the_run(runs, traject
 
 def test_a_step_equals_pair_on_the_same_two_checkpoints_exactly(runs, trajectory, tmp_path):
     ckpt = lambda name: str(runs / name / "ckpt-12")  # noqa: E731  (weights-only checkpoints)
-    cka(runs, tmp_path, "--pair", ckpt("clm"), ckpt("mlm"), "--control", ckpt("mlm"), ckpt("mlm_twin"))
-    pair = json.loads((tmp_path / "results.json").read_text())
+    pair = run_cka_on(runs, tmp_path, "--pair", ckpt("clm"), ckpt("mlm"), "--control", ckpt("mlm"), ckpt("mlm_twin"))
     point = next(p for p in trajectory["steps"] if p["step"] == 12)
     for name in ("pair", "control"):
         for layer, value in enumerate(point[name]["layers"]):
