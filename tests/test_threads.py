@@ -19,32 +19,30 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
 
 
-def said(before="", after="", env=None, prefix=()):
+def said(before="", then="", env=None, prefix=()):
     """The start-up line's words for the threads of a fresh process that imports support.threads (as the scripts do
-    first), runs `before`, then threads.setup."""
+    first), runs `before`, then threads.setup, then `then`."""
     code = (f"import torch; from support import threads; {before or 'pass'}; "
-            f"threads.setup(torch.device('cpu'){after}); print(threads.describe(''))")
+            f"threads.setup(torch.device('cpu')); print(threads.describe('')); {then or 'pass'}")
     r = subprocess.run([*prefix, sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        env={**ENV, **(env or {})})
     assert r.returncode == 0, r.stderr
     return r.stdout.strip()
 
 
-def torch_default():
-    r = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], capture_output=True,
-                       text=True, env=ENV)
-    return int(r.stdout)
-
-
 def test_the_start_up_line_names_the_threads_and_a_users_setting_wins():
-    usable = min(threads.usable_cpus(), torch_default())  # torch's default counts physical cores, not hyperthreads
+    # torch's own count before setup, the line, then compiled code's line (a count setup set is not the user's)
+    default, line, compiled = said("print(torch.get_num_threads())",
+                                   "threads.setup(torch.device('cpu'), compiled=True); print(threads.describe(''))"
+                                   ).split("\n")
+    usable = min(threads.usable_cpus(), int(default))  # torch's default counts physical cores, not hyperthreads
     n, shown = re.fullmatch(r"(\d+) CPU threads? \((\d+) usable, fewer while other processes load them\)",
-                            said()).groups()
+                            line).groups()
     assert int(shown) == usable and 1 <= int(n) <= usable
     assert said(env={"OMP_NUM_THREADS": "1"}) == "1 CPU thread (OMP_NUM_THREADS=1)"
-    if torch_default() > 1:
+    if int(default) > 1:
         assert said("torch.set_num_threads(1)") == "1 CPU thread (torch.set_num_threads)"
-    assert said(after=", compiled=True") == f"{usable} CPU thread{'s' * (usable > 1)} ({usable} usable, fixed: compiled)"
+    assert compiled == f"{usable} CPU thread{'s' * (usable > 1)} ({usable} usable, fixed: compiled)"
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
