@@ -43,11 +43,6 @@ def front_matter(card):
     return out
 
 
-def sha256(path):
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
 def weights(path):
     """The parameter count as stored (the tied decoder weight once, as transformers counts it)."""
     return sum(t.numel() for t in load_file(os.path.join(path, "model.safetensors")).values())
@@ -82,6 +77,8 @@ def test_card_numbers_are_the_runs_and_fill_mask_runs_with_a_trained_tokenizer(d
     out = tmp_path / "run"
     run_train(out, data_dir, "--decay_frac=0.25", "--ckpt_interval=6", "--eval_interval=6", "--max_ckpts=10")
     records, meta = metrics(out), json.load(open(os.path.join(data_dir, "meta.json")))
+    with open(os.path.join(data_dir, "tokenizer.json"), "rb") as f:
+        sha = hashlib.file_digest(f, "sha256").hexdigest()
     dirs = sorted(out.glob("ckpt-*"), key=lambda d: int(d.name[5:])) + [out / "final"]
     assert [d.name for d in dirs] == ["ckpt-6", "ckpt-12", "ckpt-16", "ckpt-18", "ckpt-20", "final"]
     for d in dirs:
@@ -99,7 +96,7 @@ def test_card_numbers_are_the_runs_and_fill_mask_runs_with_a_trained_tokenizer(d
         assert "| main | clm | causal | none (next token) | 8,192 | 16 | warmup over 2,048 tokens, then 0.003 |" in card
         assert "| decay | mlm | bidirectional | 15% | 2,048 | 4 | 1-sqrt decay from 0.003 to 0.0003 |" in card
         assert f"{meta['train_tokens']:,} training tokens in {meta['train_docs']:,} documents" in card
-        assert f"sha256 {sha256(os.path.join(data_dir, 'tokenizer.json'))}" in card
+        assert f"sha256 {sha}" in card
         assert "seed 17 (init, masking, dropout), data_seed 42 (data order)" in card
         assert f"path = {str(d)!r}" in card and f"{weights(d):,} parameters" in card
     assert card.count("| done |") == 2  # final: both phases
