@@ -536,9 +536,8 @@ def parse_args(argv):
                                                "model's max_position_embeddings)")
     p.add_argument("--max_tokens", type=int, help="tokens per micro batch; a batch is split into micro batches with "
                    f"the same update (default {suite.MAX_TOKENS['cuda']} on GPU, {suite.MAX_TOKENS['cpu']} on CPU)")
-    p.add_argument("--select", help=f"the validation metric that picks the best epoch (default "
-                                    f"{suite.PROTOCOL['select']}; cls: {', '.join(suite.SELECT['cls'])}; multilabel: "
-                                    f"{', '.join(suite.SELECT['multilabel'])}; ner: {', '.join(suite.SELECT['ner'])})")
+    p.add_argument("--select", help=f"the validation metric that picks the best epoch (default {suite.PROTOCOL['select']}"
+                   + "".join(f"; {task}: {', '.join(names)}" for task, names in suite.SELECT.items()) + ")")
     p.add_argument("--pooling", choices=["mean", "cls"], help="ModernBERT's sequence classification pooling "
                    "(default mean); another family has its own head's")
     p.add_argument("--tokenizer", help="when a ModernBERT checkpoint carries no tokenizer.json (another family uses "
@@ -602,8 +601,8 @@ def run_task(args, process, autocast, dtype):
     if rank == 0:
         keys = [k for k, v in runs[0]["test"].items() if isinstance(v, float)]
         summary = {k: suite.mean_std([r["test"][k] for r in runs]) for k in keys}
-        table = "\n".join([f"| metric (test, {len(runs)} seeds) | mean ± std |", "|---|---|"] + [
-            f"| {k} | {100 * v['mean']:.2f} ± {100 * v['std']:.2f} |" for k, v in summary.items()]) + "\n"
+        table = "\n".join([f"| metric (test, {len(runs)} seeds) | mean ± std |", "|---|---|"]
+                          + [f"| {k} | {suite.pct(v)} |" for k, v in summary.items()]) + "\n"
         print(table)
         os.makedirs(args.out, exist_ok=True)
         replace_file(os.path.join(args.out, "results.json"), json.dumps(

@@ -183,6 +183,11 @@ def t975(df):
             + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3))
 
 
+def pct(stats):
+    """A mean_std as the tables print it: "mean ± std" in %."""
+    return f"{100 * stats['mean']:.2f} ± {100 * stats['std']:.2f}"
+
+
 def mean_std(values):
     """Mean and sample std (ddof=1; 0 from one value) of the values, kept beside them."""
     values = [float(v) for v in values]
@@ -243,7 +248,6 @@ def summarize(suite, seeds, tasks, models, scores):
 
 def markdown(results):
     names, seeds, info = list(results["models"]), results["seeds"], results["model_info"]
-    pct = lambda s: f"{100 * s['mean']:.2f} ± {100 * s['std']:.2f}"  # noqa: E731
 
     def delta(d):
         if d["low"] is None:
