@@ -1,16 +1,12 @@
 """
 The paper's baseline rows: any other Hugging Face encoder (BERT, RoBERTa / CamemBERT, ELECTRA, DeBERTa, ...),
-fine-tuned by eval.py under the same protocol as a ModernBERT checkpoint, through transformers'
+fine-tuned by eval.py under a ModernBERT checkpoint's protocol, through transformers'
 AutoModelFor{Sequence,Token}Classification and the directory's own fast tokenizer.
 
-eval.py keeps one training loop for both: it hands a model flat tokens with cu_seqlens (model.py's unpadded
-layout) and reads back logits per sequence (cls, multilabel) or per token (ner). `Padded` is the one adaptor:
-the (B, S) padded batch and attention mask transformers takes, and the logits back out flat. What differs
-between families is handled here: the maximum length (512 for the BERTs); the tokenizer's own special tokens
-([CLS] x [SEP], <s> x </s>), truncation as for ModernBERT; NER labels on each word's first sub-token, through
-the tokenizer's word ids (words given pre-split, as transformers' token-classification recipe does); the
-family's own classification head; padding with the model's own pad id (RoBERTa derives position ids from it),
-a micro batch's token budget counting the padded batch (eval.micro_batches).
+eval.py keeps one training loop for both: `Padded` takes model.py's flat tokens with cu_seqlens, runs the (B, S)
+padded batch transformers takes, and hands the logits back flat. What differs between families is kept here: the
+maximum length (512 for the BERTs), the tokenizer's own special tokens, NER labels on each word's first sub-token
+(through the tokenizer's word ids, words given pre-split), the family's own classification head, the pad id.
 
 transformers is imported here only, and only for a model that is not ModernBERT.
 """
