@@ -536,8 +536,9 @@ def parse_args(argv):
                                                "model's max_position_embeddings)")
     p.add_argument("--max_tokens", type=int, help="tokens per micro batch; a batch is split into micro batches with "
                    f"the same update (default {suite.MAX_TOKENS['cuda']} on GPU, {suite.MAX_TOKENS['cpu']} on CPU)")
-    p.add_argument("--select", help=f"the validation metric that picks the best epoch (default {suite.PROTOCOL['select']}"
-                   + "".join(f"; {task}: {', '.join(names)}" for task, names in suite.SELECT.items()) + ")")
+    per_task = "".join(f"; {task}: {', '.join(names)}" for task, names in suite.SELECT.items())
+    p.add_argument("--select", help=f"the validation metric that picks the best epoch (default "
+                                    f"{suite.PROTOCOL['select']}{per_task})")
     p.add_argument("--pooling", choices=["mean", "cls"], help="ModernBERT's sequence classification pooling "
                    "(default mean); another family has its own head's")
     p.add_argument("--tokenizer", help="when a ModernBERT checkpoint carries no tokenizer.json (another family uses "
