@@ -1,6 +1,7 @@
 """support/suite.py and eval.py --suite: the paired interval against a hand-computed example and scipy, the suite
 file, and end to end on slices of three real tasks (../shared/data) with two tiny models: the table equals
-eval.py run per task, a killed suite resumes without repeating a run, a broken task fails before training."""
+eval.py run per task, a killed suite resumes without repeating a run, a broken task fails before training.
+Exports one_thread, conll_slice and jsonl_slice to test_eval.py and test_baselines.py."""
 
 import json
 import os
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+import eval
 from support import suite
 from model import ModernBertConfig, ModernBertForMaskedLM
 from test_train import launcher
@@ -24,6 +26,16 @@ DATA = os.path.join(ROOT, "..", "shared", "data")
 TOKENIZER = os.path.join(ROOT, "..", "shared", "tokenizers", "modernbert", "tokenizer.json")
 needs_shared = pytest.mark.skipif(not (os.path.isdir(DATA) and os.path.isfile(TOKENIZER)),
                                   reason="../shared (data and tokenizers) is not beside the checkout")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """eval.py in this process on one thread, as OMP_NUM_THREADS=1 gives the subprocesses: their numbers are then
+    equal, and tiny matmuls on 2 shared threads crawl."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def test_paired_and_nested_intervals_hand_computed_and_against_scipy():
@@ -60,8 +72,6 @@ def test_paired_and_nested_intervals_hand_computed_and_against_scipy():
 
 
 def test_suite_files_model_names_stored_runs_and_options(tmp_path, capsys):
-    import eval
-
     (tmp_path / "s.py").write_text("seeds = [1, 2]\ntasks = [dict(name='n', task='ner', data='tasks/n'),\n"
                                    "         dict(name='c', task='cls', data='/abs/c', lr=1e-4, epochs=3)]\n")
     seeds, tasks = suite.load_suite(str(tmp_path / "s.py"))
@@ -147,10 +157,18 @@ def run(cmd, launcher=(sys.executable,), check=True):
     return r
 
 
+def results(out):
+    return json.loads((out / "results.json").read_text())
+
+
+def table_row(out, task):
+    return next(line for line in (out / "results.md").read_text().splitlines() if line.startswith(f"| {task} "))
+
+
 @pytest.fixture(scope="module")
 def shared_suite(tmp_path_factory):
     """Slices of the three shared tasks, two tiny random models with the ModernBERT tokenizer (out/a/final
-    and out/b/final: the same basename), and one uninterrupted run of the suite."""
+    and out/b/final: the same basename), one uninterrupted run of the suite, and gad_only.py: its last task."""
     tmp = tmp_path_factory.mktemp("suite")
     for task in ("ncbi_disease", "anatem", "gad"):
         (tmp / task).mkdir()
@@ -166,21 +184,22 @@ def shared_suite(tmp_path_factory):
                               ).save_pretrained(tmp / name / "final")
         shutil.copyfile(TOKENIZER, tmp / name / "final" / "tokenizer.json")
     (tmp / "suite.py").write_text(suite_text(TASKS))
-    run(run_suite_cmd(tmp, tmp / "out"))
+    (tmp / "gad_only.py").write_text(suite_text(TASKS[2:]))
+    eval.main(run_suite_cmd(tmp, tmp / "out")[1:])
     return tmp
 
 
 @needs_shared
 def test_suite_table_equals_eval_per_task(shared_suite):
     tmp = shared_suite
-    res = json.loads((tmp / "out" / "results.json").read_text())
+    res = results(tmp / "out")
     assert list(res["tasks"]) == ["ncbi_disease", "anatem", "gad"] and list(res["models"]) == ["a/final", "b/final"]
-    # eval.py's single-task command gives the same numbers (one NER and the cls task: a process start each)
+    # eval.py's single-task command gives the same numbers (one NER and the cls task)
     for task, kind, model in (("ncbi_disease", "ner", "a"), ("gad", "cls", "b")):
-        run([os.path.join(ROOT, "eval.py"), "--model", str(tmp / model / "final"), "--task", kind, "--data",
-             str(tmp / task), "--seeds", "1,2", "--epochs", "2", "--lr", "5e-3", "--max_len", "128",
-             "--device", "cpu", "--out", str(tmp / f"single_{task}")])
-        single = json.loads((tmp / f"single_{task}" / "results.json").read_text())["runs"]
+        eval.main(["--model", str(tmp / model / "final"), "--task", kind, "--data", str(tmp / task), "--seeds", "1,2",
+                   "--epochs", "2", "--lr", "5e-3", "--max_len", "128", "--device", "cpu",
+                   "--out", str(tmp / f"single_{task}")])
+        single = results(tmp / f"single_{task}")["runs"]
         row = res["tasks"][task]["models"][f"{model}/final"]
         upstream = "weighted_f1" if kind == "cls" else "micro_f1"
         assert row["macro_f1"]["per_seed"] == [r["test"]["macro_f1"] for r in single]
@@ -208,33 +227,33 @@ def test_suite_table_equals_eval_per_task(shared_suite):
 @needs_shared
 def test_killed_suite_resumes_without_repeating_a_run(shared_suite, tmp_path):
     tmp, out = shared_suite, tmp_path / "out"
-    p = subprocess.Popen([sys.executable, *run_suite_cmd(tmp, out)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = run_suite_cmd(tmp, out, suite_file="gad_only.py")  # 2 models x 2 seeds
+    p = subprocess.Popen([sys.executable, *cmd], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.time() + 120
     while not list(out.glob("runs/*/*/*/seed*.json")) and p.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     os.kill(p.pid, signal.SIGSTOP)  # paused, not finished, while the same suite is started again: refused
-    second = run(run_suite_cmd(tmp, out), check=False)
+    second = run(cmd, check=False)
     assert second.returncode == 1 and second.stderr.strip().splitlines()[-1].startswith(
         f"--out={out} is in use by pid {p.pid} on "), second.stderr[-2000:]
     os.kill(p.pid, signal.SIGKILL)  # as hard as a kill gets: no handler, no clean-up
     p.wait()
     first = {f: f.stat().st_mtime_ns for f in out.glob("runs/*/*/*/seed*.json")}
-    assert 1 <= len(first) < 12, "the suite was not killed mid-run"
+    assert 1 <= len(first) < 4, "the suite was not killed mid-run"
 
-    r = run(run_suite_cmd(tmp, out))
-    assert f"{len(first)} finished earlier, {12 - len(first)} to run" in r.stdout
-    assert len(re.findall(r"^run \S+ / \S+ / seed \d+:", r.stdout, re.M)) == 12 - len(first)
+    r = run(cmd)
+    assert f"{len(first)} finished earlier, {4 - len(first)} to run" in r.stdout
+    assert len(re.findall(r"^run \S+ / \S+ / seed \d+:", r.stdout, re.M)) == 4 - len(first)
     assert all(f.stat().st_mtime_ns == t for f, t in first.items())  # finished runs are not touched
-    assert len(list(out.glob("runs/*/*/*/seed*.json"))) == 12
-    for name in ("results.json", "results.md"):
-        assert (out / name).read_text() == (tmp / "out" / name).read_text()
+    assert len(list(out.glob("runs/*/*/*/seed*.json"))) == 4
+    # the table's row as the uninterrupted suite's: every seed's numbers, the paired delta
+    assert results(out)["tasks"]["gad"] == results(tmp / "out")["tasks"]["gad"]
+    assert table_row(out, "gad") == table_row(tmp / "out", "gad")
 
 
 @needs_shared
 def test_broken_tasks_and_changed_settings_are_refused_before_any_training(shared_suite, tmp_path):
-    import eval
-
     tmp = shared_suite
     for task, src in (("no_test", "gad"), ("unknown_label", "ncbi_disease"), ("unreadable", "gad")):
         shutil.copytree(tmp / src, tmp_path / task)
@@ -268,13 +287,11 @@ def test_broken_tasks_and_changed_settings_are_refused_before_any_training(share
 @needs_shared
 def test_suite_under_torchrun_skips_alike_and_equals_one_process(shared_suite, tmp_path):
     tmp, out = shared_suite, tmp_path / "out"
-    (tmp / "gad_only.py").write_text(suite_text(TASKS[2:]))
     (out / "runs" / "gad" / "a" / "final").mkdir(parents=True)  # seed 1 finished: rank 0 skips it, so must rank 1
     shutil.copyfile(tmp / "out" / "runs" / "gad" / "a" / "final" / "seed1.json",
                     out / "runs" / "gad" / "a" / "final" / "seed1.json")
     r = run(run_suite_cmd(tmp, out, suite_file="gad_only.py", models="a"), launcher=launcher(2))
     assert "1 finished earlier, 1 to run" in r.stdout
-    one = json.loads((tmp / "out" / "results.json").read_text())["tasks"]["gad"]["models"]["a/final"]
-    two = json.loads((out / "results.json").read_text())["tasks"]["gad"]["models"]["a/final"]
+    one, two = (results(d)["tasks"]["gad"]["models"]["a/final"] for d in (tmp / "out", out))
     for metric in ("macro_f1", "weighted_f1"):  # seed 2 ran on two processes, seed 1 on one
         assert two[metric]["per_seed"] == pytest.approx(one[metric]["per_seed"], abs=1e-9)
