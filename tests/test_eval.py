@@ -16,6 +16,7 @@ from eval import classification_metrics, encode_examples, multilabel_metrics, ne
 from model import (ModernBertConfig, ModernBertForMaskedLM, ModernBertForSequenceClassification,
                    ModernBertForTokenClassification)
 from support.tokenizer import load_tokenizer, train_bpe
+from test_suite import conll_slice, one_thread  # noqa: F401 (an autouse fixture)
 from test_train import launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,18 +24,14 @@ NCBI = os.path.join(ROOT, "..", "shared", "data", "ncbi_disease")
 TOKENIZER = os.path.join(ROOT, "..", "shared", "tokenizers", "modernbert", "tokenizer.json")
 
 
-def random_tags(rng, n):
-    tags = ["O", "B-DIS", "I-DIS", "B-CHEM", "I-CHEM", "B-GENE", "I-GENE"]
-    return [[rng.choice(tags) for _ in range(rng.randint(1, 20))] for _ in range(n)]
-
-
 def test_metrics_hand_checked_and_equal_seqeval_and_sklearn():
     from eval import entities
     assert entities([["B-A", "I-A", "O", "I-A", "I-B", "B-B"]]) == [("A", 0, 1), ("A", 3, 3), ("B", 4, 4), ("B", 5, 5)]
     seqeval = pytest.importorskip("seqeval.metrics")
+    tags = ["O", "B-DIS", "I-DIS", "B-CHEM", "I-CHEM", "B-GENE", "I-GENE"]
     for seed in range(5):
-        rng = random.Random(seed)
-        gold = random_tags(rng, 60)  # random tags: full of ill-formed BIO (I- without B-, type switches)
+        rng = random.Random(seed)  # random tags: full of ill-formed BIO (I- without B-, type switches)
+        gold = [[rng.choice(tags) for _ in range(rng.randint(1, 20))] for _ in range(60)]
         pred = [[t if rng.random() < 0.7 else rng.choice(["O", "B-DIS", "I-DIS", "I-CHEM", "B-GENE"]) for t in seq]
                 for seq in gold]
         ours = ner_metrics(gold, pred)
@@ -70,14 +67,6 @@ def test_ner_labels_the_first_sub_token_of_each_word_hand_checked(tmp_path):
     assert [target for _, target in split["items"]] == [[-100, 0, 1, -100, -100],
                                                         [-100, 2, -100, -100, -100, -100, -100], [-100, 0, -100]]
     assert split["where"] == [[(0, 0), (0, 1)], [(0, 2)], [(0, 3)]]  # (example, word) of each first sub-token
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():  # as the subprocesses run (OMP_NUM_THREADS=1): tiny matmuls on 2 shared threads crawl
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=2,
@@ -173,28 +162,24 @@ def test_learns_deterministically_selects_the_first_best_epoch_refuses_bad_input
                          "accuracy"])
     assert "--select=accuracy: for --task ner it is one of macro_f1, micro_f1" in capsys.readouterr().err
 
-    with open(tmp_path / "task" / "test.jsonl", "a") as f:  # bad inputs
-        f.write(json.dumps({"text": "red", "label": "lukewarm"}) + "\n")
-    argv = ["--model", tiny_model, "--task", "cls", "--data", str(tmp_path / "task"), "--device", "cpu"]
-    with pytest.raises(SystemExit, match="'lukewarm'.* training split never uses"):
-        eval_in_process(argv)
-    os.remove(tmp_path / "task" / "validation.jsonl")
-    with pytest.raises(SystemExit, match="no validation split"):
-        eval_in_process(argv)
-    (tmp_path / "task" / "validation.jsonl").write_text("")
+    (tmp_path / "task" / "validation.jsonl").write_text("")  # (a split missing, a label unseen: test_suite.py)
     with pytest.raises(SystemExit, match="validation.jsonl: the split is empty"):
-        eval_in_process(argv)
+        eval_in_process(["--model", tiny_model, "--task", "cls", "--data", str(tmp_path / "task"), "--device", "cpu"])
 
 
 @pytest.mark.skipif(not os.path.isdir(NCBI), reason="../shared/data/ncbi_disease is not beside the checkout")
-def test_ncbi_disease_one_epoch_beats_all_o(tmp_path):
+def test_ncbi_disease_beats_all_o(tmp_path):
+    """The real tokenizer on 800 training sentences of NCBI-disease (CoNLL), each with an entity, for 2 epochs."""
     torch.manual_seed(0)
     ModernBertForMaskedLM(ModernBertConfig(vocab_size=50368, hidden_size=64, intermediate_size=128,
                                            num_hidden_layers=2, num_attention_heads=4,
                                            local_attention=64)).save_pretrained(tmp_path / "m")
     shutil.copyfile(TOKENIZER, tmp_path / "m" / "tokenizer.json")
-    run_eval("--model", str(tmp_path / "m"), "--task", "ner", "--data", NCBI, "--seeds", "1", "--epochs", "1",
-             "--lr", "2e-3", "--out", str(tmp_path / "out"))
+    (tmp_path / "ncbi").mkdir()
+    for split, n in (("train", 800), ("devel", 100), ("test", 100)):
+        conll_slice(os.path.join(NCBI, f"{split}.tsv"), tmp_path / "ncbi" / f"{split}.tsv", n)
+    eval_in_process(["--model", str(tmp_path / "m"), "--task", "ner", "--data", str(tmp_path / "ncbi"), "--seeds", "1",
+                     "--epochs", "2", "--lr", "3e-3", "--out", str(tmp_path / "out"), "--device", "cpu"])
     assert json.loads((tmp_path / "out" / "results.json").read_text())["runs"][0]["test"]["micro_f1"] > 0.3  # all-O: 0
 
 
