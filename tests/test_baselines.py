@@ -112,7 +112,7 @@ def test_each_family_has_its_own_first_sub_tokens_maximum_length_and_special_tok
     (ids, target), = eval.encode_examples([SENTENCE], tok, "ner", TAGS, about["max_len"])["items"]
     assert (ids, target) == (convert([t for t, _ in whole]), [y for _, y in whole])
     split = eval.encode_examples([SENTENCE], tok, "ner", TAGS, 6)
-    assert [item for item in split["items"]] == [(convert([t for t, _ in p]), [y for _, y in p]) for p in pieces]
+    assert split["items"] == [(convert([t for t, _ in p]), [y for _, y in p]) for p in pieces]
     assert split["where"] == where
     # max_len: the longest input transformers' own model takes; a longer text keeps its first max_len - 2 tokens
     assert about["max_len"] == 64 and about["family"] == family and about["code"].startswith("transformers ")
