@@ -4,6 +4,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -145,7 +146,9 @@ def test_learns_deterministically_selects_the_first_best_epoch_refuses_bad_input
     separable_task(tmp_path / "task")
     args = ["--model", tiny_model, "--task", "cls", "--data", str(tmp_path / "task"), "--seeds", "7", "--epochs", "4",
             "--lr", "3e-3", "--select", "accuracy"]
-    run_eval(*args, "--out", str(tmp_path / "a"))
+    r = run_eval(*args, "--out", str(tmp_path / "a"), prefix=(sys.executable, "-X", "importtime"))
+    imported = re.findall(r"^import time:.*\| +(\S+)$", r.stderr, re.M)  # a ModernBERT run needs no transformers
+    assert "torch" in imported and not any(m.split(".")[0] == "transformers" for m in imported)
     eval_in_process([*args, "--device", "cpu", "--out", str(tmp_path / "b")])  # the same seed in another process
     results = [json.loads((tmp_path / name / "results.json").read_text()) for name in "ab"]
     assert results[0]["summary"]["macro_f1"]["mean"] > 0.95
