@@ -1,5 +1,5 @@
 """support/suite.py and eval.py --suite: the paired interval against a hand-computed example and scipy, the suite
-file, and end to end on slices of three real tasks (../shared/data) with two tiny models: the table equals
+file, and end to end on slices of two real tasks (../shared/data) with two tiny models: the table equals
 eval.py run per task, a killed suite resumes without repeating a run, a broken task fails before training.
 Exports one_thread, conll_slice and jsonl_slice to test_eval.py and test_baselines.py."""
 
@@ -118,7 +118,7 @@ def test_suite_files_model_names_stored_runs_and_options(tmp_path, capsys):
 
 
 # -----------------------------------------------------------------------------
-# End to end on slices of the shared tasks: 3 tasks x 2 tiny models x 2 seeds
+# End to end on slices of the shared tasks: 2 tasks x 2 tiny models x 2 seeds
 
 
 def conll_slice(src, dst, n):
@@ -136,7 +136,6 @@ def jsonl_slice(src, dst, n):
 
 # Data paths are relative to the suite file, which the fixture writes beside the slices.
 TASKS = ['dict(name="ncbi_disease", task="ner", data="ncbi_disease", epochs=2, lr=5e-3, max_len=128)',
-         'dict(name="anatem", task="ner", data="anatem", epochs=2, lr=5e-3, max_len=128)',
          'dict(name="gad", task="cls", data="gad", epochs=2, lr=5e-3, max_len=128)']
 
 
@@ -167,10 +166,10 @@ def table_row(out, task):
 
 @pytest.fixture(scope="module")
 def shared_suite(tmp_path_factory):
-    """Slices of the three shared tasks, two tiny random models with the ModernBERT tokenizer (out/a/final
+    """Slices of two shared tasks, two tiny random models with the ModernBERT tokenizer (out/a/final
     and out/b/final: the same basename), one uninterrupted run of the suite, and gad_only.py: its last task."""
     tmp = tmp_path_factory.mktemp("suite")
-    for task in ("ncbi_disease", "anatem", "gad"):
+    for task in ("ncbi_disease", "gad"):
         (tmp / task).mkdir()
         for split, n in (("train", 48), ("devel", 16), ("test", 16)):
             if task == "gad":
@@ -184,7 +183,7 @@ def shared_suite(tmp_path_factory):
                               ).save_pretrained(tmp / name / "final")
         shutil.copyfile(TOKENIZER, tmp / name / "final" / "tokenizer.json")
     (tmp / "suite.py").write_text(suite_text(TASKS))
-    (tmp / "gad_only.py").write_text(suite_text(TASKS[2:]))
+    (tmp / "gad_only.py").write_text(suite_text(TASKS[1:]))
     eval.main(run_suite_cmd(tmp, tmp / "out")[1:])
     return tmp
 
@@ -193,7 +192,7 @@ def shared_suite(tmp_path_factory):
 def test_suite_table_equals_eval_per_task(shared_suite):
     tmp = shared_suite
     res = results(tmp / "out")
-    assert list(res["tasks"]) == ["ncbi_disease", "anatem", "gad"] and list(res["models"]) == ["a/final", "b/final"]
+    assert list(res["tasks"]) == ["ncbi_disease", "gad"] and list(res["models"]) == ["a/final", "b/final"]
     # eval.py's single-task command gives the same numbers (one NER and the cls task)
     for task, kind, model in (("ncbi_disease", "ner", "a"), ("gad", "cls", "b")):
         eval.main(["--model", str(tmp / model / "final"), "--task", kind, "--data", str(tmp / task), "--seeds", "1,2",
@@ -219,7 +218,7 @@ def test_suite_table_equals_eval_per_task(shared_suite):
 
     md = (tmp / "out" / "results.md").read_text()
     rows = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| task")]
-    assert [r.split("|")[1].split()[0] for r in rows] == ["ncbi_disease", "anatem", "gad", "**average**"]
+    assert [r.split("|")[1].split()[0] for r in rows] == ["ncbi_disease", "gad", "**average**"]
     assert all(re.search(r"\| [+-]\d+\.\d\d \[[+-]\d+\.\d\d, [+-]\d+\.\d\d\]( \*)? \|$", r) for r in rows)
     assert (tmp / "out" / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -274,7 +273,7 @@ def test_broken_tasks_and_changed_settings_are_refused_before_any_training(share
     assert not (tmp_path / "out").exists()  # the good tasks before them did not start either
 
     shutil.copytree(tmp / "out" / "runs", tmp_path / "out" / "runs")  # stored runs of other settings: kept, unused
-    (tmp / "changed.py").write_text(suite_text(TASKS[:2] + [TASKS[2].replace("lr=5e-3", "lr=1e-3")]))
+    (tmp / "changed.py").write_text(suite_text(TASKS[:1] + [TASKS[1].replace("lr=5e-3", "lr=1e-3")]))
     before = {f: f.read_bytes() for f in (tmp_path / "out").rglob("*.json")}
     with pytest.raises(SystemExit) as e:
         eval.main(run_suite_cmd(tmp, tmp_path / "out", suite_file="changed.py")[1:])
