@@ -1,10 +1,6 @@
 """
-The paper's downstream table in one command: fine-tuning over tasks x models x seeds, with seed
-statistics that tell a real gain from noise.
-
-    python eval.py --suite suites/en_bio.py --models out/en_base/final out/en_base_mlm/final --out out/eval_en
-
-eval.py fine-tunes; this file holds what is around it:
+The paper's downstream table in one command (eval.py --suite): fine-tuning over tasks x models x seeds, with seed
+statistics that tell a real gain from noise. eval.py fine-tunes; this file holds what is around it:
 - the suite file: plain Python with `seeds = [...]` and `tasks = [dict(name=..., task="cls" | "multilabel" |
   "ner", data=DIR, ...), ...]`; a key a task leaves out takes PROTOCOL's; `data` is relative to the suite file.
 - the runs: each finished (task, model, seed) is one file OUT/runs/TASK/MODEL/seedN.json, written atomically
