@@ -1,9 +1,7 @@
-"""Two xdist workers share the cores: each runs its in-process ops on one thread, so that neither spins at OpenMP's
-barrier while the other holds the core it waits for (support/threads.py says why)."""
-
-import os
+"""The tests' in-process ops run on one thread, as their subprocesses do (OMP_NUM_THREADS=1): their numbers are then
+equal, tiny matmuls on shared threads crawl, and two xdist workers never spin at OpenMP's barrier while the other
+holds the core each waits for (support/threads.py says why)."""
 
 import torch
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(1)
+torch.set_num_threads(1)

@@ -24,7 +24,7 @@ import eval  # noqa: E402
 from model import ModernBertConfig, ModernBertForMaskedLM  # noqa: E402
 from support import baselines  # noqa: E402
 from support.tokenizer import train_bpe  # noqa: E402
-from test_suite import conll_slice, jsonl_slice, one_thread  # noqa: E402, F401 (an autouse fixture)
+from test_suite import conll_slice, jsonl_slice  # noqa: E402
 
 CPU, FLOAT32 = torch.device("cpu"), torch.float32
 TINY = dict(vocab_size=600, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)

@@ -121,14 +121,6 @@ def setup(tmp_path_factory):
     return tmp, paths
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():  # as the subprocesses run (OMP_NUM_THREADS=1): tiny matmuls on 2 shared threads crawl
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def cka_here(texts, out, *args):
     """cka.py in this process: -> the results.json or trajectory.json it wrote."""
     cka.main([str(a) for a in ("--texts", texts, "--device", "cpu", "--out", out, *args)])

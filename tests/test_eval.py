@@ -17,7 +17,7 @@ from eval import classification_metrics, encode_examples, multilabel_metrics, ne
 from model import (ModernBertConfig, ModernBertForMaskedLM, ModernBertForSequenceClassification,
                    ModernBertForTokenClassification)
 from support.tokenizer import load_tokenizer, train_bpe
-from test_suite import conll_slice, one_thread  # noqa: F401 (an autouse fixture)
+from test_suite import conll_slice
 from test_train import launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,7 +1,7 @@
 """support/suite.py and eval.py --suite: the paired interval against a hand-computed example and scipy, the suite
 file, and end to end on slices of two real tasks (../shared/data) with two tiny models: the table equals
 eval.py run per task, a killed suite resumes without repeating a run, a broken task fails before training.
-Exports one_thread, conll_slice and jsonl_slice to test_eval.py and test_baselines.py."""
+Exports conll_slice and jsonl_slice to test_eval.py and test_baselines.py."""
 
 import json
 import os
@@ -26,16 +26,6 @@ DATA = os.path.join(ROOT, "..", "shared", "data")
 TOKENIZER = os.path.join(ROOT, "..", "shared", "tokenizers", "modernbert", "tokenizer.json")
 needs_shared = pytest.mark.skipif(not (os.path.isdir(DATA) and os.path.isfile(TOKENIZER)),
                                   reason="../shared (data and tokenizers) is not beside the checkout")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """eval.py in this process on one thread, as OMP_NUM_THREADS=1 gives the subprocesses: their numbers are then
-    equal, and tiny matmuls on 2 shared threads crawl."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_paired_and_nested_intervals_hand_computed_and_against_scipy():
