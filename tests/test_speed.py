@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import model as model_py
 from model import ModernBertConfig, ModernBertForMaskedLM, apply_rope, rope_cos_sin
 from support.flops import PEAK_FLOPS, attention_pairs, peak_flops, training_flops
-from test_model import padded_batch, randomize_, small_config
+from test_model import SPECIAL, padded_batch, randomize_, small_config
 
 
 def flat_batch(vocab, lengths, objective, seed=0):
@@ -93,7 +93,7 @@ class LogitsProbe(TorchDispatchMode):
 
 def test_chunked_loss_never_holds_more_than_a_chunk_of_logits():
     model = randomize_(ModernBertForMaskedLM(small_config("odd_vocab"))).train()
-    tokens, cu, S, rows, targets = flat_batch(1003, [120, 80], "clm")
+    tokens, cu, S, rows, targets = flat_batch(1003, [40, 26], "clm")  # 64 rows: 4 chunks of 16
     for name, loss_fn, most in [
             ("plain", lambda: plain_loss(model, tokens, cu, S, rows, targets, True), rows.numel()),
             ("chunked", lambda: model.cross_entropy_sum(model.model(tokens, cu, S, causal=True)[rows], targets, 16), 16)]:
@@ -227,12 +227,17 @@ def test_attention_pairs_match_a_brute_force_count():
 
 
 def test_peak_flops_by_exact_gpu_model(monkeypatch):
+    """Each GPU by the name torch gives it; the lookup takes the first key found in the name, so a family listed
+    before its variant ("H100" before "H100 PCIe") would shadow it: every entry of the table, as torch names such a
+    GPU ("NVIDIA " + the key), gets its own figure, whatever is added to the table later."""
     cuda = torch.device("cuda")
-    for name, tflops in [("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835),
-                         ("NVIDIA H200", 989), ("NVIDIA H200 NVL", 835), ("NVIDIA GH200 480GB", 989),
-                         ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A100 80GB PCIe", 312)]:
+    named = [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
+             ("NVIDIA H200", 989e12), ("NVIDIA H200 NVL", 835e12), ("NVIDIA GH200 480GB", 989e12),
+             ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A100 80GB PCIe", 312e12)]
+    assert len({key for key, _ in PEAK_FLOPS}) == len(PEAK_FLOPS)
+    for name, flops in named + [(f"NVIDIA {key}", flops) for key, flops in PEAK_FLOPS]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
-        assert peak_flops(cuda) == tflops * 1e12, name
+        assert peak_flops(cuda) == flops, name
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Mystery GPU")
     with pytest.warns(UserWarning, match="peak_tflops"):
         assert peak_flops(cuda) is None
@@ -241,16 +246,6 @@ def test_peak_flops_by_exact_gpu_model(monkeypatch):
         assert peak_flops(cuda, peak_tflops=123.0) == 123e12  # the override wins, silently
         assert peak_flops(torch.device("cpu")) is None
         assert peak_flops(torch.device("cpu"), peak_tflops=2.0) == 2e12
-
-
-def test_every_gpu_in_the_peak_table_gets_its_own_peak(monkeypatch):
-    """The lookup takes the first key found in the GPU's name: a family listed before its variant ("H100" before
-    "H100 PCIe") would shadow it. Each entry, as torch names such a GPU ("NVIDIA " + the key), gets its own
-    figure, whatever is added to the table later."""
-    assert len({key for key, _ in PEAK_FLOPS}) == len(PEAK_FLOPS)
-    for key, flops in PEAK_FLOPS:
-        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, key=key: f"NVIDIA {key}")
-        assert peak_flops(torch.device("cuda")) == flops, key
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -269,8 +264,6 @@ def test_every_gpu_in_the_peak_table_gets_its_own_peak(monkeypatch):
 # backend, whose bmm the counter sees (no FLOP formula is registered for the fused CPU kernel).
 
 
-SPECIAL = dict(pad_token_id=0, cls_token_id=1, sep_token_id=2, bos_token_id=1, eos_token_id=2)
-
 
 def kept_pairs(config, lengths, causal):
     """The pairs every layer's mask keeps, from (n, n) masks built here."""
@@ -285,15 +278,7 @@ def test_training_flops_against_flop_counter(causal):
                               num_attention_heads=4, local_attention=8, **SPECIAL)  # layers: global, local, local
     model = ModernBertForMaskedLM(config)
     lengths = [24, 17, 9, 3]  # sequences longer and shorter than the window (+-4)
-    T, S = sum(lengths), max(lengths)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(3, config.vocab_size, (T,), generator=g)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    if causal:  # CLM: every token but the last of its sequence predicts the next
-        rows = torch.tensor([i for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()) for i in range(s, e - 1)])
-    else:  # MLM: the head on a sparse subset of rows
-        rows = torch.randperm(T, generator=g)[:11].sort().values
-    targets = torch.randint(3, config.vocab_size, (rows.numel(),), generator=g)
+    tokens, cu, S, rows, targets = flat_batch(config.vocab_size, lengths, "clm" if causal else "mlm")
     with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
         model(tokens, causal=causal, cu_seqlens=cu, max_seqlen=S, rows=rows, targets=targets).backward()
     counted = counter.get_total_flops()
