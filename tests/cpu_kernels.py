@@ -23,25 +23,21 @@ probabilities from it, as the kernel does. It computes in float32 and returns th
 wrong: a max_seqlen shorter than a sequence.
 
 `install(monkeypatch, backends)` makes "cpu" the kernel device and gives support/kernels.py the real wrappers, so the
-model selects its backend on CPU as it does on CUDA; `calls` records what the kernel received. As a launcher,
-`python tests/cpu_kernels.py SCRIPT ARGS...` runs a script of the project (also under torchrun) with the
-kernels named by CPU_KERNELS (default both) and prints what they received on exit.
+model (and a script run in the test's process) selects its backend on CPU as it does on CUDA; `calls` records what
+the kernel received.
 """
 
-import atexit
 import os
-import runpy
 import sys
 import types
 
+import torch
+from torch.nn.attention import SDPBackend
+from torch.nn.attention.varlen import varlen_attn
+
+from support import kernels  # first: the flash-attn it imports is the environment's, if it has one
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # the repo root, run as a script
-
-import torch  # noqa: E402
-from torch.nn.attention import SDPBackend  # noqa: E402
-from torch.nn.attention.varlen import varlen_attn  # noqa: E402
-
-from support import kernels  # noqa: E402  (first: the flash-attn it imports is the environment's, if it has one)
 
 calls = {"flash": [], "varlen": []}
 
@@ -88,12 +84,7 @@ def allowed(cu_q, cu_k, max_k, causal, left, right):
 
     (sq, iq, lq), (sk, jk, lk) = seq_pos(cu_q), seq_pos(cu_k)
     offset = jk[None, :] - iq[:, None] - (lk[None, :] - lq[:, None])  # key - query, aligned bottom-right
-    ok = sq[:, None] == sk[None, :]
-    if left >= 0:
-        ok &= offset >= -left
-    if right >= 0:
-        ok &= offset <= right
-    return ok
+    return (sq[:, None] == sk[None, :]) & kernels.window_mask(offset, left, right)
 
 
 def forward(q, k, v, ok, scale):
@@ -209,39 +200,16 @@ def _varlen_attn_backward_cpu(grad_out, query, key, value, out, lse, cu_seq_q, c
 
 # -----------------------------------------------------------------------------
 
-CUDNN_STAND_IN = [SDPBackend.FLASH_ATTENTION]
-
 
 def install(monkeypatch, backends=("flash", "varlen")):
     """Make the model see the kernels on the CPU. backends: which of the two exist (as when flash-attn is,
     or is not, installed). cuDNN's attention, which "auto" gives the global layers of packed batches, is SDPA
     restricted to one kernel: here SDPA's CPU flash kernel stands in for it."""
     monkeypatch.setattr(kernels, "KERNEL_DEVICE", "cpu")
-    monkeypatch.setitem(kernels.SDPA_KERNELS, "cudnn", CUDNN_STAND_IN)
+    monkeypatch.setitem(kernels.SDPA_KERNELS, "cudnn", [SDPBackend.FLASH_ATTENTION])
     monkeypatch.setattr(kernels, "CUDNN", True)  # as CUDA builds of PyTorch have it
     monkeypatch.setattr(kernels, "flash_attn_varlen_func", flash_attn_varlen_func if "flash" in backends else None)
     monkeypatch.setattr(kernels, "varlen_attn", varlen_attn if "varlen" in backends else None)
     monkeypatch.delenv("MODERNBERT_ATTN", raising=False)
     for v in calls.values():
         v.clear()
-
-
-def _report():
-    for name, seen in calls.items():
-        dtypes = sorted({str(c["dtype"]).removeprefix("torch.") for c in seen})
-        windows = sorted({c["window"] for c in seen})
-        # One write per line: with PYTHONUNBUFFERED (as in CI) print() writes each piece separately, and two
-        # ranks' lines on the same pipe could interleave; one write below PIPE_BUF bytes cannot.
-        os.write(2, f"cpu_kernels: {name} calls={len(seen)} dtypes={','.join(dtypes)} windows={windows}\n".encode())
-
-
-if __name__ == "__main__":
-    backends = os.environ.get("CPU_KERNELS", "flash,varlen").split(",")
-    kernels.KERNEL_DEVICE = "cpu"
-    kernels.SDPA_KERNELS["cudnn"], kernels.CUDNN = CUDNN_STAND_IN, True
-    kernels.flash_attn_varlen_func = flash_attn_varlen_func if "flash" in backends else None
-    kernels.varlen_attn = varlen_attn if "varlen" in backends else None
-    atexit.register(_report)
-    script, sys.argv = sys.argv[1], sys.argv[1:]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
-    runpy.run_path(script, run_name="__main__")

@@ -5,63 +5,53 @@ flash_attn_varlen_func, torch's varlen_attn) on a CPU emulation of the compiled 
 0. The emulated kernels, through the wrappers, against a float64 reference: output, log-sum-exp, gradients.
 1. The model, forward and backward, under bf16 autocast: each kernel against SDPA.
 2. A float32 forward never reaches a kernel (they reject float32): SDPA, or a clear error.
-3. train.py, eval.py and cka.py as processes, bf16 through the kernels vs SDPA; float32 runs.
+3. eval.py and cka.py, bf16 through the kernels vs SDPA; float32 runs. (train.py: tests/test_compile.py.)
 4. eval.py under torchrun when the last batch has fewer examples than ranks (it used to hang).
 """
 
 import json
 import os
 import random
-import re
 import subprocess
 
 import pytest
 import torch
 from torch.nn.attention.varlen import AuxRequest
 
+import cka
 import cpu_kernels
+import eval as eval_script
 from data import prepare, read_documents
 from model import ModernBertConfig, ModernBertForMaskedLM
 from support.tokenizer import train_bpe
+from test_model import SPECIAL, padded_batch, randomize_
 from test_train import launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAUNCHER = os.path.join(ROOT, "tests", "cpu_kernels.py")
 # A GPU user's own flash-attn is left as it is; tests/test_gpu.py runs it on the GPU.
 needs_flash = pytest.mark.skipif(cpu_kernels.flash_attn_varlen_func is None, reason=cpu_kernels.NO_FLASH)
 FLASH = pytest.param("flash", marks=needs_flash)
-SPECIAL = dict(pad_token_id=0, cls_token_id=1, sep_token_id=2, bos_token_id=1, eos_token_id=2)
 
 
 def randomized(config, seed=0):
     torch.manual_seed(seed)
-    model = ModernBertForMaskedLM(config)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_((1 + 0.2 * torch.randn(p.shape, generator=g)) if "norm" in name else
-                    0.08 * torch.randn(p.shape, generator=g))
-    return model
+    return randomize_(ModernBertForMaskedLM(config), seed)
 
 
 def run_model(model, backend, causal, padded, lengths, seed=1):
-    """bf16-autocast forward + backward of a weighted logit sum -> (float logits, {name: grad})."""
+    """bf16-autocast forward + backward of a weighted logit sum -> (float logits, {name: grad}). Not padded: the
+    real tokens of the padded batch, flat, with their cu_seqlens."""
     model.config.attn_backend = backend
     model.zero_grad()
-    g = torch.Generator().manual_seed(seed)
-    V = model.config.vocab_size
+    ids, mask = padded_batch(model.config.vocab_size, lengths, seed)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         if padded:
-            S = max(lengths)
-            ids = torch.randint(3, V, (len(lengths), S), generator=g)
-            mask = torch.arange(S)[None, :] < torch.tensor(lengths)[:, None]
-            logits = model(ids, mask.long(), causal=causal)[mask]  # (T, V): real tokens only
+            logits = model(ids, mask, causal=causal)[mask.bool()]  # (T, V): real tokens only
         else:
-            ids = torch.randint(3, V, (sum(lengths),), generator=g)
             cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-            logits = model(ids, causal=causal, cu_seqlens=cu, max_seqlen=max(lengths))
+            logits = model(ids[mask.bool()], causal=causal, cu_seqlens=cu, max_seqlen=max(lengths))
     logits = logits.float()
-    (logits * torch.randn(logits.shape, generator=g)).sum().backward()
+    (logits * torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed))).sum().backward()
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -116,18 +106,17 @@ def test_kernel_through_its_wrapper_matches_float64(kernel, causal, window):
 @pytest.mark.parametrize("backend", [FLASH, "varlen"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("padded", [True, False])
-@pytest.mark.parametrize("window", [8, 256])  # local window shorter / longer than the sequences
-def test_model_through_each_kernel_matches_sdpa(monkeypatch, backend, causal, padded, window):
+def test_model_through_each_kernel_matches_sdpa(monkeypatch, backend, causal, padded):
+    """A local window (+-4) shorter than most sequences; one longer than them all: test_kernel_through_its_wrapper."""
     cpu_kernels.install(monkeypatch, backends=(backend,))
     config = ModernBertConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                              num_attention_heads=4, local_attention=window, **SPECIAL)
+                              num_attention_heads=4, local_attention=8, **SPECIAL)
     model = randomized(config).train()  # training mode: the backend is chosen as in a training step
     lengths = [1, 5, 37, 20] if padded else [24, 24, 24]  # packed windows all have the same length
     out, grads = run_model(model, backend, causal, padded, lengths)
     seen = cpu_kernels.calls[backend]
     assert len(seen) == config.num_hidden_layers, "the kernel did not run in every layer"
-    half = window // 2
-    want = {(-1, 0), (half, 0)} if causal else {(-1, -1), (half, half)}
+    want = {(-1, 0), (4, 0)} if causal else {(-1, -1), (4, 4)}
     assert {c["window"] for c in seen} == want and {c["dtype"] for c in seen} == {torch.bfloat16}
     ref, ref_grads = run_model(model, "sdpa", causal, padded, lengths)
     assert (out - ref).abs().max() <= 0.02 * ref.abs().max()
@@ -171,19 +160,15 @@ def test_bad_kernel_inputs_are_caught():
 
 
 # -----------------------------------------------------------------------------
-# 3. The scripts, as processes, through the kernels
+# 3. The scripts, in this process, through the kernels
 
 
-def launch(script, *args, kernels="flash,varlen", nproc=1, timeout=240):
-    """Run a script through the CPU kernels; -> (completed process, {kernel: (calls, dtypes)})."""
-    r = subprocess.run([*launcher(nproc), LAUNCHER, os.path.join(ROOT, script), *args], capture_output=True, text=True,
-                       cwd=ROOT, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", "CPU_KERNELS": kernels})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    seen = {}
-    for name, n, dtypes in re.findall(r"cpu_kernels: (\w+) calls=(\d+) dtypes=(\S*)", r.stderr):
-        calls, kinds = seen.get(name, (0, set()))
-        seen[name] = (calls + int(n), kinds | set(filter(None, dtypes.split(","))))
-    return r, seen
+def through(main, argv, backends=("flash", "varlen")):
+    """main(argv) with the kernels of `backends` present, as on a GPU -> {kernel: the dtypes it received}."""
+    with pytest.MonkeyPatch.context() as mp:
+        cpu_kernels.install(mp, backends)
+        main(argv)
+    return {kernel: {c["dtype"] for c in seen} for kernel, seen in cpu_kernels.calls.items()}
 
 
 @pytest.fixture(scope="module")
@@ -217,51 +202,35 @@ def train_losses(out):
         return [(m["step"], m["loss"], m.get("val_mlm_loss")) for m in map(json.loads, f)]
 
 
-@needs_flash
-def test_train_steps_through_the_kernels(tiny, tmp_path):
-    args = [f"--data_dir={tiny / 'shards'}", f"--init_from={tiny / 'a'}", "--seq_len=32", "--global_batch_size=4",
-            "--micro_batch_size=2", f"--tokens={6 * 4 * 32}", "--warmup_tokens=0", "--lr=1e-3", "--decay_frac=0.34",
-            "--log_interval=1", "--eval_interval=4", "--eval_windows=4", "--ckpt_interval=100", "--device=cpu",
-            "--attn_out_dropout=0.0", "--dtype=bfloat16"]
-    # CLM through flash-attn; MLM (sparse rows) through varlen_attn alone, as when flash-attn is not installed
-    for objective, kernel in (("clm", "flash"), ("mlm", "varlen")):
-        _, seen = launch("train.py", *args, f"--objective={objective}", f"--out_dir={tmp_path / kernel}",
-                         kernels=kernel)
-        assert seen[kernel][0] > 0 and seen[kernel][1] == {"bfloat16"}
-        launch("train.py", *args, f"--objective={objective}", f"--out_dir={tmp_path / (kernel + '_sdpa')}",
-               kernels="")
-        got, ref = train_losses(tmp_path / kernel), train_losses(tmp_path / (kernel + "_sdpa"))
-        assert [s for s, _, _ in got] == [s for s, _, _ in ref]
-        for (_, a, va), (_, b, vb) in zip(got, ref):
-            assert abs(a - b) <= 0.02 * abs(b) and (va is None or abs(va - vb) <= 0.02 * abs(vb))
-    # Defect 1 in train.py: --dtype=float32 with the kernels present runs on SDPA
-    _, seen = launch("train.py", *args[:-1], "--dtype=float32", f"--out_dir={tmp_path / 'fp32'}")
-    assert seen["flash"][0] == 0 and seen["varlen"][0] == 0
+def eval_args(tiny, out, *extra):
+    return ["--model", str(tiny / "a"), "--task", "cls", "--data", str(tiny / "task"), "--seeds", "3", "--epochs", "2",
+            "--lr", "1e-3", "--device", "cpu", "--out", str(out), *extra]
 
 
-def eval_run(tiny, out, *extra, nproc=1, kernels="flash,varlen"):
-    r, seen = launch("eval.py", "--model", str(tiny / "a"), "--task", "cls", "--data", str(tiny / "task"),
-                     "--seeds", "3", "--epochs", "2", "--lr", "1e-3", "--device", "cpu", "--out", str(out), *extra,
-                     nproc=nproc, kernels=kernels)
+def results(out):
     with open(out / "results.json") as f:
-        return json.load(f), r, seen
+        return json.load(f)
 
 
 @pytest.fixture(scope="module")
 def eval_default(tiny, tmp_path_factory):
     """eval.py with its defaults (batch 16: a last batch of one example) and both kernels present."""
-    return eval_run(tiny, tmp_path_factory.mktemp("eval_default"))
+    out = tmp_path_factory.mktemp("eval_default")
+    seen = through(eval_script.main, eval_args(tiny, out))
+    return results(out), seen
 
 
 @needs_flash
 def test_eval_through_the_kernels(tiny, eval_default, tmp_path):
     """Defect 1: eval.py ran its model in float32 and handed float32 q, k, v to the kernel."""
-    res, r, seen = eval_default  # no --dtype: float32 on CPU must not reach the kernel
-    assert "attention sdpa" in r.stdout and seen["flash"][0] == 0
-    res_bf16, r, seen = eval_run(tiny, tmp_path / "bf16", "--dtype", "bfloat16")
-    assert "attention flash" in r.stdout
-    assert seen["flash"][0] > 0 and seen["flash"][1] == {"bfloat16"}
-    ref, _, _ = eval_run(tiny, tmp_path / "sdpa", "--dtype", "bfloat16", kernels="")
+    res, seen = eval_default  # no --dtype: float32 on CPU must not reach the kernel
+    assert res["settings"]["model_info"]["code"].endswith("attention sdpa") and not seen["flash"]
+    seen = through(eval_script.main, eval_args(tiny, tmp_path / "bf16", "--dtype", "bfloat16"))
+    res_bf16 = results(tmp_path / "bf16")
+    assert res_bf16["settings"]["model_info"]["code"].endswith("attention flash")
+    assert seen["flash"] == {torch.bfloat16}
+    through(eval_script.main, eval_args(tiny, tmp_path / "sdpa", "--dtype", "bfloat16"), backends=())
+    ref = results(tmp_path / "sdpa")
     for got in (res_bf16, res):
         for a, b in zip(got["runs"][0]["epochs"], ref["runs"][0]["epochs"]):
             assert abs(a["validation"]["macro_f1"] - b["validation"]["macro_f1"]) <= 0.07
@@ -271,12 +240,11 @@ def test_eval_through_the_kernels(tiny, eval_default, tmp_path):
 def test_cka_through_the_kernels(tiny, tmp_path):
     texts = tmp_path / "texts.txt"
     texts.write_text((tiny / "corpus.txt").read_text())
-    args = ["cka.py", "--pair", str(tiny / "a"), str(tiny / "b"), "--control", str(tiny / "a"), str(tiny / "a"),
-            "--texts", str(texts), "--n", "40", "--seeds", "1,2", "--device", "cpu"]
-    _, seen = launch(*args, "--dtype", "bfloat16", "--out", str(tmp_path / "bf16"))
-    assert seen["flash"][0] > 0 and seen["flash"][1] == {"bfloat16"}
-    launch(*args, "--dtype", "bfloat16", "--out", str(tmp_path / "sdpa"), kernels="")
-    got, ref = (json.load(open(tmp_path / k / "results.json")) for k in ("bf16", "sdpa"))
+    args = ["--pair", str(tiny / "a"), str(tiny / "b"), "--control", str(tiny / "a"), str(tiny / "a"),
+            "--texts", str(texts), "--n", "40", "--seeds", "1,2", "--device", "cpu", "--dtype", "bfloat16"]
+    assert through(cka.main, [*args, "--out", str(tmp_path / "bf16")])["flash"] == {torch.bfloat16}
+    through(cka.main, [*args, "--out", str(tmp_path / "sdpa")], backends=())
+    got, ref = (results(tmp_path / k) for k in ("bf16", "sdpa"))
     for layer, e in got["layers"].items():
         assert abs(e["pair_cka"]["mean"] - ref["layers"][layer]["pair_cka"]["mean"]) <= 0.01
 
@@ -286,8 +254,12 @@ def test_cka_through_the_kernels(tiny, tmp_path):
 
 
 def test_eval_torchrun_last_batch_smaller_than_world(tiny, eval_default, tmp_path):
-    one, _, _ = eval_default
-    two, _, _ = eval_run(tiny, tmp_path / "two", nproc=2)  # hung before the fix: the launch times out
+    one, _ = eval_default
+    cmd = [*launcher(2), os.path.join(ROOT, "eval.py"), *eval_args(tiny, tmp_path / "two")]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=240,  # it hung before the fix
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    two = results(tmp_path / "two")
     assert two["settings"]["world_size"] == 2
     for a, b in zip(one["runs"][0]["epochs"], two["runs"][0]["epochs"]):
         assert a["validation"] == b["validation"]
