@@ -70,20 +70,13 @@ def compile_model(model, backend="inductor", regional=False):
     """torch.compile(model), as train.py and bench.py run it. Inductor's Triton fusion of LayerNorm backward's two
     reductions (torch 2.10+) guards by default on the sizes it fuses, the MLM head's row count among them: a new
     mask rate (30% -> 15%) recompiled the whole model (H200, torch 2.11). Non-strict, it guards on none.
-    regional: compile each transformer block in place instead, and the head with its chunked loss, the rest eager. The
-    blocks share one code, so dynamo compiles a graph per kind of block (the first, which has no attention norm;
-    global; local) whatever the depth: three blocks and the loss to compile instead of the whole model. The loss's
-    passes over (rows, vocab) chunks are the costly part left to eager (CPU, Base, 1 x 1024 tokens, inductor, cold
-    caches: regional without it ran MLM at 0.83x the whole compiled step; with it MLM at 1.07x and CLM at 0.91x, after
-    warm-ups of 44 and 34 s against 144 and 73 s; bench.py --impls "ours compiled" "ours regional" measures both).
+    regional: compile each transformer block in place instead, and the head with its chunked loss, the rest eager.
+    The blocks share one code, so dynamo compiles a graph per kind of block (the first, which has no attention
+    norm; global; local) whatever the depth: a shorter warm-up (bench.py --impls "ours compiled" "ours regional").
     On CPU, SDPA attends documents kept apart one by one inside the blocks: a graph per set of lengths.
-    A process that compiles a graph an earlier one compiled (a resume) loads it from inductor's caches
-    (/tmp/torchinductor_USER, or TORCHINDUCTOR_CACHE_DIR). AOTAutograd's cache admits an autograd.Function, the
-    chunked loss here, only when allowed; its forward and backward are traced into the graph that keys the cache,
-    so it is safe, and without it a resume traces the joint graph again (CPU, tiny: 10.2 s of compiling -> 5.9 s).
-    It still refuses two graphs (torch 2.11-2.13), which then hit inductor's cache alone: DDP's (on an H200 under
-    torchrun: "fakify_first_call"), and one with SDPA restricted to a kernel, as the cuDNN layers are (pytorch#194007:
-    "_backend_from_string"); a step 1.6x faster in those layers is worth the trace a resume repeats."""
+    AOTAutograd's cache, which a resume reads, admits an autograd.Function (the chunked loss) only when allowed; its
+    forward and backward are traced into the graph that keys the cache, so it is safe (torch 2.11-2.13 still refuse
+    DDP's graph and one with SDPA restricted to a kernel, pytorch#194007: those hit inductor's cache alone)."""
     import torch._functorch.config as functorch
     import torch._inductor.config as inductor
     if hasattr(inductor.triton, "mix_order_reduction_non_strict_mode"):
@@ -163,13 +156,11 @@ def refusal(name, layer_type, device, dtype, dropout_p, packed):
 
 
 class SDPAView:
-    """SDPA over the sequences of an unpadded batch, in one of three ways. Sequences of one length (packed windows)
-    are one (B, nh, S, hd) batch, only reshaped. Sequences of different lengths attend each alone on CPU, so that
-    attention costs sum(L^2) rather than B * S^2 (with lengths as uneven as documents', many times less); on a GPU,
-    or under torch.compile (where a loop over the lengths would recompile for every batch), on a (B, S) view
-    zero-padded by a scatter, with a padding mask. Every other op stays on the flat tokens. A (T, T) block-diagonal
-    mask would instead make CPU attention quadratic in the whole batch's token count. It serves the layer types whose
-    backend is "sdpa" or "cudnn" (which pick_backend gives packed global layers only, where no mask is needed)."""
+    """SDPA over the sequences of an unpadded batch, for the layer types whose backend is "sdpa" or "cudnn" (packed
+    global layers only: no mask). Sequences of one length (packed windows) are one (B, nh, S, hd) batch, only
+    reshaped. Sequences of different lengths attend each alone on CPU (sum(L^2) rather than B * S^2); on a GPU, or
+    under torch.compile (where a loop over the lengths would recompile for every batch), on a (B, S) view
+    zero-padded by a scatter, with a padding mask. Every other op stays on the flat tokens."""
 
     def __init__(self, packing):
         cu_seqlens, positions = packing.cu_seqlens, packing.positions

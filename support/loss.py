@@ -1,18 +1,13 @@
 """
 The LM loss in chunks of rows: sum_i cross_entropy(x_i @ W.T + b, target_i), in float32, never holding the
-(rows, vocab) logits.
+(rows, vocab) logits (at 32k CLM rows and V = 50368: 6.6 GB in float32, which autograd would keep and then double
+with their gradient).
 
-The logits are the largest tensors of a training step: at 32k CLM rows and V = 50368 they take 6.6 GB in
-float32, and plain autograd keeps them (as log-softmax) for backward and then materialises their gradient
-too. But the loss is the last op of the step, so its gradient with respect to a chunk's logits, softmax -
-onehot, is known as soon as the chunk's forward is: forward computes each chunk's gradients right away and
-drops its logits, and backward only scales the stored gradients by the incoming scalar. That is
-Liger-Kernel's fused linear cross-entropy, written with torch ops; unlike checkpointing each chunk it
-recomputes nothing.
-
-2048 rows per chunk: at V = 50368 a chunk's float32 logits take 394 MiB (0.6 GiB with their bf16 copy under
-autocast), against 13+ GB unchunked at 32k rows, and a (2048 x 768) @ (768 x V) matmul still keeps the
-tensor cores busy. A CLM micro batch of 4 x 8192 tokens is 16 chunks.
+The loss is the last op of the step, so its gradient with respect to a chunk's logits, softmax - onehot, is known
+as soon as the chunk's forward is: forward computes each chunk's gradients right away and drops its logits, and
+backward only scales them by the incoming scalar (Liger-Kernel's fused linear cross-entropy, in torch ops; unlike
+checkpointing each chunk it recomputes nothing). 2048 rows per chunk: 394 MiB of float32 logits at V = 50368, and a
+(2048 x 768) @ (768 x V) matmul still keeps the tensor cores busy.
 """
 
 import torch
