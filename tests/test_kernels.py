@@ -18,6 +18,7 @@ import cpu_kernels
 from model import ModernBertConfig, Packing, attention
 from support import kernels
 from test_gpu_path import SPECIAL, randomized, reference
+from test_model import padded_batch
 
 # On CPU FlexAttention runs its eager path (a GPU compiles it), exact and quick at these sizes: no warning for that.
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -127,12 +128,9 @@ def test_the_model_through_flex_matches_sdpa(padded, causal):
 def run_forward(model, backend, causal, padded, lengths, dtype=torch.float32):
     """The logits of the real tokens of one batch (T, V), under autocast to `dtype` (float32: none)."""
     model.config.attn_backend = backend
-    g = torch.Generator().manual_seed(1)
-    S = max(lengths)
-    ids = torch.randint(3, model.config.vocab_size, (len(lengths), S), generator=g)
-    mask = torch.arange(S)[None, :] < torch.tensor(lengths)[:, None]
+    ids, mask = padded_batch(model.config.vocab_size, lengths, seed=1)
     with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-        return model(ids, mask.long() if padded else None, causal=causal)[mask].float()
+        return model(ids, mask if padded else None, causal=causal)[mask.bool()].float()
 
 
 def gradients(model, logits):
