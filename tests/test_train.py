@@ -492,10 +492,13 @@ def test_a_phase_that_means_nothing_is_one_clear_line(phases, message):
 
 
 def test_a_vocab_mismatch_is_clear(data_dir, tmp_path):
+    import train
+
     small = tmp_path / "small"
     ModernBertForMaskedLM(ModernBertConfig(vocab_size=128, **TINY)).save_pretrained(small)
-    r = run_train(tmp_path / "b", data_dir, f"--init_from={small}", check=False)
-    assert r.returncode != 0 and "vocab mismatch" in r.stderr and "--tokenizer" in r.stderr
+    with pytest.raises(SystemExit, match="^vocab mismatch: .* --tokenizer"):  # at start-up, before any work
+        train.main(train_cmd(tmp_path / "b", data_dir, f"--init_from={small}")[2:])
+    assert not (tmp_path / "b").exists()
 
 
 def test_every_config_parses_and_ablations_stack():
