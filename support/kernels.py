@@ -16,6 +16,7 @@ MODERNBERT_ATTN, forces one for all layers ("varlen") or one per layer type ("gl
 """
 
 import contextlib
+import functools
 import inspect
 import os
 
@@ -274,12 +275,7 @@ def interval_block_mask(lo, hi, block):
                                     seq_lengths=(T, T))
 
 
+@functools.cache
 def compiled_flex():
     """torch.compile(flex_attention), made once, at its first eager use on CUDA (torch.compile imports dynamo)."""
-    global _compiled_flex
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention)
-    return _compiled_flex
-
-
-_compiled_flex = None
+    return torch.compile(flex_attention)
