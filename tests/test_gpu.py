@@ -19,7 +19,7 @@ import torch
 
 from model import ModernBertConfig
 from support import kernels
-from test_gpu_path import SPECIAL, randomized, run_model, tiny, train_losses  # noqa: F401 (tiny is a fixture)
+from test_gpu_path import SPECIAL, randomized, tiny, train_losses  # noqa: F401 (tiny is a fixture)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (no CUDA device here)")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
