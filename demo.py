@@ -43,7 +43,7 @@ import numpy as np
 from support.config import load_file
 from support.files import read_json
 from support import metrics
-from support.suite import UPSTREAM, nested_delta, run_file
+from support.suite import UPSTREAM, nested_delta, pct, run_file
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -174,14 +174,10 @@ def figures(out, arms, main_tokens):
     plt.close(fig)
 
 
-def pm(x):  # mean ± std of a fraction, in %
-    return f"{100 * x['mean']:.2f} ± {100 * x['std']:.2f}"
-
-
 def cka_rows(regions):
     """CKA's table by layer region: the divergence of the pair and of the control, and their ratio."""
     return ["| layers | pair (%) | control (%) | ratio |", "|---|---|---|---|"] + [
-        f"| {r['layers']} | {pm(r['pair_divergence'])} | {pm(r['control_divergence'])} | "
+        f"| {r['layers']} | {pct(r['pair_divergence'])} | {pct(r['control_divergence'])} | "
         + ("n/a" if r["ratio"] is None else f"{r['ratio']['mean']:.2f}x") + " |" for r in regions]
 
 
@@ -189,18 +185,18 @@ def trajectory_section(out, s):
     """The trajectory's table (divergence by region at every kept step), its figure, and what it says."""
     traj = read_json(os.path.join(out, "trajectory", "trajectory.json"))
     points, low = traj["steps"], traj["settings"]["regions"][0]
-    pct = lambda p: 100 * p["pair"]["regions"][0]["mean"]  # noqa: E731  (the low region)
+    apart = lambda p: 100 * p["pair"]["regions"][0]["mean"]  # noqa: E731  (the low region)
     first, end, final = points[0], [p for p in points if p["phase"] == points[0]["phase"]][-1], points[-1]
     ratio = "n/a" if first["ratio"][0] is None else f"{first['ratio'][0]['mean']:.1f}x"
-    back = pct(end) - pct(final)
+    back = apart(end) - apart(final)
     return ["## CKA over training: detour vs MLM (pair) and MLM vs its seed twin (control)", "",
             "Divergence (1 - CKA, %) by layer region at every step both arms kept (every 100 steps, the end of "
             "phase 1, and the final checkpoints), mean ± std over the sampling seeds; same texts as above.", "",
             open(os.path.join(out, "trajectory", "trajectory.md")).read().split("\n", 4)[4].strip(), "",  # its rows
             "![trajectory](trajectory.png)", "", f"What this small run shows: the low layers ({low}) are already "
-            f"{pct(first):.1f}% apart after {first['tokens']:,} tokens of phase 1 ({ratio} the control), "
-            f"{pct(end):.1f}% at step {end['step']} (the last kept step of phase 1) and {pct(final):.1f}% after the "
-            "decay, which " + (f"takes back {back:.1f} points of it." if back > 0 else "takes none of it back.")
+            f"{apart(first):.1f}% apart after {first['tokens']:,} tokens of phase 1 ({ratio} the control), "
+            f"{apart(end):.1f}% at step {end['step']} (the last kept step of phase 1) and {apart(final):.1f}% after "
+            "the decay, which " + (f"takes back {back:.1f} points of it." if back > 0 else "takes none of it back.")
             + f" What it does not show: this is one tiny run ({traj['settings']['n_layers']} layers, "
             f"{s['arm_tokens']:,} tokens, {len(points)} checkpoints, its regions are thirds of the layers), and the ± "
             "is over text samples, not over training seeds; it says how to read a trajectory, not when a Base model's "
@@ -248,7 +244,7 @@ def report(args, s, out, task_dir, kind, timings, total):
              "", "![per-layer divergence](divergence.png)", "", *trajectory_section(out, s), "",
              f"## Fine-tuning on the task (test, mean ± std over seeds {s['eval_seeds']})", "",
              "| arm | macro F1 (%) | micro F1 (%) |", "|---|---|---|",
-             *(f"| {name} | {pm(f1['macro_f1'])} | {pm(f1['micro_f1'])} |" for name, f1 in evals.items()),
+             *(f"| {name} | {pct(f1['macro_f1'])} | {pct(f1['micro_f1'])} |" for name, f1 in evals.items()),
              "", "![loss curves](loss.png)", "", "Per-layer CKA table: cka/results.md. Logs: logs/.", ""]
     Path(out, "report.md").write_text(text := "\n".join(lines))
     return text
