@@ -189,24 +189,6 @@ def run_data(cwd, *args):
     return printed.getvalue()
 
 
-def test_prepare_errors(tmp_path):
-    """Each bad input ends data.py in one line that names it, and leaves no half files (test_mistakes.py has the
-    command-line mistakes: a missing file, a folder, bad weights, ...)."""
-    train_bpe(iter(["some text here"] * 20), 300, str(tmp_path / "tok.json"))
-    (tmp_path / "empty.txt").write_text("\n\n")
-    (tmp_path / "x.csv").write_text("a,b")
-    (tmp_path / "bad.jsonl").write_text('{"content": "hi"}\n')
-    (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
-    (tmp_path / "cut.txt.xz").write_bytes(lzma.compress(b"some text\n" * 100)[:40])
-    cases = [("empty.txt", "no documents"), ("x.csv", "unknown extension"), ("bad.jsonl", "no 'text' field"),
-             ("latin1.txt", "cannot be read as UTF-8"), ("cut.txt.xz", "cannot be read as xz-compressed UTF-8 text")]
-    for name, message in cases:
-        with pytest.raises(SystemExit) as stop:
-            run_data(tmp_path, "--input", name, "--tokenizer", "tok.json", "--out", "o", "--workers", "1")
-        assert message in str(stop.value.code), (name, stop.value.code)
-        assert sorted(os.listdir(tmp_path)) == sorted(["tok.json", *(name for name, _ in cases)])  # no half files
-
-
 # -----------------------------------------------------------------------------
 # 4. Against an outside expectation: what the stream of windows is, not only that it resumes as itself
 

@@ -6,6 +6,7 @@ fragment the message must contain, and the files to set up first. The folder is 
 
 import hashlib
 import json
+import lzma
 import os
 import shutil
 import subprocess
@@ -79,7 +80,7 @@ TINY_RUN = ["--data_dir=shards", "--model_config={'hidden_size': 32, 'intermedia
             "--micro_batch_size=2", f"--tokens={6 * 4 * 32}", "--warmup_tokens=0", "--decay_frac=0.34",
             "--eval_windows=4", "--device=cpu"]
 
-# (name, files to write first: path -> text, or "@path" to copy a file or folder; command, message fragment)
+# (name, files to write first: path -> text or bytes, or "@path" to copy a file or folder; command, message fragment)
 ROWS = [
     ("re-run into a data set with another tokenizer, input with a bad line",
      {"bad.jsonl": '{"text": "fine"}\n{"text": 42}\n'},
@@ -92,6 +93,18 @@ ROWS = [
     ("an input file that does not exist", {},
      DATA + ["--input", "corpus.txt", "nope.txt", "--tokenizer", "tok.json", "--out", "new_shards"],
      "'nope.txt' does not exist"),
+    ("an input of blank lines", {"empty.txt": "\n\n"},
+     DATA + ["--input", "empty.txt", "--tokenizer", "tok.json", "--out", "new_shards"], "the input holds no documents"),
+    ("an input of another format", {"x.csv": "a,b"},
+     DATA + ["--input", "x.csv", "--tokenizer", "tok.json", "--out", "new_shards"], "x.csv: unknown extension '.csv'"),
+    ("JSON lines without a text field", {"bad.jsonl": '{"content": "hi"}\n'},
+     DATA + ["--input", "bad.jsonl", "--tokenizer", "tok.json", "--out", "new_shards"], "bad.jsonl:1: no 'text' field"),
+    ("an input in latin-1", {"latin1.txt": "caf\xe9\n".encode("latin-1")},
+     DATA + ["--input", "latin1.txt", "--tokenizer", "tok.json", "--out", "new_shards"],
+     "latin1.txt: cannot be read as UTF-8 text"),
+    ("an .xz input cut short", {"cut.txt.xz": lzma.compress(b"some text\n" * 100)[:40]},
+     DATA + ["--input", "cut.txt.xz", "--tokenizer", "tok.json", "--out", "new_shards"],
+     "cut.txt.xz: cannot be read as xz-compressed UTF-8 text"),
     ("bpe:N with no number", {},
      DATA + ["--input", "corpus.txt", "--tokenizer", "bpe:big", "--out", "new_shards"],
      "write bpe:N"),
@@ -205,9 +218,6 @@ ROWS = [
     ("eval.py --max_len beyond the model's positions", {},
      EVAL + ["--task", "cls", "--data", "cls", "--max_len", "9000"],
      "--max_len: max_len=9000 is beyond the model's 8192 positions; give at most 8192"),
-    ("train.py a config key with a typo", {},
-     TRAIN + TINY_RUN + ["--out_dir=other", "--learning_rate=1e-3"],
-     "--learning_rate=1e-3: unknown config key 'learning_rate'. Valid keys: out_dir"),
     ("train.py a config file that does not exist", {},
      TRAIN + ["configs/nope.py", "--out_dir=other"],
      "config file 'configs/nope.py' not found"),
@@ -228,11 +238,11 @@ def test_mistake(workdir, tmp_path, capsys, name, files, command, message):
     d = tmp_path / "work"
     shutil.copytree(workdir, d, symlinks=True)
     for path, content in files.items():
-        if content.startswith("@"):  # a copy of a file or folder
+        if isinstance(content, str) and content.startswith("@"):  # a copy of a file or folder
             (shutil.copytree if (d / content[1:]).is_dir() else shutil.copyfile)(d / content[1:], d / path)
         else:
             (d / path).parent.mkdir(parents=True, exist_ok=True)
-            (d / path).write_text(content)
+            (d / path).write_bytes(content if isinstance(content, bytes) else content.encode())
     before = snapshot(d)
     with pytest.raises(SystemExit) as stop:  # any other exception is a traceback for a user's mistake
         main(d, command)
@@ -282,7 +292,8 @@ def test_torchrun_says_a_mistake_once(workdir):
     r = subprocess.run([*launcher(2), os.path.join(ROOT, "train.py"), *TINY_RUN, "--out_dir=new_run", "--lr_typo=1"],
                        cwd=workdir, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0
-    assert (r.stdout + r.stderr).count("unknown config key 'lr_typo'") == 1, r.stderr[-3000:]
+    assert (r.stdout + r.stderr).count("--lr_typo=1: unknown config key 'lr_typo'. Valid keys: out_dir") == 1, \
+        r.stderr[-3000:]
     assert snapshot(workdir) == before
 
 
