@@ -1,5 +1,5 @@
 # The study's base (stacked after configs/study.py): MLM from scratch on general English, then the 10% decay, as
-# "a pretrained ModernBERT" is. Sizes before demo.py's time rule scales them; our choices.
+# "a pretrained ModernBERT" is. Sizes before the study's time rule scaled them; our choices.
 init_from = "scratch"
 objective = "mlm"
 tokens = 100_000_000  # 4 passes over the 25M-token Gutenberg corpus

@@ -10,7 +10,6 @@ import shlex
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -131,68 +130,3 @@ def test_every_other_readme_command_names_files_that_exist_and_arguments_its_scr
             train.parse_config([a if not a.startswith("configs/") else os.path.join(ROOT, a) for a in args])
         else:
             importlib.import_module(script[:-3].replace("/", ".")).parse_args([a for a in args if a != "--"])
-
-
-STUDY_DATA = os.path.join(ROOT, "..", "shared", "data")
-
-
-def test_study_time_rule_hand_computed():
-    """demo.study_scale: pretraining gets what is left of the minutes after the elapsed time, the reserve and two
-    start-ups, at the probe's rate, the sizes plus their 10% decays plus 10% overhead (1.21 x)."""
-    import demo
-    s = dict(minutes=10, reserve_s=100, start_s=10)
-    sizes = [100e6] + [30e6] * 6  # 280M tokens at 1M/s: 1.21 x 280 = 338.8 s
-    assert demo.study_scale(s, 80, 1e6, sizes) == 1.0  # 600 - 80 - 100 - 20 = 400 s left
-    assert demo.study_scale(s, 280, 1e6, sizes) == pytest.approx(200 / 338.8)
-    with pytest.raises(SystemExit, match="does not fit"):
-        demo.study_scale(s, 470, 1e6, sizes)  # 10 s left: under 5% of what the full size needs
-
-
-@pytest.mark.skipif(not os.path.isfile(os.path.join(STUDY_DATA, "study", "biomed.txt.xz")),
-                    reason="../shared/data (the study's corpora and tasks) is not beside the checkout")
-def test_study_quick_runs_every_step_on_slices_of_the_real_data(tmp_path):
-    """demo.py --study --quick: every step of the study, tiny, on the first documents of the real corpora and the first
-    examples of the real tasks. Its fine-tuning table equals the random-effects ANOVA interval recomputed from the
-    runs eval.py stored (grouped by the arms' own config.json), and its CKA table is cka.py's."""
-    stats = pytest.importorskip("scipy.stats")
-    out = tmp_path / "study"
-    r = subprocess.run([sys.executable, "demo.py", "--study", STUDY_DATA, "--quick", "--out", str(out)], cwd=ROOT,
-                       capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count("\n$ ") == r.stdout.count("  done in ") == 15  # 2 shards, probe, warm-up, base, 4 arms, 6
-    results = json.loads((out / "study.json").read_text())
-    design, finetune = results["design"], results["finetune"]
-    assert 0 < design["factor"] <= 1 and design["arm_tokens"] == round(design["factor"] * 30e6 / 5000)
-    configs = {name: json.loads((out / name / "config.json").read_text()) for name in design["arms"]}
-    assert {(c["objective"], c["seed"]) for c in configs.values()} == {(o, s) for o in ("clm", "mlm") for s in (17, 42)}
-    assert {(c["data_seed"], c["tokens"], c["init_from"]) for c in configs.values()} == {
-        (42, design["arm_tokens"], str(out / "base" / "final"))}  # one base, one data order, equal tokens
-    texts = {name: {json.loads(line)["text"] for line in (out / "text" / f"{name}.jsonl").read_text().splitlines()}
-             for name in ("domain", "heldout")}
-    assert texts["heldout"] and not texts["heldout"] & texts["domain"]  # CKA's texts are never pretrained on
-    for task in ("ncbi_disease", "anatem", "gad"):
-        scores = {}  # objective -> pretraining seed -> fine-tuning seed -> test macro F1 (points)
-        for name, c in configs.items():
-            for run in (out / "eval" / name / "runs" / task).rglob("seed*.json"):
-                f1 = 100 * json.loads(run.read_text())["result"]["test"]["macro_f1"]
-                scores.setdefault(c["objective"], {}).setdefault(c["seed"], {})[int(run.stem[4:])] = f1
-        d = np.array([[scores["clm"][p][f] - scores["mlm"][p][f] for f in (42, 43)] for p in (17, 42)])
-        ms_between = 2 * ((d.mean(axis=1) - d.mean()) ** 2).sum() / (2 - 1)
-        half = stats.t.ppf(0.975, 1) * np.sqrt(ms_between / 4)
-        got = finetune["detour_minus_mlm"][task]
-        assert (got["mean"], got["half"]) == pytest.approx((d.mean(), half), rel=1e-6)  # t from a 6-digit table
-    cka = json.loads((out / "cka" / "results.json").read_text())
-    assert results["cka_regions"] == cka["regions"] and cka["settings"]["pair"][0].endswith("clm_s17/final")
-    report = (out / "report.md").read_text()
-    for heading in ("## Fine-tuning: the detour minus the MLM arm", "## CKA: divergence", "## CKA over the run",
-                    "## Validation losses", "## Time and throughput", "## Design"):
-        assert heading in report
-    for png in ("loss.png", "divergence.png", "trajectory.png"):
-        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"({png})" in report
-    # A run cut short in its fine-tuning: --report tables the tasks every arm finished for every seed
-    next((out / "eval" / "mlm_s42" / "runs" / "gad").rglob("seed43.json")).unlink()
-    import demo
-    demo.main(["--study", STUDY_DATA, "--out", str(out), "--report"])  # in this process: it starts no step
-    again = json.loads((out / "study.json").read_text())["finetune"]
-    assert again["finished"] == ["ncbi_disease", "anatem"] and "gad" not in again["detour_minus_mlm"]
-    assert "| average (2 of 3 tasks) |" in (out / "report.md").read_text()
