@@ -19,7 +19,7 @@ import torch
 
 from model import ModernBertConfig
 from support import kernels
-from test_gpu_path import SPECIAL, randomized, tiny, train_losses  # noqa: F401 (tiny is a fixture)
+from test_gpu_path import SPECIAL, randomized, run_model, tiny, train_losses  # noqa: F401 (tiny is a fixture)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (no CUDA device here)")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,69 +28,32 @@ CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=192, num_hidden
               local_attention=16, **SPECIAL)  # head_dim 64, as ModernBERT's
 
 
-def on_cuda(backend, causal, padded, dtype, lengths, window=16):
-    model = randomized(ModernBertConfig(**{**CONFIG, "local_attention": window})).cuda().train()
-    model.config.attn_backend = backend
-    g = torch.Generator().manual_seed(1)
-    V, T = model.config.vocab_size, sum(lengths)
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-        if padded:
-            S = max(lengths)
-            ids = torch.randint(3, V, (len(lengths), S), generator=g).cuda()
-            mask = (torch.arange(S)[None, :] < torch.tensor(lengths)[:, None]).cuda()
-            logits = model(ids, mask.long(), causal=causal)[mask]
-        else:
-            ids = torch.randint(3, V, (T,), generator=g).cuda()
-            cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32).cuda()
-            logits = model(ids, causal=causal, cu_seqlens=cu, max_seqlen=max(lengths))
-    logits = logits.float()
-    (logits * torch.randn(logits.shape, generator=g).cuda()).sum().backward()
-    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
 def worst(a, ga, b, gb):
     logit = ((a - b).abs().max() / b.abs().max()).item()
     grad = max(((ga[n] - gb[n]).norm() / gb[n].norm().clamp_min(1e-12)).item() for n in gb)
     return logit, grad
 
 
-@pytest.mark.parametrize("backend", KERNELS or [pytest.param("none", marks=pytest.mark.skip(
-    reason="no GPU attention kernel here (flash-attn not installed, torch varlen_attn without window_size)"))])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("padded", [True, False])
-@pytest.mark.parametrize("window", [16, 4096])
-def test_kernel_against_sdpa(backend, causal, padded, window):
-    """bf16 kernel vs SDPA in float32 (the reference) and vs SDPA in bf16 (the same arithmetic)."""
+# (backend, causal, padded, window): each kernel everywhere; SDPA's cuDNN kernel where it attends (the global layers
+# of packed batches); FlexAttention (compiled, its block mask of documents and windows); SDPA itself in bf16
+KERNEL_CASES = [(b, c, p, w) for b in KERNELS for c in (False, True) for p in (True, False) for w in (16, 4096)]
+AGAINST_SDPA = (KERNEL_CASES or [pytest.param("none", False, True, 16, marks=pytest.mark.skip(
+    reason="no GPU attention kernel here (flash-attn not installed, torch varlen_attn without window_size)"))]) + [
+    (b, c, p, 16) for b, p in (("global=cudnn,local=sdpa", False), ("flex", False), ("flex", True))
+    for c in (False, True)] + [("sdpa", True, True, 16)]
+
+
+@pytest.mark.parametrize("backend, causal, padded, window", AGAINST_SDPA)
+def test_each_backend_in_bf16_against_sdpa(backend, causal, padded, window):
+    """bf16 against SDPA in float32 (the reference); a kernel also against SDPA in bf16 (the same arithmetic)."""
+    model = randomized(ModernBertConfig(**{**CONFIG, "local_attention": window})).cuda().train()
     lengths = [1, 9, 300, 77] if padded else [256, 256]
-    out, grads = on_cuda(backend, causal, padded, torch.bfloat16, lengths, window)
-    ref32, g32 = on_cuda("sdpa", causal, padded, torch.float32, lengths, window)
-    ref16, g16 = on_cuda("sdpa", causal, padded, torch.bfloat16, lengths, window)
-    vs32, vs16 = worst(out, grads, ref32, g32), worst(out, grads, ref16, g16)
-    print(f"{backend} causal={causal} padded={padded} window={window}: vs SDPA fp32 max rel logit {vs32[0]:.2e} "
-          f"grad {vs32[1]:.2e}; vs SDPA bf16 {vs16[0]:.2e} / {vs16[1]:.2e}")
-    assert vs32[0] <= 0.02 and vs32[1] <= 0.03
-    assert vs16[0] <= 0.02 and vs16[1] <= 0.03
-
-
-@pytest.mark.parametrize("backend, padded", [("global=cudnn,local=sdpa", False), ("flex", False), ("flex", True)])
-@pytest.mark.parametrize("causal", [False, True])
-def test_cudnn_and_flex_against_sdpa(backend, padded, causal):
-    """SDPA's cuDNN kernel (the global layers of packed batches) and FlexAttention (compiled, its block mask of
-    documents and windows), bf16, against SDPA in float32, with test_kernel_against_sdpa's tolerances."""
-    lengths = [1, 9, 300, 77] if padded else [256, 256]
-    out, grads = on_cuda(backend, causal, padded, torch.bfloat16, lengths)
-    ref, ref_grads = on_cuda("sdpa", causal, padded, torch.float32, lengths)
-    logit, grad = worst(out, grads, ref, ref_grads)
-    print(f"{backend} causal={causal} padded={padded}: vs SDPA fp32 max rel logit {logit:.2e} grad {grad:.2e}")
-    assert logit <= 0.02 and grad <= 0.03
-
-
-def test_sdpa_bf16_against_float32():
-    a, ga = on_cuda("sdpa", True, True, torch.bfloat16, [1, 9, 300, 77])
-    b, gb = on_cuda("sdpa", True, True, torch.float32, [1, 9, 300, 77])
-    logit, grad = worst(a, ga, b, gb)
-    print(f"sdpa bf16 vs fp32: max rel logit {logit:.2e} grad {grad:.2e}")
-    assert logit <= 0.02 and grad <= 0.03
+    out = run_model(model, backend, causal, padded, lengths)
+    for ref_dtype in [torch.float32] + [torch.bfloat16] * (backend in KERNELS):
+        logit, grad = worst(*out, *run_model(model, "sdpa", causal, padded, lengths, dtype=ref_dtype))
+        print(f"{backend} causal={causal} padded={padded} window={window}: vs SDPA {str(ref_dtype)[6:]} max rel "
+              f"logit {logit:.2e} grad {grad:.2e}")
+        assert logit <= 0.02 and grad <= 0.03
 
 
 PROCESS = SimpleNamespace(device=torch.device("cuda"), world=1)  # train.forward_backward's, one process
@@ -222,7 +185,7 @@ def test_a_new_mask_rate_compiles_no_new_graph():
     assert graphs == 1
 
 
-def train(tiny, out, *extra, wrapper=None):
+def train(tiny, out, *extra, wrapper=None):  # noqa: F811
     args = [f"--data_dir={tiny / 'shards'}", f"--init_from={tiny / 'a'}", f"--out_dir={out}", "--seq_len=32",
             "--global_batch_size=4", "--micro_batch_size=2", f"--tokens={8 * 4 * 32}", "--warmup_tokens=0",
             "--lr=1e-3", "--decay_frac=0.25", "--log_interval=1", "--eval_interval=4", "--eval_windows=4",

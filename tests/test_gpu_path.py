@@ -38,20 +38,22 @@ def randomized(config, seed=0):
     return randomize_(ModernBertForMaskedLM(config), seed)
 
 
-def run_model(model, backend, causal, padded, lengths, seed=1):
-    """bf16-autocast forward + backward of a weighted logit sum -> (float logits, {name: grad}). Not padded: the
-    real tokens of the padded batch, flat, with their cu_seqlens."""
+def run_model(model, backend, causal, padded, lengths, seed=1, dtype=torch.bfloat16):
+    """Forward (under bf16 autocast unless dtype is float32) + backward of a weighted logit sum, on the model's
+    device (tests/test_gpu.py: CUDA) -> (float logits, {name: grad}). Not padded: the real tokens of the padded
+    batch, flat, with their cu_seqlens."""
     model.config.attn_backend = backend
     model.zero_grad()
-    ids, mask = padded_batch(model.config.vocab_size, lengths, seed)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    device = next(model.parameters()).device
+    ids, mask = (t.to(device) for t in padded_batch(model.config.vocab_size, lengths, seed))
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
         if padded:
             logits = model(ids, mask, causal=causal)[mask.bool()]  # (T, V): real tokens only
         else:
-            cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+            cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
             logits = model(ids[mask.bool()], causal=causal, cu_seqlens=cu, max_seqlen=max(lengths))
     logits = logits.float()
-    (logits * torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed))).sum().backward()
+    (logits * torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed)).to(device)).sum().backward()
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
