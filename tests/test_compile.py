@@ -2,6 +2,7 @@
 same tracing and guards as inductor, without its C++ build) through each kernel's real wrapper, no graph break,
 compiled = eager, regional compilation; the chunked loss and the prefetch thread around it."""
 
+import contextlib
 import os
 import re
 import signal
@@ -12,7 +13,6 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import cpu_kernels
 import data
@@ -49,8 +49,8 @@ def assert_grads_close(grads, ref_grads):
         assert (grads[n] - gr).abs().max() <= 1e-5 * gr.abs().max() + 1e-7, n
 
 
-@pytest.fixture
-def keep_signal_handlers():
+@contextlib.contextmanager
+def own_signal_handlers():
     """train.main installs SIGTERM/SIGINT handlers: give pytest its own back."""
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     yield
@@ -58,30 +58,42 @@ def keep_signal_handlers():
         signal.signal(s, handler)
 
 
+keep_signal_handlers = pytest.fixture(own_signal_handlers)
+EACH_KERNEL = dict(tokens=4 * 32, decay_frac=3.0)  # 1 CLM step, 3 MLM steps, 2 micro batches each
+
+
+@pytest.fixture(scope="module")
+def eager_float32(tiny, tmp_path_factory):  # noqa: F811
+    """The reference of the compiled runs through each kernel: train.py eager in float32, the kernels present, which
+    never see it (they reject float32: SDPA)."""
+    out = tmp_path_factory.mktemp("eager")
+    with pytest.MonkeyPatch.context() as mp, own_signal_handlers():
+        cpu_kernels.install(mp)
+        train.main(run_args(tiny, out, compile=False, dtype="float32", **EACH_KERNEL))
+    assert not any(cpu_kernels.calls.values())
+    return train_losses(out)
+
+
 @pytest.mark.parametrize("kernel", [pytest.param("flash", marks=needs_flash), "varlen", "cudnn"])
 def test_a_run_through_each_kernel_compiles_one_graph_per_mask(tiny, tmp_path, monkeypatch, keep_signal_handlers,
-                                                               capsys, kernel):
+                                                               capsys, eager_float32, kernel):
     """The real wrappers (tests/cpu_kernels.py) under torch.compile and bf16 autocast, CLM then MLM: two graphs
     (causal, bidirectional), none per MLM target count, no graph break, the training and validation losses of an
-    eager float32 run, which the kernels present never see (they reject float32: SDPA). flash-attn broke the graph at
-    every layer when model.py gave it one tensor as both cu_seqlens_q and _k. cudnn: "auto" on a GPU without
-    flash-attn, SDPA's CPU flash kernel standing in for cuDNN's, varlen_attn locally. (SDPA: test_ddp_of_...)"""
+    eager float32 run. flash-attn broke the graph at every layer when model.py gave it one tensor as both
+    cu_seqlens_q and _k. cudnn: "auto" on a GPU without flash-attn, SDPA's CPU flash kernel standing in for cuDNN's,
+    varlen_attn locally. (SDPA: test_ddp_of_...)"""
     cpu_kernels.install(monkeypatch, backends=("varlen",) if kernel == "cudnn" else (kernel,))
     torch._dynamo.reset()
     counters.clear()
-    over = dict(tokens=4 * 32, decay_frac=3.0, dtype="bfloat16")  # 1 CLM step, 3 MLM steps, 2 micro batches each
     backend = "auto" if kernel == "cudnn" else kernel
-    train.main(run_args(tiny, tmp_path / "compiled", compile="aot_eager", attn_backend=backend, **over))
+    train.main(run_args(tiny, tmp_path, compile="aot_eager", attn_backend=backend, dtype="bfloat16", **EACH_KERNEL))
     graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     if kernel == "cudnn":  # test_kernels checks the cuDNN layers' SDPA call
         assert "attention global cudnn, local varlen" in capsys.readouterr().out and cpu_kernels.calls["varlen"]
     else:
         assert {c["causal"] for c in cpu_kernels.calls[kernel]} == {True, False}  # the kernel ran, both masks
     assert (graphs, breaks) == (2, 0)
-    calls = {k: len(v) for k, v in cpu_kernels.calls.items()}
-    train.main(run_args(tiny, tmp_path / "eager", compile=False, **{**over, "dtype": "float32"}))
-    assert {k: len(v) for k, v in cpu_kernels.calls.items()} == calls
-    got, ref = train_losses(tmp_path / "compiled"), train_losses(tmp_path / "eager")
+    got, ref = train_losses(tmp_path), eager_float32
     assert [s for s, _, _ in got] == [s for s, _, _ in ref] and any(v is not None for _, _, v in ref)
     for (_, a, val_a), (_, b, val_b) in zip(got, ref):
         assert abs(a - b) <= 1e-3 * abs(b) and (val_b is None or abs(val_a - val_b) <= 0.02 * abs(val_b))
@@ -182,27 +194,6 @@ def test_sequences_of_different_lengths_compiled_equal_eager(causal):
         assert_grads_close(grads, ref_grads)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 2
-
-
-class CountMatmuls(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += func.__name__ in ("mm.default", "addmm.default")
-        return func(*args, **(kwargs or {}))
-
-
-def test_chunked_loss_does_no_gradient_work_under_no_grad():
-    model = small(1)
-    hidden, targets = torch.randn(50, 32), torch.randint(0, 256, (50,))
-    counts = {}
-    for grad in (True, False):
-        with torch.set_grad_enabled(grad), CountMatmuls() as mode:
-            model.cross_entropy_sum(hidden, targets, 16)  # 4 chunks: the head's dense + 1 (or 4 with gradients) per chunk
-        counts[grad] = mode.n
-    assert counts == {True: 1 + 4 * 4, False: 1 + 4}
 
 
 def test_prefetch_keeps_the_stream_and_raises_at_the_step():

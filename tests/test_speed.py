@@ -75,14 +75,15 @@ def test_chunked_loss_and_gradients_match_full_logits(objective):
 
 
 class LogitsProbe(TorchDispatchMode):
-    """Records the most rows of any (rows, V) tensor an op produces, forward and backward."""
+    """Records the most rows of any (rows, V) tensor an op produces, forward and backward, and counts the matmuls."""
 
     def __init__(self, vocab):
         super().__init__()
-        self.vocab, self.most_rows = vocab, 0
+        self.vocab, self.most_rows, self.matmuls = vocab, 0, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self.matmuls += func.__name__ in ("mm.default", "addmm.default")
         if func.is_view:  # a transposed weight is no new tensor
             return out
         for t in out if isinstance(out, (tuple, list)) else [out]:
@@ -92,6 +93,8 @@ class LogitsProbe(TorchDispatchMode):
 
 
 def test_chunked_loss_never_holds_more_than_a_chunk_of_logits():
+    """A chunk of logits at most, forward and backward; under no_grad (evaluation) no gradient work: the head's dense
+    and a matmul per chunk (with gradients: 4)."""
     model = randomize_(ModernBertForMaskedLM(small_config("odd_vocab"))).train()
     tokens, cu, S, rows, targets = flat_batch(1003, [40, 26], "clm")  # 64 rows: 4 chunks of 16
     for name, loss_fn, most in [
@@ -100,6 +103,11 @@ def test_chunked_loss_never_holds_more_than_a_chunk_of_logits():
         with LogitsProbe(1003) as probe:
             loss_fn().backward()
         assert probe.most_rows == most, name  # the probe sees all rows on the plain path
+    hidden = model.model(tokens, cu, S, causal=True)[rows].detach()
+    for grad, matmuls in ((True, 1 + 4 * 4), (False, 1 + 4)):
+        with torch.set_grad_enabled(grad), LogitsProbe(1003) as probe:
+            model.cross_entropy_sum(hidden, targets, 16)
+        assert probe.matmuls == matmuls, grad
 
 
 def test_chunked_loss_under_bf16_autocast_and_no_grad():
