@@ -110,25 +110,25 @@ def test_ddp_of_the_compiled_model_under_torchrun(tiny, tmp_path):
     assert per_rank == [(2, 0), (2, 0)]
 
 
+def mlm_step(model, run, causal=False, seed=0):
+    """run (the model, or a compiled form of it) on 3 sequences of 24 tokens, 20 of them MLM targets: forward and
+    backward -> (loss, {name: the model's gradient})."""
+    g = torch.Generator().manual_seed(seed)
+    tokens, rows = torch.randint(3, 256, (3 * 24,), generator=g), torch.randperm(72, generator=g)[:20].sort().values
+    model.zero_grad()
+    loss = run(tokens, causal=causal, cu_seqlens=torch.tensor([0, 24, 48, 72], dtype=torch.int32), max_seqlen=24,
+               rows=rows, targets=tokens[rows])
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
 def test_inductor_step_equals_eager():
     """One MLM forward + backward through inductor (C++ on CPU) against eager, float32; the layers' kernels read
     RoPE's tables and compute no cos or sin (which inductor would recompute per element of q and k in every layer)."""
     model = small(2)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(3, 256, (3 * 24,), generator=g)
-    cu = torch.tensor([0, 24, 48, 72], dtype=torch.int32)
-    rows = torch.randperm(72, generator=g)[:20].sort().values
-    targets = torch.randint(3, 256, (20,), generator=g)
-
-    def step(m):
-        model.zero_grad()
-        loss = m(tokens, cu_seqlens=cu, max_seqlen=24, rows=rows, targets=targets)
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
     torch._dynamo.reset()
-    (loss, grads), code = run_and_get_code(step, torch.compile(model))
-    ref, ref_grads = step(model)
+    (loss, grads), code = run_and_get_code(mlm_step, model, torch.compile(model))
+    ref, ref_grads = mlm_step(model, model)
     assert abs(loss - ref) <= 1e-5 * abs(ref)
     assert not re.search(r"\b(cos|sin)\(", "\n".join(code))
     assert_grads_close(grads, ref_grads)
@@ -142,18 +142,8 @@ def test_regional_compilation_compiles_a_graph_per_kind_of_block():
     kernels.compile_model(model, "aot_eager", regional=True)
     torch._dynamo.reset()
     counters.clear()
-    g = torch.Generator().manual_seed(0)
     for causal, graphs in ((False, {4}), (True, {5, 6, 7})):
-        tokens = torch.randint(3, 256, (3 * 24,), generator=g)
-        cu = torch.tensor([0, 24, 48, 72], dtype=torch.int32)
-        rows = torch.randperm(72, generator=g)[:20].sort().values
-        results = []
-        for m in (model, eager):
-            m.zero_grad()
-            loss = m(tokens, causal=causal, cu_seqlens=cu, max_seqlen=24, rows=rows, targets=tokens[rows])
-            loss.backward()
-            results.append((loss.detach(), {n: p.grad for n, p in m.named_parameters()}))
-        (loss, grads), (ref, ref_grads) = results
+        (loss, grads), (ref, ref_grads) = (mlm_step(m, m, causal, seed=int(causal)) for m in (model, eager))
         assert counters["stats"]["unique_graphs"] in graphs and not counters["graph_break"]
         assert abs(loss - ref) <= 1e-5 * abs(ref)
         assert_grads_close(grads, ref_grads)
@@ -242,8 +232,6 @@ def test_a_compiled_step_is_one_aot_autograds_cache_admits():
 
     torch._dynamo.reset()
     model = kernels.compile_model(small(3), backend)
-    tokens, cu = torch.randint(3, 256, (48,)), torch.tensor([0, 24, 48], dtype=torch.int32)
-    model(tokens, causal=False, cu_seqlens=cu, max_seqlen=24, rows=torch.arange(0, 48, 5),
-          targets=tokens[::5]).backward()
+    mlm_step(model, model)
     assert len(graphs) == 1 and "autograd_function_apply" in graphs[0].code
     check_cacheable(graphs[0])  # raises BypassAOTAutogradCache where the cache would not take it
