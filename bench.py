@@ -186,8 +186,8 @@ def step_rows(args, config, device, dtype, impls, peak):
     with tempfile.TemporaryDirectory() as ckpt:
         torch.manual_seed(0)
         ModernBertForMaskedLM(config).save_pretrained(ckpt)  # the same weights for all
-        ours = [(name, mode) for name, who, _, mode in impls if who == "ours"]
-        profiled = next((name for name, mode in ours if mode), ours[0][0] if ours else None)  # compiled where it is
+        profiled = next((name for name, who, _, mode in sorted(impls, key=lambda i: not i[3])  # compiled first
+                         if who == "ours"), None)
         for case, objective in itertools.product(args.cases, args.objectives):
             measured = {}
             for name, who, backend, mode in impls:
@@ -225,12 +225,11 @@ def step_section(args, config, device, dtype, hf_backend):
         a = torch.randn(2048, 2048, device=device, dtype=getattr(torch, dtype))
         peak, source = 2 * 2048 ** 3 / median_seconds("a @ a", 0.5, a=a), "a 2048^3 matmul measured here"
     compile_ = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
-    impls = []  # (row name, implementation, its attention, compile: None, "whole" or "regional")
+    impls = []  # (row name, implementation, its attention, compile: "", "compiled" or "regional")
     for name in args.impls or ["ours"] + (["ours compiled"] if compile_ else []) + ["transformers"]:
         who, _, how = name.partition(" ")
         backends = args.attn_backends if who == "ours" else [hf_backend]
-        impls += [(name if len(backends) == 1 else f"{name} [{b}]", who, b,
-                   {"": None, "compiled": "whole", "regional": "regional"}[how]) for b in backends]
+        impls += [(name if len(backends) == 1 else f"{name} [{b}]", who, b, how) for b in backends]
     os.makedirs(args.profile or ".", exist_ok=True)
     rows, failed = step_rows(args, config, device, dtype, impls, peak)
     print(f"\n1. Training step (forward, backward, AdamW), median; transformers with {hf_backend}; memory: peak "
@@ -295,12 +294,12 @@ def attention_section(args, device, dtype):
 def attention_cell(name, qkvd, ref, flops, packing, layer_type, packed, min_time):
     """One kernel on one cell of the attention section -> its columns, or a note saying why it cannot attend there."""
     q, k, v, dout = qkvd
-    why = kernels.refusal(name, layer_type, q.device, q.dtype, 0.0, packed)
-    with torch.no_grad():  # FlexAttention on CPU: no backward
-        forward_only = why is not None and name == "flex" and kernels.refusal(
-            name, layer_type, q.device, q.dtype, 0.0, packed) is None
-    if why is not None and not forward_only:
+    refusal = lambda: kernels.refusal(name, layer_type, q.device, q.dtype, 0.0, packed)  # noqa: E731
+    with torch.no_grad():
+        why = refusal()
+    if why is not None:
         return {"note": why.removeprefix(f"attention backend {name!r} ")}
+    forward_only = refusal() is not None  # FlexAttention on CPU: no backward
     x, packing = [t.detach().requires_grad_(not forward_only) for t in (q, k, v)], packing(name)
     run = lambda: attention(*x, packing, layer_type, 0.0)  # noqa: E731
     out = run()
@@ -342,9 +341,7 @@ def largest_batch(spec):
             loss.backward()
             opt.step()
             peak = peak()
-        except torch.OutOfMemoryError:
-            peak = None
-        except RuntimeError as e:  # cuBLAS and some kernels report a failed allocation in their own words
+        except RuntimeError as e:  # torch.OutOfMemoryError; cuBLAS and some kernels say it in their own words
             if "CUBLAS_STATUS_ALLOC_FAILED" not in str(e) and "out of memory" not in str(e):
                 raise
             peak = None
