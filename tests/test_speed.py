@@ -74,21 +74,21 @@ def test_chunked_loss_and_gradients_match_full_logits(objective):
             assert (g - ref_grads[p]).abs().max() <= 1e-5 * ref_grads[p].abs().max(), f"{name}: {p}"
 
 
-class LogitsProbe(TorchDispatchMode):
-    """Records the most rows of any (rows, V) tensor an op produces, forward and backward, and counts the matmuls."""
+class Probe(TorchDispatchMode):
+    """Records the most rows of any (rows, vocab) tensor an op produces, forward and backward, the dtypes of every
+    tensor produced, and counts the matmuls."""
 
-    def __init__(self, vocab):
+    def __init__(self, vocab=None):
         super().__init__()
-        self.vocab, self.most_rows, self.matmuls = vocab, 0, 0
+        self.vocab, self.most_rows, self.matmuls, self.dtypes = vocab, 0, 0, set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.matmuls += func.__name__ in ("mm.default", "addmm.default")
-        if func.is_view:  # a transposed weight is no new tensor
-            return out
         for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] == self.vocab:
-                self.most_rows = max(self.most_rows, t.shape[0])
+            self.dtypes |= {t.dtype} if isinstance(t, torch.Tensor) else set()
+            if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] == self.vocab and not func.is_view:
+                self.most_rows = max(self.most_rows, t.shape[0])  # a transposed weight is no new tensor
         return out
 
 
@@ -100,12 +100,12 @@ def test_chunked_loss_never_holds_more_than_a_chunk_of_logits():
     for name, loss_fn, most in [
             ("plain", lambda: plain_loss(model, tokens, cu, S, rows, targets, True), rows.numel()),
             ("chunked", lambda: model.cross_entropy_sum(model.model(tokens, cu, S, causal=True)[rows], targets, 16), 16)]:
-        with LogitsProbe(1003) as probe:
+        with Probe(1003) as probe:
             loss_fn().backward()
         assert probe.most_rows == most, name  # the probe sees all rows on the plain path
     hidden = model.model(tokens, cu, S, causal=True)[rows].detach()
     for grad, matmuls in ((True, 1 + 4 * 4), (False, 1 + 4)):
-        with torch.set_grad_enabled(grad), LogitsProbe(1003) as probe:
+        with torch.set_grad_enabled(grad), Probe(1003) as probe:
             model.cross_entropy_sum(hidden, targets, 16)
         assert probe.matmuls == matmuls, grad
 
@@ -194,18 +194,9 @@ def test_rope_makes_no_float32_copy_of_q_and_k(monkeypatch):
     cos, sin = rope_cos_sin(positions, 16, 10000.0).to(torch.bfloat16)
     assert cos.shape == (64, 16)
     x = torch.randn(64, 2, 3, 16, dtype=torch.bfloat16)  # (T, q/k, nh, hd)
-
-    seen = set()
-
-    class Dtypes(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            seen.add(out.dtype)
-            return out
-
-    with Dtypes():
+    with Probe() as probe:
         out = apply_rope(x, cos, sin)
-    assert out.dtype == torch.bfloat16 and seen == {torch.bfloat16}
+    assert out.dtype == torch.bfloat16 and probe.dtypes == {torch.bfloat16}
     # and it is the rotation: float32 in, float32 out, the textbook formula
     cos32, sin32 = float32_rope_cos_sin(positions, 16, 10000.0)
     x32 = x.float()
