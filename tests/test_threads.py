@@ -31,23 +31,30 @@ def said(before="", then="", env=None, prefix=()):
 
 
 def test_the_start_up_line_names_the_threads_and_a_users_setting_wins():
-    # torch's own count before setup, the line, then compiled code's line (a count setup set is not the user's)
-    default, line, compiled = said("print(torch.get_num_threads())",
-                                   "threads.setup(torch.device('cpu'), compiled=True); print(threads.describe(''))"
-                                   ).split("\n")
+    # torch's own count before setup, the line, compiled code's line (a count setup set is not the user's), then the
+    # line after the user's torch.set_num_threads
+    cpu = "torch.device('cpu')"
+    default, line, compiled, users = said(
+        "print(torch.get_num_threads())", f"threads.setup({cpu}, compiled=True); print(threads.describe('')); "
+        f"torch.set_num_threads(1); threads.setup({cpu}); print(threads.describe(''))").split("\n")
     usable = min(threads.usable_cpus(), int(default))  # torch's default counts physical cores, not hyperthreads
     n, shown = re.fullmatch(r"(\d+) CPU threads? \((\d+) usable, fewer while other processes load them\)",
                             line).groups()
     assert int(shown) == usable and 1 <= int(n) <= usable
-    assert said(env={"OMP_NUM_THREADS": "1"}) == "1 CPU thread (OMP_NUM_THREADS=1)"
-    if int(default) > 1:
-        assert said("torch.set_num_threads(1)") == "1 CPU thread (torch.set_num_threads)"
     assert compiled == f"{usable} CPU thread{'s' * (usable > 1)} ({usable} usable, fixed: compiled)"
+    if usable > 1:
+        assert users == "1 CPU thread (torch.set_num_threads)"
+    assert said(env={"OMP_NUM_THREADS": "1"}) == "1 CPU thread (OMP_NUM_THREADS=1)"
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
-def test_threads_follow_the_affinity_mask():
-    assert said(prefix=["taskset", "-c", "0"]).startswith("1 CPU thread (1 usable")
+def test_usable_cpus_follow_the_affinity_mask():
+    mask = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(mask)})  # this thread's mask, as taskset -c sets a process's
+    try:
+        assert threads.usable_cpus() == 1
+    finally:
+        os.sched_setaffinity(0, mask)
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not os.path.isdir("/sys/fs/cgroup/cpu"),
@@ -56,10 +63,9 @@ def test_threads_follow_a_cgroup_quota():
     group = f"/sys/fs/cgroup/cpu/clm_detour_test_{os.getpid()}"
     os.mkdir(group)
     try:
-        with open(f"{group}/cpu.cfs_period_us", "w") as f:
-            f.write("100000")
-        with open(f"{group}/cpu.cfs_quota_us", "w") as f:
-            f.write("100000")  # one CPU
+        for name, value in (("cpu.cfs_period_us", "100000"), ("cpu.cfs_quota_us", "100000")):  # one CPU
+            with open(f"{group}/{name}", "w") as f:
+                f.write(value)
         enter = f"echo $$ > {group}/cgroup.procs && exec \"$@\""
         assert said(prefix=["sh", "-c", enter, "sh"]).startswith("1 CPU thread (1 usable")
     finally:
