@@ -6,6 +6,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 
 import pytest
@@ -14,12 +15,13 @@ from tokenizers import Tokenizer
 
 import numpy as np
 import cka
+import train
 from cka import linear_cka
 from model import ModernBertConfig, ModernBertForMaskedLM
 from support.checkpoint import latest_valid_checkpoint, step_checkpoints, weights_only
 from support.metrics import TIMINGS
 from support.tokenizer import train_bpe
-from test_train import base_ckpt, data_dir, launcher, metrics, run_train  # noqa: F401 (fixtures)
+from test_train import base_ckpt, data_dir, launcher, metrics, train_cmd  # noqa: F401 (fixtures)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,26 +52,15 @@ def gram_cka(X, Y, debiased=False):
 
 @pytest.mark.parametrize("n,d1,d2", [(20, 50, 30), (300, 16, 24), (64, 64, 64)])
 @pytest.mark.parametrize("debiased", [False, True])
-def test_linear_cka_equals_gram_formula(n, d1, d2, debiased):
+def test_linear_cka_equals_gram_formula_and_its_invariances(n, d1, d2, debiased):
     rng = np.random.default_rng(n + d1)
     X = rng.normal(size=(n, d1)) + 3
     Y = X[:, :min(d1, d2)] @ rng.normal(size=(min(d1, d2), d2)) + 0.5 * rng.normal(size=(n, d2))
-    assert linear_cka(X, Y, debiased) == pytest.approx(gram_cka(X, Y, debiased), abs=1e-10)
-
-
-def test_invariances():
-    rng = np.random.default_rng(0)
-    X = rng.normal(size=(200, 32))
-    Y = np.tanh(X @ rng.normal(size=(32, 40)))
-    base = linear_cka(X, Y)
-    assert linear_cka(X, X) == pytest.approx(1.0, abs=1e-12)
-    assert linear_cka(X, X, debiased=True) == pytest.approx(1.0, abs=1e-12)
-    Q, _ = np.linalg.qr(rng.normal(size=(32, 32)))  # orthogonal
-    assert linear_cka(X @ Q, Y) == pytest.approx(base, abs=1e-12)
-    assert linear_cka(7.5 * X, 0.01 * Y) == pytest.approx(base, abs=1e-12)
-    A = np.diag(np.geomspace(0.01, 100, 32)) @ rng.normal(size=(32, 32))  # invertible, not orthogonal
-    assert abs(np.linalg.det(A)) > 0
-    assert linear_cka(X @ A, X) < 0.9  # CKA is not invariant to arbitrary invertible maps
+    cka_xy = linear_cka(X, Y, debiased)
+    assert cka_xy == pytest.approx(gram_cka(X, Y, debiased), abs=1e-10)
+    Q, _ = np.linalg.qr(rng.normal(size=(d1, d1)))  # orthogonal
+    assert linear_cka(7.5 * X @ Q, 0.01 * Y, debiased) == pytest.approx(cka_xy, abs=1e-10)  # rotation, scale
+    assert linear_cka(X, X, debiased) == pytest.approx(1.0, abs=1e-12)
 
 
 def test_float32_outlier_dimensions_give_the_float64_answer():
@@ -234,11 +225,23 @@ KEEP = ["--keep_every=6", "--max_ckpts=2", "--ckpt_interval=8", "--eval_interval
 ARMS = {"clm": ["--objective=clm"], "mlm": ["--objective=mlm"], "mlm_twin": ["--objective=mlm", "--seed=42"]}
 
 
+def train_here(out, data_dir, base_ckpt, arm):  # noqa: F811
+    """train.py's tiny run (test_train.train_cmd) of one arm, in this process: -> what it printed."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}  # train.main sets its own
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as said:
+            train.main(train_cmd(out, data_dir, f"--init_from={base_ckpt}", *KEEP, *ARMS[arm])[2:])
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    return said.getvalue()
+
+
 @pytest.fixture(scope="module")
 def runs(data_dir, base_ckpt, tmp_path_factory):  # noqa: F811
     tmp = tmp_path_factory.mktemp("runs")
-    for name, overrides in ARMS.items():
-        run_train(str(tmp / name), data_dir, f"--init_from={base_ckpt}", *KEEP, *overrides)
+    for name in ARMS:
+        train_here(tmp / name, data_dir, base_ckpt, name)
     rng = random.Random(1)
     nouns, verbs = ["cell", "gene", "protein", "tumor", "patient", "dose", "virus"], ["binds", "inhibits", "treats"]
     texts = [" ".join(f"the {rng.choice(nouns)} {rng.choice(verbs)} a {rng.choice(nouns)}."
@@ -259,8 +262,6 @@ def test_keep_every_checkpoints_survive_max_ckpts_weights_only(runs):
         assert not (ckpt / "train_state.pt").exists()
         assert json.loads((ckpt / "progress.json").read_text()) == {
             "step": step, "tokens": step * 8 * 64, "phase": "main" if step <= 16 else "decay"}
-        from transformers import AutoModelForMaskedLM  # a Hugging Face directory as it is
-        AutoModelForMaskedLM.from_pretrained(ckpt)
 
 
 def test_resume_picks_the_newest_full_checkpoint_not_a_weights_only_one(runs, data_dir, base_ckpt, tmp_path):  # noqa: F811
@@ -270,8 +271,7 @@ def test_resume_picks_the_newest_full_checkpoint_not_a_weights_only_one(runs, da
     shutil.rmtree(run / "final")
     shutil.rmtree(run / "ckpt-20")
     assert latest_valid_checkpoint(str(run)) == str(run / "ckpt-16")
-    r = run_train(str(run), data_dir, f"--init_from={base_ckpt}", *KEEP, *ARMS["clm"])
-    assert "resuming at step 16" in r.stdout
+    assert "resuming at step 16" in train_here(run, data_dir, base_ckpt, "clm")
     strip = lambda records: [{k: v for k, v in m.items() if k not in TIMINGS} for m in records]  # noqa: E731
     assert strip(metrics(run)) == strip(metrics(runs / "clm"))
     assert steps_in(run) == steps_in(runs / "clm")
@@ -320,7 +320,8 @@ def test_a_step_equals_pair_on_the_same_two_checkpoints_exactly(runs, trajectory
 
 def test_trajectory_equals_textbook_cka_on_transformers_forward(runs, trajectory):
     """The independent reference: transformers' ModernBERT, one text at a time, hidden states mean-pooled,
-    and the n x n Gram-matrix CKA in float64 (test_cka.gram_cka), at one weights-only step."""
+    and the n x n Gram-matrix CKA in float64 (test_cka.gram_cka), at one weights-only step (which transformers
+    loads as it is)."""
     from transformers import AutoModelForMaskedLM
 
     texts = (runs / "texts.txt").read_text().split("\n")
