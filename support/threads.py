@@ -1,24 +1,19 @@
 """
 CPU threads that follow the CPUs this process can use, for train.py, eval.py and cka.py on CPU.
 
-The cause of the problem this solves: PyTorch's CPU ops run on an OpenMP team (one thread per core by default),
-which meets at a barrier at the end of every op, and the demo's small model runs thousands of short ops a step.
-A thread that arrives first spins at the barrier for ~300,000 pause instructions (libgomp's default, milliseconds
-on recent Intel cores) before it sleeps. Alone on the machine that is what makes 2 threads faster than one; beside
-other jobs, the thread it waits for is off its core, and the spinner burns its own time slice waiting for it: the
-run takes many times its fair share of the machine (results/cpu-2026-11-28 measured it). Waiting passively
-(OMP_WAIT_POLICY=PASSIVE) still pays a wake-up per op; one thread has no barrier at all.
+PyTorch's CPU ops run on an OpenMP team (a thread per core) that meets at a barrier after every op, and the demo's
+small model runs thousands of short ops a step. A thread that arrives first spins there (~300,000 pause instructions,
+libgomp's default) before it sleeps: beside other jobs, the thread it waits for is off its core and the spinner burns
+its own time slice, so the run takes many times its fair share of the machine (results/cpu-2026-11-28 measured it).
+Waiting passively (OMP_WAIT_POLICY=PASSIVE) still pays a wake-up per op; one thread has no barrier at all.
 
-So: as many threads as CPUs are free for this process, at most the usable ones (its affinity mask, capped by its
-cgroup's CPU quota), re-counted every second from what the other processes take of those CPUs (/proc/stat less
-this process's own CPU time): all of them on a quiet machine, one beside busy jobs. A thread count set by the user
-is left alone. Results can change in the last bits with the thread count: with a fixed count (OMP_NUM_THREADS=2)
-a CPU run is bit-for-bit repeatable whatever the load.
+So: as many threads as the usable CPUs (affinity mask, capped by the cgroup's CPU quota) that the other processes
+leave free, re-counted every second: all of them on a quiet machine, one beside busy jobs. A count the user set is
+left alone; with a fixed one (OMP_NUM_THREADS=2) a CPU run is bit-for-bit repeatable whatever the load.
 """
 
 import math
 import os
-import resource
 import time
 
 import torch
@@ -37,24 +32,22 @@ def usable_cpus():
 
 
 def cgroup_quotas():
-    """The CPU quotas, in CPUs, of this process's cgroup and its parents (cgroup v2 cpu.max, v1 cfs_quota_us)."""
-    quotas = []
+    """The CPU quotas, in CPUs, of this process's cgroup and its parents: v2's cpu.max holds "quota period", v1's
+    cpu.cfs_quota_us and cpu.cfs_period_us one each."""
     try:
         with open("/proc/self/cgroup") as f:
             entries = [line.rstrip("\n").split(":", 2) for line in f]
     except OSError:
-        return quotas
+        return []
+    quotas = []
     for _, controllers, path in entries:
-        v2 = controllers == ""
-        if not v2 and "cpu" not in controllers.split(","):
+        if controllers and "cpu" not in controllers.split(","):  # v2's line names no controllers
             continue
-        root = "/sys/fs/cgroup" if v2 else f"/sys/fs/cgroup/{controllers}"
+        root, files = (f"/sys/fs/cgroup/{controllers}", ("cpu.cfs_quota_us", "cpu.cfs_period_us")) if controllers \
+            else ("/sys/fs/cgroup", ("cpu.max",))
         while True:
             try:
-                if v2:
-                    quota, period = read(root + path, "cpu.max").split()
-                else:
-                    quota, period = read(root + path, "cpu.cfs_quota_us"), read(root + path, "cpu.cfs_period_us")
+                quota, period = " ".join(read(root + path, name) for name in files).split()
                 if quota not in ("max", "-1"):
                     quotas.append(int(quota) / int(period))
             except (OSError, ValueError):
@@ -88,11 +81,6 @@ def running_now():
         return next(int(line.split()[1]) for line in f if line.startswith("procs_running"))
 
 
-def own_seconds():
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 # This process's state: whether the count follows the load, the usable CPUs, the last count of the CPUs' time.
 DEFAULT = torch.get_num_threads()  # torch's own count (the machine's physical cores: no hyperthreads), or the caller's
 on_cpu, following, usable, fixed_by, ours, last = False, False, None, None, None, None
@@ -121,8 +109,7 @@ def use(n):
 
 
 def describe(before=", "):
-    """The start-up line's words for the threads on CPU, after `before` (e.g. ", 2 CPU threads (2 usable, fewer
-    while ...)"); "" on a GPU."""
+    """The start-up line's words for the threads on CPU (", 2 CPU threads (2 usable, ...)"); "" on a GPU."""
     if not on_cpu:
         return ""
     n = torch.get_num_threads()
@@ -133,10 +120,9 @@ def describe(before=", "):
 
 
 def follow():
-    """Once per step (train.py: Logger.count; eval.py, cka.py: their loops), on the thread that runs the ops
-    (OpenMP's thread count is its caller's): every INTERVAL, as many threads as CPUs the other processes left free
-    over the last one (/proc/stat's busy time on this process's CPUs less its own CPU time), at least one, at most
-    the usable ones."""
+    """Once per step, on the thread that runs the ops (OpenMP's thread count is its caller's): every INTERVAL, as many
+    threads as CPUs the other processes left free over the last one (/proc/stat's busy time on this process's CPUs
+    less its own CPU time), at least one, at most the usable ones."""
     global last
     if not following:
         return
@@ -144,7 +130,7 @@ def follow():
     if last and now - last[0] < INTERVAL:
         return
     cpus = os.sched_getaffinity(0)
-    sample = (now, busy_seconds(cpus), own_seconds())
+    sample = (now, busy_seconds(cpus), time.process_time())  # this process's CPU seconds
     if last:
         others = max(0.0, (sample[1] - last[1]) - (sample[2] - last[2])) / (now - last[0])  # CPUs kept busy
         use(max(1, min(usable, round(len(cpus) - others))))

@@ -81,9 +81,8 @@ def test_the_count_is_the_cpus_the_others_left_free(monkeypatch):
     monkeypatch.setattr(threads, "usable_cpus", lambda: 3)
     monkeypatch.setattr(threads, "DEFAULT", 4)
     monkeypatch.setattr(threads, "USER", [])  # OMP_NUM_THREADS of the shell that runs the tests: not this process's
-    monkeypatch.setattr(threads, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(threads, "time", SimpleNamespace(monotonic=lambda: clock[0], process_time=lambda: own[0]))
     monkeypatch.setattr(threads, "busy_seconds", lambda cpus: busy[0] if cpus == {0, 1, 2, 3} else None)
-    monkeypatch.setattr(threads, "own_seconds", lambda: own[0])
     monkeypatch.setattr(threads, "running_now", lambda: 3)  # this process and 2 others, at start-up
     for name in ("on_cpu", "following", "usable", "fixed_by", "ours", "last"):  # what setup and follow set: restored
         monkeypatch.setattr(threads, name, getattr(threads, name))
