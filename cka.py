@@ -92,9 +92,8 @@ TOKENS_PER_TEXT = 8  # rows per text for pool="tokens"
 
 @torch.no_grad()
 def pooled_layers(model, encoded, indices, pool, device, autocast, batch_tokens, desc):
-    """The texts `indices` (token ids `encoded`) through the model once. -> per layer, {text index: (r, H) float64
-    array}: r = 1 for pool="mean" (masked mean over its tokens); for "tokens", up to TOKENS_PER_TEXT rows drawn by the
-    text's index, the same for every model."""
+    """The texts `indices` (token ids `encoded`) through the model once -> per layer {text index: (r, H) float64}: r = 1
+    for pool="mean"; for "tokens", up to TOKENS_PER_TEXT rows drawn by the text's index, the same for every model."""
     model.eval()
     out = [{} for _ in range(model.config.num_hidden_layers)]
     batches = [[]]  # similar lengths batch together: the texts by length, as many as batch_tokens holds padded
@@ -151,9 +150,11 @@ def ratio(pair, control):
     return None if min(control) < 1e-9 else mean_std([p / c for p, c in zip(pair, control)])
 
 
-def sample_texts(args, tok, process):
-    """The texts every model sees, fixed by the texts and seeds alone: the sampling seeds, draws (seed -> n text
-    indices), mine (the indices this rank encodes: their union sharded across ranks) and their token ids."""
+def sample_texts(args, paths, process):
+    """The texts every model sees, fixed by the texts and seeds alone: the checkpoints' one tokenizer, the sampling
+    seeds, draws (seed -> n text indices), mine (the indices this rank encodes: their union sharded across ranks) and
+    their token ids."""
+    tok = tokenizer_of(paths, args.tokenizer, args.max_len)
     texts = list(read_documents([args.texts], args.text_field))
     if len(texts) < args.n:
         raise SystemExit(f"{args.texts} holds {len(texts)} texts, fewer than --n {args.n}: pass --n {len(texts)} or "
@@ -161,11 +162,11 @@ def sample_texts(args, tok, process):
     seeds = parse_seeds(args.seeds)
     draws = {s: np.random.default_rng(s).choice(len(texts), size=args.n, replace=False) for s in seeds}
     mine = sorted(set(np.concatenate(list(draws.values())).tolist()))[process.rank::process.world]
-    return SimpleNamespace(seeds=seeds, draws=draws, mine=mine,
+    return SimpleNamespace(tok=tok, seeds=seeds, draws=draws, mine=mine,
                            ids=[[tok.cls_id] + tok.encode(texts[i])[:args.max_len - 2] + [tok.sep_id] for i in mine])
 
 
-def representations(path, sample, tok, args, process, n_layers=None):
+def representations(path, sample, args, process, n_layers=None):
     """`path`'s pooled layer outputs for the sample, on every rank: per layer {text index: rows}."""
     autocast, dtype = distributed.autocast(process.device, args.dtype)
     with user_error(path):  # weights cut short or of another shape
@@ -173,8 +174,8 @@ def representations(path, sample, tok, args, process, n_layers=None):
     if n_layers is not None and model.config.num_hidden_layers != n_layers:
         raise SystemExit(f"layer count mismatch: {path} has {model.config.num_hidden_layers} layers, "
                          f"the others {n_layers}; CKA compares layer i with layer i")
-    check_vocab(tok.vocab_size, model.config, "the tokenizer", path, "pass the tokenizer the models were trained with "
-                "(--tokenizer)")
+    check_vocab(sample.tok.vocab_size, model.config, "the tokenizer", path,
+                "pass the tokenizer the models were trained with (--tokenizer)")
     if process.rank == 0 and not args.runs:  # a trajectory's progress bar says where it is
         with autocast:
             backend = model.eval().model.attention_backend(process.device, packed=False)  # texts of any length
@@ -208,12 +209,11 @@ def region_divergence(per_seed, lo, hi):
 def study(args, process, pairs):
     """CKA per layer and seed for the pair and the control, and over seeds: results.json."""
     paths = list(dict.fromkeys(p for pair in pairs.values() for p in pair))
-    tok = tokenizer_of(paths, args.tokenizer, args.max_len)
-    sample = sample_texts(args, tok, process)
+    sample = sample_texts(args, paths, process)
     hold(args.out, process)  # one run writes --out at a time
     features, n_layers = {}, None  # path -> list over layers of {text index: rows}
     for p in paths:
-        features[p] = representations(p, sample, tok, args, process, n_layers)
+        features[p] = representations(p, sample, args, process, n_layers)
         n_layers = len(features[p])
     per_seed = {name: compare(features[a], features[b], sample) for name, (a, b) in pairs.items()}
     over_seeds = lambda name, layer, key: [rows[layer][key] for rows in per_seed[name].values()]  # noqa: E731
@@ -274,9 +274,8 @@ def trajectory(args, process, comparisons):
         if not common[name]:
             raise SystemExit(f"{a} and {b} kept no checkpoint at a common step (steps {sorted(kept[a])} and "
                              f"{sorted(kept[b])}): train both with the same ckpt_interval or keep_every")
-    tok = tokenizer_of([kept[run][step] for name, runs in comparisons.items() for step in common[name]
-                        for run in runs], args.tokenizer, args.max_len)
-    sample = sample_texts(args, tok, process)
+    sample = sample_texts(args, [kept[run][step] for name, runs in comparisons.items() for step in common[name]
+                                 for run in runs], process)
     hold(args.out, process)  # one run writes --out at a time
     at_step = {step: {name: [kept[run][step] for run in runs] for name, runs in comparisons.items()
                       if step in common[name]} for step in sorted(set().union(*common.values()))}
@@ -290,7 +289,7 @@ def trajectory(args, process, comparisons):
                  **dict.fromkeys(comparisons)}
         features = {}  # checkpoint -> representations: a run in both comparisons is encoded once
         for p in encode[step]:
-            features[p] = representations(p, sample, tok, args, process, n_layers)
+            features[p] = representations(p, sample, args, process, n_layers)
             n_layers = len(features[p])
             bar.update(1)
         for name, (a, b) in at.items():
