@@ -16,6 +16,7 @@ import time
 import pytest
 import tokenizers
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from data import prepare, read_documents
@@ -30,17 +31,8 @@ TEXT = "the patient was treated with a [MASK] dose."
 
 
 def front_matter(card):
-    """The YAML front matter of a card as {key: value or [items]} (the simple form the card writes)."""
-    head = card.split("---\n")[1]
-    out, key = {}, None
-    for line in head.splitlines():
-        if line.startswith("- "):
-            out[key].append(line[2:])
-        else:
-            key, _, value = line.partition(": ")
-            key = key.rstrip(":")
-            out[key] = value or []
-    return out
+    """The YAML front matter of a card, as the hub reads it."""
+    return yaml.safe_load(card.split("---\n")[1])
 
 
 def weights(path):
