@@ -1,8 +1,8 @@
 """
-The model card: README.md in every checkpoint directory (ckpt-STEP/ and final/), as the Hugging Face hub
-renders it. Front matter (library_name, pipeline_tag, base_model where init_from names a hub model, tags),
-then the recipe (each phase's objective, masking, tokens and lr), the data (sources, token counts, the
-tokenizer's sha256), the seeds, the latest validation losses from metrics.jsonl, and how to load it.
+The model card: README.md in every checkpoint directory (ckpt-STEP/ and final/), as the Hugging Face hub renders it.
+Front matter (library_name, pipeline_tag, base_model where init_from names a hub model, tags), then the recipe (each
+phase's objective, masking, tokens and lr), the data (sources, token counts, the tokenizer's sha256), the seeds, the
+latest validation losses from metrics.jsonl, and how to load it.
 """
 
 import os
@@ -66,11 +66,10 @@ def recipe_rows(schedule, c, step):
     """The recipe table: per phase its objective, attention, masking, length, lr shape and status at `step`."""
     rows, per_step = [], c.global_batch_size * c.seq_len
     for phase, n, start in zip(schedule.phases, schedule.steps, schedule.starts):
-        shape = lr_shape(phase, c.lr)
         done = "done" if step >= start + n else (f"{step - start} of {n} steps" if step > start else "not started")
         rows.append(f"| {phase.name} | {phase.objective} | {'causal' if phase.causal else 'bidirectional'} | "
                     f"{f'{phase.mask_prob:.0%}' if phase.objective == 'mlm' else 'none (next token)'} | "
-                    f"{n * per_step:,} | {n:,} | {shape} | {done} |")
+                    f"{n * per_step:,} | {n:,} | {lr_shape(phase, c.lr)} | {done} |")
     return rows
 
 

@@ -1,13 +1,11 @@
 """
-The training log: what a run is, at its start (and its config.json in out_dir); then one line per
-log step on the console (under a progress bar) and in out_dir/metrics.jsonl, with the loss averaged
-over the steps since the last log and over all ranks, the lr, tokens/s and MFU. Evaluations and
-checkpoint writes are left out of the time, so tokens/s and MFU measure training alone; a record says
-their seconds since the last one (eval_s, checkpoint_s), and those of torch.compile, which are counted in
-(compile_s). At the end, where this process's time outside the steps went, and what torch.compile did.
-
-With wandb_project set, every record also goes to Weights & Biases (an optional dependency, imported
-only then), with the config; the run's id is kept in out_dir, so a resumed run continues the same W&B run.
+The training log: what a run is, at its start (and its config.json in out_dir); then one line per log step on the
+console (under a progress bar) and in out_dir/metrics.jsonl: the loss averaged over the steps since the last log and
+over all ranks, the lr, tokens/s and MFU. Evaluations and checkpoint writes are left out of the time, so tokens/s and
+MFU measure training alone; a record gives their seconds since the last one (eval_s, checkpoint_s), and those of
+torch.compile, which are counted in (compile_s). At the end, where this process's time outside the steps went, and what
+torch.compile did. With wandb_project set, every record also goes to Weights & Biases (imported only then), with the
+config; the run's W&B id is kept in out_dir, so a resumed run continues the same W&B run.
 """
 
 import json
@@ -48,8 +46,7 @@ class Logger:
         self.steps, self.flops = 0, 0.0
 
     def count(self, flops):
-        """A step done, with this rank's model FLOPs; then, on CPU, the thread count for the next steps, set here on
-        the thread that runs the ops (support/threads.py)."""
+        """A step done, with this rank's model FLOPs; then, on CPU, threads.follow on the thread that runs the ops."""
         self.steps, self.flops = self.steps + 1, self.flops + flops
         self.bar.update(1)
         threads.follow()
