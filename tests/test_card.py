@@ -23,7 +23,8 @@ from data import prepare, read_documents
 from model import ModernBertConfig, ModernBertForMaskedLM
 from support.checkpoint import checkpoint_problem, save_checkpoint
 from support.checks import check_wandb
-from test_train import ROOT, TINY, data_dir, metrics, run_train, train_cmd  # noqa: F401 (fixtures)
+from test_cka import train_here
+from test_train import ROOT, TINY, data_dir, metrics, train_cmd  # noqa: F401 (fixtures)
 from train import Config, make_optimizer
 
 SHARED = os.path.join(ROOT, "..", "shared")
@@ -67,7 +68,7 @@ def test_card_numbers_are_the_runs_and_fill_mask_runs_with_a_trained_tokenizer(d
     """A tiny run from scratch with a BPE trained here (tokenizer.json alone in the data): every ckpt-*/ and
     final/ has a card with the run's numbers, and pipeline("fill-mask") works on final/."""
     out = tmp_path / "run"
-    run_train(out, data_dir, "--decay_frac=0.25", "--ckpt_interval=6", "--eval_interval=6", "--max_ckpts=10")
+    train_here(out, data_dir, "--decay_frac=0.25", "--ckpt_interval=6", "--eval_interval=6", "--max_ckpts=10")
     records, meta = metrics(out), json.load(open(os.path.join(data_dir, "meta.json")))
     with open(os.path.join(data_dir, "tokenizer.json"), "rb") as f:
         sha = hashlib.file_digest(f, "sha256").hexdigest()

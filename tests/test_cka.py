@@ -225,12 +225,12 @@ KEEP = ["--keep_every=6", "--max_ckpts=2", "--ckpt_interval=8", "--eval_interval
 ARMS = {"clm": ["--objective=clm"], "mlm": ["--objective=mlm"], "mlm_twin": ["--objective=mlm", "--seed=42"]}
 
 
-def train_here(out, data_dir, base_ckpt, arm):  # noqa: F811
-    """train.py's tiny run (test_train.train_cmd) of one arm, in this process: -> what it printed."""
+def train_here(out, data_dir, *overrides):  # noqa: F811
+    """train.py's tiny run (test_train.train_cmd) in this process, pytest's signal handlers kept: -> what it printed."""
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}  # train.main sets its own
     try:
         with contextlib.redirect_stdout(io.StringIO()) as said:
-            train.main(train_cmd(out, data_dir, f"--init_from={base_ckpt}", *KEEP, *ARMS[arm])[2:])
+            train.main(train_cmd(out, data_dir, *overrides)[2:])
     finally:
         for s, handler in handlers.items():
             signal.signal(s, handler)
@@ -241,7 +241,7 @@ def train_here(out, data_dir, base_ckpt, arm):  # noqa: F811
 def runs(data_dir, base_ckpt, tmp_path_factory):  # noqa: F811
     tmp = tmp_path_factory.mktemp("runs")
     for name in ARMS:
-        train_here(tmp / name, data_dir, base_ckpt, name)
+        train_here(tmp / name, data_dir, f"--init_from={base_ckpt}", *KEEP, *ARMS[name])
     rng = random.Random(1)
     nouns, verbs = ["cell", "gene", "protein", "tumor", "patient", "dose", "virus"], ["binds", "inhibits", "treats"]
     texts = [" ".join(f"the {rng.choice(nouns)} {rng.choice(verbs)} a {rng.choice(nouns)}."
@@ -271,7 +271,7 @@ def test_resume_picks_the_newest_full_checkpoint_not_a_weights_only_one(runs, da
     shutil.rmtree(run / "final")
     shutil.rmtree(run / "ckpt-20")
     assert latest_valid_checkpoint(str(run)) == str(run / "ckpt-16")
-    assert "resuming at step 16" in train_here(run, data_dir, base_ckpt, "clm")
+    assert "resuming at step 16" in train_here(run, data_dir, f"--init_from={base_ckpt}", *KEEP, *ARMS["clm"])
     strip = lambda records: [{k: v for k, v in m.items() if k not in TIMINGS} for m in records]  # noqa: E731
     assert strip(metrics(run)) == strip(metrics(runs / "clm"))
     assert steps_in(run) == steps_in(runs / "clm")
