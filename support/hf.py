@@ -1,10 +1,8 @@
 """
-Hugging Face ModernBERT checkpoint directories, read and written as transformers does: config.json (old style,
-with global_rope_theta / local_attention / global_attn_every_n_layers, or transformers-5 style, with layer_types
-and rope_parameters; both are read, both are written) and model.safetensors (or pytorch_model.bin).
-
-model.py's from_pretrained / save_pretrained call these; the config class is passed in, so this file knows no
-model.
+Hugging Face ModernBERT checkpoint directories, read and written as transformers does: config.json (old style, with
+global_rope_theta / local_rope_theta / global_attn_every_n_layers, or transformers-5 style, with layer_types and
+rope_parameters: both read, both written) and model.safetensors (or pytorch_model.bin). model.py's from_pretrained
+and save_pretrained call these with the config class, so this file knows no model.
 """
 
 import json
@@ -34,8 +32,14 @@ TOKEN_IDS = ("pad_token_id", "cls_token_id", "sep_token_id", "bos_token_id", "eo
 PROBLEM_TYPES = (None, "single_label_classification", "multi_label_classification", "regression")  # transformers'
 
 
-def config_from_hf(cls, d, **overrides):
-    """The config dataclass `cls` from a config.json dict, old style or transformers-5 style."""
+def load_config(cls, path, **overrides):
+    """The config dataclass `cls` from the checkpoint directory's config.json, old style or transformers-5 style;
+    `overrides` set fields the file does not decide."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{path}: no config.json; a Hugging Face ModernBERT checkpoint directory has "
+                                "config.json and model.safetensors")
+    d = read_json(file)
     if d.get("model_type", "modernbert") != "modernbert":
         raise ValueError(f"config.json has model_type={d['model_type']!r}; this code only reads ModernBERT "
                          "checkpoints (model_type 'modernbert')")
@@ -127,15 +131,6 @@ def config_to_hf(config, architecture):
     return d
 
 
-def load_config(cls, path, **overrides):
-    """`cls` from the checkpoint directory's config.json; `overrides` set fields the file does not decide."""
-    file = os.path.join(path, "config.json")
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"{path}: no config.json; a Hugging Face ModernBERT checkpoint directory has "
-                                "config.json and model.safetensors")
-    return config_from_hf(cls, read_json(file), **overrides)
-
-
 def weights_file(path):
     """The directory's weights file: model.safetensors, else pytorch_model.bin."""
     found = [os.path.join(path, name) for name in WEIGHTS if os.path.isfile(os.path.join(path, name))]
@@ -148,8 +143,8 @@ def load_state(path):
     """The state dict of a checkpoint directory; a file cut short is named."""
     file = weights_file(path)
     try:
-        state = load_file(file) if file.endswith(".safetensors") else torch.load(file, map_location="cpu",
-                                                                                   weights_only=True)
+        state = (load_file(file) if file.endswith(".safetensors")
+                 else torch.load(file, map_location="cpu", weights_only=True))
     except pickle.UnpicklingError:  # weights_only: a pickle that would build anything but tensors
         raise ValueError(f"{file}: refused: it holds objects other than tensors, and loading them would run code; "
                          "take the model from a source you trust, as model.safetensors") from None

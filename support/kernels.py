@@ -2,17 +2,14 @@
 The attention kernels behind model.attention(), and which one each layer type ("global", "local") uses:
 
 - flash-attn's `flash_attn_varlen_func` (pip install flash-attn --no-build-isolation): CUDA, float16/bfloat16;
-- PyTorch's own `torch.nn.attention.varlen.varlen_attn` (2.10+, with `window_size`): CUDA, float16/bfloat16,
-  no attention-probability dropout;
-- SDPA's cuDNN kernel (`SDPBackend.CUDNN_ATTENTION`): CUDA, float16/bfloat16, on the (B, nh, S, hd) view of a
-  packed batch with no mask (SDPAView below), so the global layers of packed batches only: under the mask that a
-  window or documents kept apart need, it would compute every (query, key) pair;
-- FlexAttention (`torch.nn.attention.flex_attention`) with a block mask of documents and windows (FlexView below):
-  CUDA, or CPU without a backward; any dtype; no attention-probability dropout;
-- SDPA, everywhere and in any dtype, per sequence or on a (B, S) view (SDPAView below).
+- PyTorch's `torch.nn.attention.varlen.varlen_attn` (2.10+, with `window_size`): CUDA, float16/bfloat16, no dropout;
+- SDPA's cuDNN kernel: CUDA, float16/bfloat16, on the (B, nh, S, hd) view of a packed batch with no mask (SDPAView),
+  so the global layers of packed batches only: under a window's or documents' mask it would compute every pair;
+- FlexAttention with a block mask of documents and windows (FlexView): CUDA, or CPU without a backward; no dropout;
+- SDPA, everywhere and in any dtype, per sequence or on a (B, S) view (SDPAView).
 
-"auto" takes, per layer type, the first of AUTO that runs here on the batch; the config's attn_backend, or
-MODERNBERT_ATTN, forces one for all layers ("varlen") or one per layer type ("global=cudnn,local=varlen").
+"auto" takes, per layer type, the first of AUTO that runs here on the batch; attn_backend, or MODERNBERT_ATTN, forces
+one for all layers ("varlen") or one per layer type ("global=cudnn,local=varlen").
 """
 
 import contextlib
@@ -68,16 +65,14 @@ def compiler(setting, device):
 
 
 def compile_model(model, backend="inductor", regional=False):
-    """torch.compile(model), as train.py and bench.py run it. Inductor's Triton fusion of LayerNorm backward's two
-    reductions (torch 2.10+) guards by default on the sizes it fuses, the MLM head's row count among them: a new
-    mask rate (30% -> 15%) recompiled the whole model (H200, torch 2.11). Non-strict, it guards on none.
-    regional: compile each transformer block in place instead, and the head with its chunked loss, the rest eager.
-    The blocks share one code, so dynamo compiles a graph per kind of block (the first, which has no attention
-    norm; global; local) whatever the depth: a shorter warm-up (bench.py --impls "ours compiled" "ours regional").
-    On CPU, SDPA attends documents kept apart one by one inside the blocks: a graph per set of lengths.
-    AOTAutograd's cache, which a resume reads, admits an autograd.Function (the chunked loss) only when allowed; its
-    forward and backward are traced into the graph that keys the cache, so it is safe (torch 2.11-2.13 still refuse
-    DDP's graph and one with SDPA restricted to a kernel, pytorch#194007: those hit inductor's cache alone)."""
+    """torch.compile(model), as train.py and bench.py run it. Inductor's fusion of LayerNorm backward's reductions
+    (torch 2.10+) guards by default on the sizes it fuses, the MLM head's row count among them (a new mask rate
+    recompiled the whole model, H200, torch 2.11): non-strict, it guards on none. regional: compile each block in
+    place, and the head with its chunked loss, the rest eager: a graph per kind of block (the first, global, local)
+    whatever the depth, a shorter warm-up (on CPU, documents kept apart are attended one by one inside the blocks: a
+    graph per set of lengths). AOTAutograd's cache, which a resume reads, takes the chunked loss's
+    autograd.Function only when allowed: it is traced into the graph that keys the cache, so safe (pytorch#194007:
+    DDP's graph and SDPA restricted to a kernel still miss it)."""
     import torch._functorch.config as functorch
     import torch._inductor.config as inductor
     if hasattr(inductor.triton, "mix_order_reduction_non_strict_mode"):
