@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import eval as eval_script
-from model import ModernBertConfig, ModernBertForMaskedLM
+from model import ModernBertConfig, ModernBertForMaskedLM, cu_seqlens_of
 from support.hf import config_to_hf
 from support.tokenizer import load_tokenizer, train_bpe
 
@@ -82,13 +82,11 @@ def reference_logits(model, ids, causal=False):
         return 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
 
     def rope(x, theta):  # x: (S, nh, hd); rotate (x_j, x_{j+hd/2}) by pos * theta^(-2j/hd)
-        out = x.clone()
-        for j in range(hd // 2):
-            ang = torch.arange(S, dtype=torch.float64) * theta ** (-2 * j / hd)
-            cos, sin = ang.cos()[:, None], ang.sin()[:, None]
-            a, b = x[:, :, j], x[:, :, j + hd // 2]
-            out[:, :, j], out[:, :, j + hd // 2] = a * cos - b * sin, b * cos + a * sin
-        return out
+        j = torch.arange(hd // 2, dtype=torch.float64)
+        angle = torch.arange(S, dtype=torch.float64)[:, None] * theta ** (-2 * j / hd)  # (S, hd/2)
+        cos, sin = angle.cos()[:, None], angle.sin()[:, None]  # (S, 1, hd/2)
+        a, b = x[..., :hd // 2], x[..., hd // 2:]
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
     x = norm(w["model.embeddings.tok_embeddings.weight"][ids], w["model.embeddings.norm.weight"])
     layers = []
@@ -138,8 +136,8 @@ def test_checkpoints_cross_to_and_from_transformers(name, tmp_path):
 
     hf_cfg = transformers.ModernBertConfig(
         **{k: v for k, v in c.items() if k not in ("global_rope_theta", "local_rope_theta")}, **SPECIAL,
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": c.get("global_rope_theta", 160000.0)},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": c.get("local_rope_theta", 10000.0)}},
+        rope_parameters={t: {"rope_type": "default", "rope_theta": c.get(key, default)} for t, key, default in [
+            ("full_attention", "global_rope_theta", 160000.0), ("sliding_attention", "local_rope_theta", 10000.0)]},
         classifier_pooling="mean")
     hf = randomize_(transformers.ModernBertForMaskedLM(hf_cfg), seed=1).eval()
     hf.save_pretrained(tmp_path / "hf")
@@ -155,7 +153,8 @@ def test_old_style_config_and_local_theta_minus_one(tmp_path):
     ours = randomize_(ModernBertForMaskedLM(small_config("long_seqs", local_rope_theta=160000.0))).eval()
     ours.save_pretrained(tmp_path / "new")
     hf = hf_model(tmp_path / "new")
-    old = {k: v for k, v in config_to_hf(ours.config, "ModernBertForMaskedLM").items() if k not in ("layer_types", "rope_parameters")}
+    old = {k: v for k, v in config_to_hf(ours.config, "ModernBertForMaskedLM").items()
+           if k not in ("layer_types", "rope_parameters")}
     old["local_rope_theta"] = -1
     os.makedirs(tmp_path / "old")
     (tmp_path / "old" / "config.json").write_text(json.dumps(old))
@@ -174,17 +173,21 @@ def test_old_style_config_and_local_theta_minus_one(tmp_path):
 @pytest.mark.parametrize("lengths", [[1, 3, 4, 5, 12, 31], [23, 23, 23]])  # padded; packed (no padding)
 def test_sdpa_matches_float64_reference(causal, lengths):
     """A batch of sequences against the reference of each alone (none sees another): length 1, shorter and longer
-    than the +-4 window."""
+    than the +-4 window. The padded call's logits; the flat call's every layer output (what cka.py compares) and
+    its logits on some rows only (sparse prediction: the head on those rows)."""
     model = randomize_(ModernBertForMaskedLM(small_config("long_seqs"))).eval()
     ids, mask = padded_batch(512, lengths, seed=1)
+    tokens, cu, S, rows = ids[mask.bool()], cu_seqlens_of(lengths), max(lengths), torch.arange(0, sum(lengths), 3)
     with torch.no_grad():
-        ours = model(ids, mask, causal=causal)
-    worst = 0.0
-    for b, n in enumerate(lengths):
-        ref, _ = reference_logits(model, ids[b, :n], causal=causal)
-        worst = max(worst, (ours[b, :n].double() - ref).abs().max().item())
+        ours = model(ids, mask, causal=causal)[mask.bool()]  # (T, V)
+        _, layers = model.model(tokens, cu, S, causal=causal, return_layers=True)
+        sparse = model(tokens, causal=causal, cu_seqlens=cu, max_seqlen=S, rows=rows)
+    refs = [reference_logits(model, ids[b, :n], causal=causal) for b, n in enumerate(lengths)]
+    ref, ref_layers = torch.cat([r[0] for r in refs]), [torch.cat(x) for x in zip(*(r[1] for r in refs))]
+    worst = (ours.double() - ref).abs().max().item()
     print(f"causal={causal}: SDPA vs float64 reference max |logit diff| = {worst:.2e}")
-    assert worst <= 1e-4
+    assert worst <= 1e-4 and (sparse.double() - ref[rows]).abs().max() <= 1e-4
+    assert len(layers) == 4 and all((x.double() - r).abs().max() <= 1e-4 for x, r in zip(layers, ref_layers))
 
 
 def test_causal_outputs_do_not_see_the_future():
@@ -203,30 +206,6 @@ def test_causal_outputs_do_not_see_the_future():
         assert torch.equal(x[: i + 1], y[: i + 1]), f"layer {layer} leaks the future"
         assert not torch.allclose(x[i + 1:], y[i + 1:])
     assert not torch.allclose(a[-1][: i + 1], bidir[-1][: i + 1])  # bidirectional does see it
-
-
-def test_hidden_states_per_layer():
-    model = randomize_(ModernBertForMaskedLM(small_config("seven_layers"))).eval()
-    ids, mask = padded_batch(640, [12, 30], seed=3)
-    tokens = ids[mask.bool()]
-    cu = torch.tensor([0, 12, 42], dtype=torch.int32)
-    with torch.no_grad():
-        final, layers = model.model(tokens, cu, 30, return_layers=True)
-    assert len(layers) == 7 and all(x.shape == (42, 48) for x in layers)
-    ref_logits, ref_layers = reference_logits(model, ids[1, :30])
-    assert (layers[4][12:].double() - ref_layers[4]).abs().max() <= 1e-4
-
-
-def test_sparse_prediction_rows():
-    model = randomize_(ModernBertForMaskedLM(small_config("odd_vocab"))).eval()
-    tokens = torch.randint(3, 1003, (50,))
-    cu = torch.tensor([0, 20, 50], dtype=torch.int32)
-    rows = torch.tensor([0, 7, 19, 20, 49])
-    with torch.no_grad():
-        full = model(tokens, cu_seqlens=cu, max_seqlen=30)
-        sparse = model(tokens, cu_seqlens=cu, max_seqlen=30, rows=rows)
-    assert sparse.shape == (5, 1003)
-    assert (full[rows] - sparse).abs().max() <= 1e-5
 
 
 # -----------------------------------------------------------------------------
@@ -261,30 +240,19 @@ def test_a_sequence_past_the_positions_is_refused():
 
 
 def test_bad_checkpoints_get_clear_errors(tmp_path):
+    """No config.json; weights of other shapes than config.json's (other dtypes, a cut file, a directory without
+    weights, another model_type: tests/test_files.py and test_mistakes.py)."""
     model = ModernBertForMaskedLM(small_config("long_seqs"))
     model.save_pretrained(tmp_path / "ok")
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(FileNotFoundError, match="no config.json; a Hugging Face ModernBERT checkpoint directory has"):
         ModernBertForMaskedLM.from_pretrained(tmp_path / "nothing")
-
     cfg = json.loads((tmp_path / "ok" / "config.json").read_text())
-    os.makedirs(tmp_path / "bert")
-    (tmp_path / "bert" / "config.json").write_text(json.dumps({**cfg, "model_type": "bert"}))
-    with pytest.raises(ValueError, match="model_type='bert'"):
-        ModernBertForMaskedLM.from_pretrained(tmp_path / "bert")
-
     os.makedirs(tmp_path / "shape")
     (tmp_path / "shape" / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 100}))
     os.link(tmp_path / "ok" / "model.safetensors", tmp_path / "shape" / "model.safetensors")
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.Wi\.weight"):
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.Wi\.weight is float32 of shape \(192, 64\) but "
+                                         r"config\.json implies floating point of shape \(200, 64\)"):
         ModernBertForMaskedLM.from_pretrained(tmp_path / "shape")
-
-    os.makedirs(tmp_path / "noweights")
-    (tmp_path / "noweights" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(FileNotFoundError, match="model.safetensors"):
-        ModernBertForMaskedLM.from_pretrained(tmp_path / "noweights")
-
-    with pytest.raises(ValueError, match="unknown attention backend"):
-        ModernBertForMaskedLM(small_config("long_seqs", attn_backend="xformers"))(torch.ones(1, 3, dtype=torch.long))
 
 
 # -----------------------------------------------------------------------------
