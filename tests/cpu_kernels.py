@@ -1,30 +1,23 @@
 """The two GPU attention kernels' real Python wrappers, run on CPU: what a GPU user imports, down to the
 compiled kernel, which is emulated here.
 
-- flash-attn 2.8.3, the real package (tests/install_kernels.sh puts it in tests/.kernels, which only this
-  module puts on sys.path; where the environment has a flash-attn of its own, it is left alone and the
-  tests that need this copy skip). Its compiled extension `flash_attn_2_cuda` is a module made here of
-  `varlen_fwd` and `varlen_bwd` below (the argument lists and return tuples of flash_api.cpp), and the
-  package's own custom ops `flash_attn::_flash_attn_varlen_forward` / `_backward` (declared for CUDA only)
-  get their own Python bodies as CPU kernels: so `flash_attn.flash_attn_varlen_func`, its autograd
-  Function, its custom ops and their fake (meta) registrations all run as on a GPU.
-- PyTorch's `torch.nn.attention.varlen.varlen_attn`: its custom ops `torch_attn::_varlen_attn` and
-  `_varlen_attn_backward` (CUDA's aten flash kernels under them) get CPU kernels; the wrapper, the op's
-  autograd registration and its fake run as they are.
+- flash-attn 2.8.3, the real package (tests/install_kernels.sh puts it in tests/.kernels, which only this module
+  puts on sys.path; a flash-attn of the environment's own is left alone, and the tests that need this copy skip).
+  Its compiled extension `flash_attn_2_cuda` is a module of `varlen_fwd` and `varlen_bwd` below (flash_api.cpp's
+  arguments and returns), and the package's custom ops (declared for CUDA only) get their own Python bodies as CPU
+  kernels: so `flash_attn_varlen_func`, its autograd Function, custom ops and fake registrations run as on a GPU.
+- PyTorch's `varlen_attn`: its custom ops `torch_attn::_varlen_attn` and `_varlen_attn_backward` get CPU kernels;
+  the wrapper, the op's autograd registration and its fake run as they are.
 
-The emulated kernel has the semantics documented for flash-attn's (and aten's copy of it): q, k, v of
-(total, heads, head_dim), float16 / bfloat16 only, last dim contiguous, head_dim <= 256; cu_seqlens int32;
-query i of a sequence sees key j of the same sequence when i - left <= j <= i + right (bounds inclusive,
--1 = unlimited, aligned bottom-right when the query and key lengths differ); `causal` sets right = 0; a
-window at least max_seqlen_k long means unlimited; scores scaled by softmax_scale. It returns the
-log-sum-exp of each query's scaled scores, (heads, total_q) float32, and the backward recomputes the
-probabilities from it, as the kernel does. It computes in float32 and returns the input dtype; no dropout
-(the tests run without attention-probability dropout). It also raises where the GPU would be silently
-wrong: a max_seqlen shorter than a sequence.
+The emulated kernel does what flash-attn's documents: q, k, v (total, heads, head_dim), float16 / bfloat16, last
+dim contiguous, head_dim <= 256; cu_seqlens int32; query i sees key j of its sequence when i - left <= j <= i +
+right (-1 = unlimited, aligned bottom-right; `causal` sets right = 0; a window of max_seqlen_k or more is
+unlimited); it returns the log-sum-exp of each query's scaled scores, (heads, total_q) float32, from which the
+backward recomputes the probabilities. It computes in float32, has no dropout, and raises where the GPU would be
+silently wrong: a max_seqlen shorter than a sequence.
 
 `install(monkeypatch, backends)` makes "cpu" the kernel device and gives support/kernels.py the real wrappers, so the
-model (and a script run in the test's process) selects its backend on CPU as it does on CUDA; `calls` records what
-the kernel received.
+model selects its backend on CPU as on CUDA; `calls` records what the kernel received.
 """
 
 import os
