@@ -15,7 +15,7 @@ from model import ModernBertConfig, ModernBertForMaskedLM
 from support import checks
 from support.metrics import TIMINGS
 from train import Config, Schedule, parse_config
-from test_train import ROOT, TINY, base_ckpt, data_dir, metrics, run_train  # noqa: F401 (fixtures)
+from test_train import ROOT, TINY, base_ckpt, data_dir, metrics, train_here  # noqa: F401 (fixtures)
 
 
 def config(*names, argv=()):
@@ -72,9 +72,9 @@ def test_a_run_in_steps_is_the_run_in_tokens_and_resumes_and_splits_alike(data_d
     losses, lrs, tokens and weights as in tokens; a resume in the middle of the main phase and a split into
     run_phases=main then decay give it again; the log and the card say how each length was given."""
     common = [f"--init_from={base_ckpt}", "--max_ckpts=10"]
-    r = run_train(tmp_path / "tokens", data_dir, *common)
+    r = train_here(tmp_path / "tokens", data_dir, *common)
     assert "8,192 tokens -> 16 steps" in r.stdout
-    r = run_train(tmp_path / "steps", data_dir, *common, f"--phases={STEPS!r}")
+    r = train_here(tmp_path / "steps", data_dir, *common, f"--phases={STEPS!r}")
     assert "16 steps = 8,192 tokens" in r.stdout and "warmup over 4 steps" in r.stdout
     whole = run_record(tmp_path / "steps")
     assert whole == run_record(tmp_path / "tokens") and whole[-1]["step"] == 20
@@ -87,12 +87,12 @@ def test_a_run_in_steps_is_the_run_in_tokens_and_resumes_and_splits_alike(data_d
     run = tmp_path / "steps"
     for later in [d for d in os.listdir(run) if d == "final" or d.startswith("ckpt-") and int(d[5:]) > 8]:
         shutil.rmtree(run / later)  # as if the run had died after writing ckpt-8
-    r = run_train(run, data_dir, *common, f"--phases={STEPS!r}")
+    r = train_here(run, data_dir, *common, f"--phases={STEPS!r}")
     assert "resuming at step 8" in r.stdout and run_record(run) == whole
 
-    run_train(tmp_path / "main", data_dir, *common, f"--phases={STEPS!r}", "--run_phases=main")
-    run_train(tmp_path / "decay", data_dir, f"--init_from={tmp_path / 'main' / 'final'}", f"--phases={STEPS!r}",
-              "--run_phases=decay")
+    train_here(tmp_path / "main", data_dir, *common, f"--phases={STEPS!r}", "--run_phases=main")
+    train_here(tmp_path / "decay", data_dir, f"--init_from={tmp_path / 'main' / 'final'}", f"--phases={STEPS!r}",
+               "--run_phases=decay")
     assert run_record(tmp_path / "main") + run_record(tmp_path / "decay") == whole
 
 
@@ -158,8 +158,8 @@ def test_a_resumed_run_with_a_longer_seq_len_is_refused(data_dir, tmp_path):  # 
     ModernBertForMaskedLM(ModernBertConfig(vocab_size=320, max_position_embeddings=64, **TINY)).save_pretrained(
         tmp_path / "base")
     args = [f"--init_from={tmp_path / 'base'}", "--run_phases=main", f"--tokens={8 * 8 * 64}"]
-    run_train(tmp_path / "run", data_dir, *args)
-    r = run_train(tmp_path / "run", data_dir, *args, "--seq_len=128", "--resume_changes=seq_len", check=False)
+    train_here(tmp_path / "run", data_dir, *args)
+    r = train_here(tmp_path / "run", data_dir, *args, "--seq_len=128", "--resume_changes=seq_len", check=False)
     assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
         f"seq_len=128 is beyond the run in {tmp_path / 'run'}'s max_position_embeddings=64: use --seq_len=64 or "
         "less, or a new out_dir")
@@ -180,7 +180,7 @@ def test_a_run_with_phases_shows_them_keeps_their_ends_and_names_a_change(data_d
     run's from step 7 on. config.json and the start-up dump leave out the keys the phases replace. A resume with
     one phase changed names that value and nothing else."""
     args = [f"--init_from={base_ckpt}", f"--phases={THREE!r}", "--ckpt_interval=4", "--max_ckpts=1"]
-    r = run_train(tmp_path / "run", data_dir, *args)
+    r = train_here(tmp_path / "run", data_dir, *args)
     dumped = json.loads(r.stdout[:r.stdout.index("\n}\n") + 2])
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert dumped == saved and saved["phases"] == THREE and not REPLACED & set(saved)
@@ -188,12 +188,12 @@ def test_a_run_with_phases_shows_them_keeps_their_ends_and_names_a_change(data_d
     kept = sorted(int(d[5:]) for d in os.listdir(tmp_path / "run") if d.startswith("ckpt-"))
     assert kept == [6, 12, 16] and all((tmp_path / "run" / f"ckpt-{k}" / "train_state.pt").is_file() for k in kept)
 
-    run_train(tmp_path / "branch", data_dir, *args, f"--init_from={tmp_path / 'run' / 'ckpt-6'}",
-              "--run_phases=mlm,decay")
+    train_here(tmp_path / "branch", data_dir, *args, f"--init_from={tmp_path / 'run' / 'ckpt-6'}",
+               "--run_phases=mlm,decay")
     assert run_record(tmp_path / "branch") == [m for m in run_record(tmp_path / "run") if m["step"] > 6]
 
     changed = [THREE[0], {**THREE[1], "steps": 8}, THREE[2]]
-    r = run_train(tmp_path / "run", data_dir, *args[:1], f"--phases={changed!r}", *args[2:], check=False)
+    r = train_here(tmp_path / "run", data_dir, *args[:1], f"--phases={changed!r}", *args[2:], check=False)
     assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
         f"{tmp_path / 'run'} holds a run with other settings: phases[1].steps 6 -> 8. Resuming would change what the "
         "run is: choose a new out_dir, or, if the change is deliberate, --resume_changes=phases")

@@ -1,12 +1,15 @@
 """train.py on CPU with a tiny model: the one flag, the schedule and phases, freezing, exact resume, torchrun =
 one process, Hugging Face export, clear errors, and what each step of a real run trains on."""
 
+import contextlib
+import io
 import json
 import math
 import os
 import random
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +21,7 @@ from safetensors.torch import load_file
 
 from data import Loader, clm_batch, load_meta, mlm_batch, prepare, read_documents
 from model import ModernBertConfig, ModernBertForMaskedLM
+from support import lock
 from support.flops import training_flops
 from support.tokenizer import train_bpe
 from support.distributed import Process
@@ -87,6 +91,34 @@ def run_train(out_dir, data_dir, *overrides, check=True, env=None, nproc=1):
     return r
 
 
+def train_here(out_dir, data_dir, *overrides, check=True):
+    """run_train in this process (no interpreter and imports to start): train.main on train_cmd's arguments, then
+    what a process's exit undoes (its signal handlers, its hold on out_dir) -> its returncode, stdout and stderr."""
+    import train
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}  # train.main sets its own
+    holds, out, err, code = set(lock.held), io.StringIO(), io.StringIO(), 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            train.main(train_cmd(out_dir, data_dir, *overrides)[2:])  # [2:]: train.py's arguments
+    except SystemExit as e:  # as the interpreter exits: a message goes to stderr, with status 1
+        if isinstance(e.code, str):
+            print(e.code, file=err)
+        code = 1 if isinstance(e.code, str) else e.code or 0
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        for key in set(lock.held) - holds:  # unlocked, so that the next run takes it (and checks it) anew
+            hold = lock.held.pop(key)
+            with hold.writing:  # its heartbeat thread writes on, to /dev/null
+                fd, hold.fd, hold.failed = hold.fd, os.open(os.devnull, os.O_WRONLY), True
+            os.close(fd)
+    r = subprocess.CompletedProcess([], code, out.getvalue(), err.getvalue())
+    if check:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
 def metrics(out_dir):
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -98,6 +130,7 @@ def tiny_model():
 
 
 def test_one_flag_losses_equal_reference_cross_entropy(data_dir):
+    """CLM: the next token's cross-entropy under the causal mask (MLM: test_micro_batches_weigh_every_target_alike)."""
     meta = load_meta(data_dir)
     model = tiny_model().eval()
     windows = Loader(data_dir, "train", 64, 4, data_seed=1).next()  # (4, 64)
@@ -106,15 +139,7 @@ def test_one_flag_losses_equal_reference_cross_entropy(data_dir):
         ours = batch_loss(model, clm, causal=True) / clm.targets.numel()
         logits = model(windows, causal=True)  # padded entry point, (4, 64, V)
         ref = F.cross_entropy(logits[:, :-1].reshape(-1, 320), windows[:, 1:].reshape(-1))
-        assert abs(ours.item() - ref.item()) < 1e-5
-
-        mlm = mlm_batch(windows, 0.3, {k: meta[k] for k in SPECIAL}, meta["vocab_size"], seed=[17, 0, 0])
-        ours = batch_loss(model, mlm, causal=False) / mlm.targets.numel()
-        logits = model(mlm.tokens.view(4, 64))  # bidirectional, on the masked input
-        labels = torch.full((4 * 64,), -100)
-        labels[mlm.rows] = windows.flatten()[mlm.rows]
-        ref = F.cross_entropy(logits.reshape(-1, 320), labels, ignore_index=-100)
-        assert abs(ours.item() - ref.item()) < 1e-5
+    assert abs(ours.item() - ref.item()) < 1e-5
 
 
 def test_micro_batches_weigh_every_target_alike(data_dir):
@@ -169,10 +194,7 @@ STEPS_OF_PHASE = [("clm", None)] * 4 + [("mlm", 0.4)] * 4 + [("mlm", 0.15)] * 4 
 
 @pytest.fixture(scope="module")
 def three_phase_run(data_dir, base_ckpt, tmp_path_factory):
-    import signal
     from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-    import train
 
     out, step_tokens = tmp_path_factory.mktemp("three_phases"), 8 * 64
     phases = [dict(name="clm", objective="clm", tokens=4 * step_tokens, warmup_tokens=2 * step_tokens),
@@ -190,22 +212,14 @@ def three_phase_run(data_dir, base_ckpt, tmp_path_factory):
                           loss_sum=result.item(), steps_before=sum(c["train"] for c in calls) // 2))
         return result
 
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}  # train.main sets its own
     hook = register_optimizer_step_pre_hook(lambda opt, args, kwargs: lrs.append([g["lr"] for g in opt.param_groups]))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the subprocess runs (OMP_NUM_THREADS=1): tiny matmuls on 2 threads crawl
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(ModernBertForMaskedLM, "forward", recording_forward)
-            train.main([f"--data_dir={data_dir}", f"--out_dir={out}", f"--init_from={base_ckpt}", "--seq_len=64",
-                        "--global_batch_size=8", "--micro_batch_size=4", f"--phases={phases!r}", "--lr=3e-3",
-                        "--log_interval=3", "--eval_interval=100", "--eval_windows=16", "--ckpt_interval=100",
-                        "--device=cpu", "--compile=False", "--peak_tflops=0.001"])
+            train_here(out, data_dir, f"--init_from={base_ckpt}", f"--phases={phases!r}", "--log_interval=3",
+                       "--eval_interval=100", "--ckpt_interval=100", "--compile=False", "--peak_tflops=0.001")
     finally:
-        torch.set_num_threads(threads)
         hook.remove()
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
     meta = load_meta(data_dir)
     training = [c for c in calls if c["train"]]
     return dict(calls=calls, training=training, lrs=lrs, config=config[0], records=metrics(out),
@@ -325,7 +339,7 @@ def test_logged_mfu_is_the_flops_of_the_steps_since_the_last_record(three_phase_
 def whole_run(data_dir, base_ckpt, tmp_path_factory):
     """20 steps (16 main + 4 decay) from base_ckpt, evaluating every 3 steps and logging every 4: -> (out, stdout)."""
     out = tmp_path_factory.mktemp("whole") / "run"
-    return out, run_train(out, data_dir, f"--init_from={base_ckpt}", "--log_interval=4", "--eval_interval=3").stdout
+    return out, train_here(out, data_dir, f"--init_from={base_ckpt}", "--log_interval=4", "--eval_interval=3").stdout
 
 
 def test_evaluation_follows_eval_interval_not_log_interval(whole_run):
@@ -365,9 +379,9 @@ def test_skip_data_stands_where_an_uninterrupted_run_stands(data_dir, world):
 def test_decay_from_weights_without_train_state_warns_and_skips(data_dir, base_ckpt, tmp_path):
     """The decay alone from a Hugging Face directory: a warning naming --skip_tokens with the uninterrupted run's
     position (16 steps x 8 x 64 tokens); with it, the loader starts there."""
-    r = run_train(tmp_path / "a", data_dir, f"--init_from={base_ckpt}", "--run_phases=decay")
+    r = train_here(tmp_path / "a", data_dir, f"--init_from={base_ckpt}", "--run_phases=decay")
     assert "the data position restarts" in r.stderr and "--skip_tokens=8192 " in r.stderr
-    r = run_train(tmp_path / "b", data_dir, f"--init_from={base_ckpt}", "--run_phases=decay", "--skip_tokens=8192")
+    r = train_here(tmp_path / "b", data_dir, f"--init_from={base_ckpt}", "--run_phases=decay", "--skip_tokens=8192")
     assert "restarts" not in r.stderr and "starting 8,192 tokens into the stream (128 windows" in r.stdout
     loader = torch.load(tmp_path / "b" / "final" / "train_state.pt", weights_only=False)["loader"]
     assert loader["consumed"] == 128 + 4 * 8  # skipped, then the 4 decay steps of 8 windows
@@ -390,19 +404,19 @@ def test_frozen_layers_compute_no_weight_gradient(data_dir):
 
 @pytest.mark.parametrize("freeze_mode", ["exact", "zero_grad"])
 def test_resume_inside_a_frozen_phase_is_exact(data_dir, base_ckpt, tmp_path, freeze_mode):
-    """Layers 0-1 frozen in the decay (steps 17-20). exact: bit-identical, everything else trains. zero_grad: AdamW
-    decays them and its moments (filled by main) move them, as its formula in float64 says. A resume from ckpt-18
+    """Layers 0-1 frozen in the decay (steps 9-12). exact: bit-identical, everything else trains. zero_grad: AdamW
+    decays them and its moments (filled by main) move them, as its formula in float64 says. A resume from ckpt-10
     enters the frozen set again: every loss and the final weights are the uninterrupted run's."""
     wd, lr, (b1, b2), eps = 0.1, 3e-3, (0.9, 0.98), 1e-6
     args = [f"--init_from={base_ckpt}", "--freeze_layers=0-1", "--freeze_phase=decay", f"--freeze_mode={freeze_mode}",
-            f"--weight_decay={wd}", "--ckpt_interval=6"]  # ckpt-6, 12, 16 (the phase end), 18, 20
-    run_train(tmp_path, data_dir, *args)
+            f"--weight_decay={wd}", f"--tokens={8 * 8 * 64}", "--decay_frac=0.5", "--ckpt_interval=5"]  # 8 + 4 steps
+    train_here(tmp_path, data_dir, *args)
     whole = metrics(tmp_path)
-    before, final = (load_file(tmp_path / d / "model.safetensors") for d in ("ckpt-16", "final"))
+    before, final = (load_file(tmp_path / d / "model.safetensors") for d in ("ckpt-8", "final"))
     if freeze_mode == "exact":
         assert all(torch.equal(before[k], final[k]) == k.startswith(FROZEN) for k in before)
     else:
-        optimizer = torch.load(tmp_path / "ckpt-16" / "train_state.pt", weights_only=False)["optimizer"]
+        optimizer = torch.load(tmp_path / "ckpt-8" / "train_state.pt", weights_only=False)["optimizer"]
         named = list(tiny_model().named_parameters())  # the optimizer's ids: its groups' order, matrices first
         order = [n for n, p in named if p.ndim >= 2] + [n for n, p in named if p.ndim < 2]
         decayed = {i for g in optimizer["param_groups"] if g["weight_decay"] > 0 for i in g["params"]}
@@ -420,10 +434,10 @@ def test_resume_inside_a_frozen_phase_is_exact(data_dir, base_ckpt, tmp_path, fr
             ulps = 16 * 2 ** -24 * before[name].abs().max().item()  # float32 rounding over 4 steps, and a margin
             assert moved > 100 * ulps, f"{name} did not move by decay and momentum"
             assert torch.allclose(final[name].double(), p, rtol=0, atol=ulps), name
-    for later in ("ckpt-20", "final"):
-        shutil.rmtree(tmp_path / later)  # as if the run had died after writing ckpt-18
-    r = run_train(tmp_path, data_dir, *args)
-    assert "resuming at step 18" in r.stdout, r.stdout[-2000:]
+    for later in ("ckpt-12", "final"):
+        shutil.rmtree(tmp_path / later)  # as if the run had died after writing ckpt-10
+    r = train_here(tmp_path, data_dir, *args)
+    assert "resuming at step 10" in r.stdout, r.stdout[-2000:]
     keys = ("step", "loss", "val_mlm_loss")
     assert [[m.get(k) for k in keys] for m in metrics(tmp_path)] == [[m.get(k) for k in keys] for m in whole]
     resumed = load_file(tmp_path / "final" / "model.safetensors")
@@ -435,8 +449,8 @@ def test_torchrun_one_process_is_python_and_two_equal_one(data_dir, base_ckpt, t
     computes what python does, bit for bit; two processes (gloo) the same to rounding. Layers 0-1 frozen in the
     decay: DDP is rebuilt at the boundary to all-reduce only what trains."""
     args = [f"--init_from={base_ckpt}", "--attn_out_dropout=0.0", "--micro_batch_size=2", "--freeze_layers=0-1",
-            "--freeze_phase=decay"]
-    run_train(tmp_path / "one", data_dir, *args)
+            "--freeze_phase=decay", f"--tokens={8 * 8 * 64}"]  # 8 + 2 steps
+    train_here(tmp_path / "one", data_dir, *args)
     r = subprocess.run([*launcher(1, torchrun=True), *train_cmd(tmp_path / "torchrun", data_dir, *args)[1:]],
                        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
     assert r.returncode == 0 and "world 1 (gloo DDP), accumulation 4" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
@@ -447,7 +461,7 @@ def test_torchrun_one_process_is_python_and_two_equal_one(data_dir, base_ckpt, t
     assert [m["step"] for m in one] == [m["step"] for m in two]
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(one, two)) <= 1e-5
     assert max(abs(a[k] - b[k]) for a, b in zip(one, two) for k in ("val_mlm_loss", "val_clm_loss") if k in a) <= 1e-5
-    before, after = (load_file(tmp_path / "two" / d / "model.safetensors") for d in ("ckpt-16", "final"))
+    before, after = (load_file(tmp_path / "two" / d / "model.safetensors") for d in ("ckpt-8", "final"))
     assert all(torch.equal(before[k], after[k]) == k.startswith(FROZEN) for k in before)
 
 
@@ -481,7 +495,8 @@ def test_a_config_file_sets_known_keys_of_their_type(tmp_path):
     ([{"name": "a", "objective": "mlm", "tokens": 100}], "phase 'a': mask_prob=0.0: choose it in"),
     ([{"name": "a", "objective": "clm", "tokens": 100, "mask_prob": 0.3}], "mask_prob is for mlm phases"),
     ([{"name": "a", "objective": "clm", "tokens": 100, "warmup_tokens": -5}], "a warmup of 0 or more"),
-    ([{"name": "a", "objective": "mlm", "tokens": 9, "mask_prob": 0.2, "decay": True, "warmup_tokens": 3}], "no warmup"),
+    ([{"name": "a", "objective": "mlm", "tokens": 9, "mask_prob": 0.2, "decay": True, "warmup_tokens": 3}],
+     "no warmup"),
     ([{"name": "a", "objective": "clm", "tokens": 9}] * 2, "names must be unique"),
 ])
 def test_a_phase_that_means_nothing_is_one_clear_line(phases, message):
