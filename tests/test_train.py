@@ -186,10 +186,12 @@ def test_one_step_with_zero_gradients_is_the_decoupled_weight_decay():
 
 # Against an outside expectation: what each step of a real run trains on, at what lr, and what it logs. One
 # in-process run of train.main through the real prefetch thread, three phases of 4 steps (CLM, MLM 40% with its own
-# warmup, an MLM 15% decay), 2 micro batches of 4 x 64 tokens per step; the model's forward is wrapped to record what
-# it receives and returns. Training calls run with gradients, evaluations under no_grad.
+# warmup, an MLM 15% decay), 2 micro batches of 4 x 64 tokens per step, a log every 3 steps, an evaluation every 5;
+# the model's forward is wrapped to record what it receives and returns. Training calls run with gradients,
+# evaluations under no_grad.
 
 STEPS_OF_PHASE = [("clm", None)] * 4 + [("mlm", 0.4)] * 4 + [("mlm", 0.15)] * 4  # (objective, mask_prob) by step
+EVALUATED = [4, 5, 8, 10, 12]  # the steps after which the run evaluates
 
 
 @pytest.fixture(scope="module")
@@ -216,14 +218,15 @@ def three_phase_run(data_dir, base_ckpt, tmp_path_factory):
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(ModernBertForMaskedLM, "forward", recording_forward)
-            train_here(out, data_dir, f"--init_from={base_ckpt}", f"--phases={phases!r}", "--log_interval=3",
-                       "--eval_interval=100", "--ckpt_interval=100", "--compile=False", "--peak_tflops=0.001")
+            stdout = train_here(out, data_dir, f"--init_from={base_ckpt}", f"--phases={phases!r}",
+                                "--log_interval=3", "--eval_interval=5", "--ckpt_interval=100", "--compile=False",
+                                "--peak_tflops=0.001").stdout
     finally:
         hook.remove()
     meta = load_meta(data_dir)
     training = [c for c in calls if c["train"]]
-    return dict(calls=calls, training=training, lrs=lrs, config=config[0], records=metrics(out),
-                special={meta[k] for k in SPECIAL}, mask_id=meta["mask_id"])
+    return dict(calls=calls, training=training, lrs=lrs, config=config[0], records=metrics(out), out=out,
+                stdout=stdout, special={meta[k] for k in SPECIAL}, mask_id=meta["mask_id"])
 
 
 def check_clm_batch(call, mask_id):
@@ -269,13 +272,14 @@ def test_every_step_trains_on_the_batch_its_phase_calls_for(three_phase_run):
 
 
 def test_evaluations_measure_mlm_at_15_percent_and_clm(three_phase_run):
-    """At each phase end (steps 4, 8, 12), under no_grad: the 16 eval_windows as MLM at 15% and as CLM; each logged
-    validation loss is its batches' cross-entropy sums over their target count."""
+    """Every eval_interval (5) steps and at each phase end (steps 4, 8, 12), not every log_interval, under no_grad:
+    the 16 eval_windows as MLM at 15% and as CLM; each logged validation loss is its batches' cross-entropy sums over
+    their target count."""
     run = three_phase_run
     evals = [c for c in run["calls"] if not c["train"]]
-    assert sorted({c["steps_before"] for c in evals}) == [4, 8, 12]
+    assert sorted({c["steps_before"] for c in evals}) == EVALUATED
     k = n = 0
-    for after in (4, 8, 12):
+    for after in EVALUATED:
         these = [c for c in evals if c["steps_before"] == after]
         mlm, clm = [c for c in these if not c["causal"]], [c for c in these if c["causal"]]
         assert sum(len(c["cu_seqlens"]) - 1 for c in mlm) == sum(len(c["cu_seqlens"]) - 1 for c in clm) == 16
@@ -303,22 +307,31 @@ def test_each_step_runs_at_its_phase_lr(three_phase_run):
 
 
 def test_logged_loss_is_the_mean_of_the_steps_since_the_last_record(three_phase_run):
-    """log_interval 3 and a record at each phase end. A step's loss is its micro batches' cross-entropy sums (what
-    the model returned) over its target count; a record's, the mean of the steps' since the record before it."""
+    """log_interval 3 and a record with each evaluation. A step's loss is its micro batches' cross-entropy sums (what
+    the model returned) over its target count; a record's, the mean of the steps' since the record before it. A
+    record also says the seconds its tokens/s leaves out: its evaluation, the checkpoints written since the record
+    before (ckpt-4 after step 4, ckpt-8 after 8); the end line counts them all, ckpt-12 and final included. One
+    optimizer state across the phases: Adam's step count is never reset."""
     run, training = three_phase_run, three_phase_run["training"]
     step_loss = [sum(c["loss_sum"] for c in training[2 * s:2 * s + 2])
                  / sum(len(c["targets"]) for c in training[2 * s:2 * s + 2]) for s in range(12)]
     records = run["records"]
     assert [(m["step"], m["phase"], m["objective"]) for m in records] == [
-        (3, "clm", "clm"), (4, "clm", "clm"), (6, "mlm", "mlm"), (8, "mlm", "mlm"), (9, "decay", "mlm"),
-        (12, "decay", "mlm")]
+        (3, "clm", "clm"), (4, "clm", "clm"), (5, "mlm", "mlm"), (6, "mlm", "mlm"), (8, "mlm", "mlm"),
+        (9, "decay", "mlm"), (10, "decay", "mlm"), (12, "decay", "mlm")]
     assert all(m["tokens"] == m["step"] * 8 * 64 for m in records)
     previous = 0
     for m in records:
         want = sum(step_loss[previous:m["step"]]) / (m["step"] - previous)
         assert m["loss"] == pytest.approx(want, rel=1e-5), f"record at step {m['step']}"
         previous = m["step"]
-    assert all(("val_mlm_loss" in m) == (m["step"] in (4, 8, 12)) for m in records)
+    assert [m["step"] for m in records if "val_mlm_loss" in m and "val_clm_loss" in m] == EVALUATED
+    assert [m["step"] for m in records if m.get("eval_s", 0) > 0] == EVALUATED
+    assert [m["step"] for m in records if m.get("checkpoint_s", 0) > 0] == [5, 9]
+    stdout = run["stdout"]
+    assert "outside the steps: 5 evaluations in " in stdout and ", 4 checkpoints in " in stdout, stdout[-500:]
+    state = torch.load(run["out"] / "final" / "train_state.pt", weights_only=False)["optimizer"]["state"]
+    assert {int(v["step"]) for v in state.values()} == {12}
 
 
 def test_logged_mfu_is_the_flops_of_the_steps_since_the_last_record(three_phase_run):
@@ -333,30 +346,6 @@ def test_logged_mfu_is_the_flops_of_the_steps_since_the_last_record(three_phase_
         want = sum(flops[2 * previous:2 * m["step"]]) / seconds / 1e9
         assert m["mfu"] == pytest.approx(want, rel=1e-9), m["step"]
         previous = m["step"]
-
-
-@pytest.fixture(scope="module")
-def whole_run(data_dir, base_ckpt, tmp_path_factory):
-    """20 steps (16 main + 4 decay) from base_ckpt, evaluating every 3 steps and logging every 4: -> (out, stdout)."""
-    out = tmp_path_factory.mktemp("whole") / "run"
-    return out, train_here(out, data_dir, f"--init_from={base_ckpt}", "--log_interval=4", "--eval_interval=3").stdout
-
-
-def test_evaluation_follows_eval_interval_not_log_interval(whole_run):
-    """Evaluations at 3, 6, 9, ... and at each phase end (16, 20), each logged with the training loss of its step;
-    one optimizer state across the phases (Adam's step count never reset)."""
-    out, stdout = whole_run
-    records = metrics(out)
-    state = torch.load(out / "final" / "train_state.pt", weights_only=False)["optimizer"]["state"]
-    assert {int(v["step"]) for v in state.values()} == {20}
-    assert [m["step"] for m in records if "val_mlm_loss" in m] == [3, 6, 9, 12, 15, 16, 18, 20]
-    assert [m["step"] for m in records] == [3, 4, 6, 8, 9, 12, 15, 16, 18, 20]
-    assert all("loss" in m and "val_clm_loss" in m for m in records if "val_mlm_loss" in m)
-    # A record says the seconds its tokens/s leaves out: its evaluation, the checkpoints written since the record
-    # before (ckpt-8 after step 8, ckpt-16 after 16); the end line counts them all, ckpt-20 and final included.
-    assert [m["step"] for m in records if m.get("eval_s", 0) > 0] == [3, 6, 9, 12, 15, 16, 18, 20]
-    assert [m["step"] for m in records if m.get("checkpoint_s", 0) > 0] == [9, 18]
-    assert "outside the steps: 8 evaluations in " in stdout and ", 4 checkpoints in " in stdout, stdout[-500:]
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -465,9 +454,9 @@ def test_torchrun_one_process_is_python_and_two_equal_one(data_dir, base_ckpt, t
     assert all(torch.equal(before[k], after[k]) == k.startswith(FROZEN) for k in before)
 
 
-def test_final_loads_in_transformers(data_dir, whole_run):
+def test_final_loads_in_transformers(data_dir, three_phase_run):
     transformers = pytest.importorskip("transformers")
-    final = whole_run[0] / "final"
+    final = three_phase_run["out"] / "final"
     hf, info = transformers.AutoModelForMaskedLM.from_pretrained(final, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     ours = ModernBertForMaskedLM.from_pretrained(final).eval()
