@@ -15,11 +15,7 @@ from model import ModernBertConfig, ModernBertForMaskedLM
 from support import checks
 from support.metrics import TIMINGS
 from train import Config, Schedule, parse_config
-from test_train import ROOT, TINY, base_ckpt, data_dir, metrics, train_here  # noqa: F401 (fixtures)
-
-
-def config(*names, argv=()):
-    return parse_config([os.path.join(ROOT, "configs", n) for n in names] + list(argv))
+from test_train import TINY, base_ckpt, config, data_dir, metrics, train_here  # noqa: F401 (fixtures)
 
 
 # -----------------------------------------------------------------------------

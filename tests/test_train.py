@@ -124,6 +124,11 @@ def metrics(out_dir):
         return [json.loads(line) for line in f]
 
 
+def config(*names, argv=()):
+    """The Config of files in configs/, stacked, then argv."""
+    return parse_config([os.path.join(ROOT, "configs", n) for n in names] + list(argv))
+
+
 def tiny_model():
     torch.manual_seed(0)
     return ModernBertForMaskedLM(ModernBertConfig(vocab_size=320, **TINY))
@@ -506,9 +511,6 @@ def test_a_vocab_mismatch_is_clear(data_dir, tmp_path):
 
 
 def test_every_config_parses_and_ablations_stack():
-    def config(*names):
-        return parse_config([os.path.join(ROOT, "configs", n) for n in names])
-
     configs = sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".py"))
     bases = [f for f in configs if f.startswith(("fr_", "en_"))]
     assert bases == ["en_base.py", "en_large.py", "fr_base.py", "fr_large.py"]
