@@ -23,8 +23,7 @@ from data import prepare, read_documents
 from model import ModernBertConfig, ModernBertForMaskedLM
 from support.checkpoint import checkpoint_problem, save_checkpoint
 from support.checks import check_wandb
-from test_cka import train_here
-from test_train import ROOT, TINY, data_dir, metrics, train_cmd  # noqa: F401 (fixtures)
+from test_train import ROOT, TINY, data_dir, metrics, train_cmd, train_here  # noqa: F401 (fixtures)
 from train import Config, make_optimizer
 
 SHARED = os.path.join(ROOT, "..", "shared")

@@ -6,7 +6,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 
 import pytest
@@ -15,13 +14,12 @@ from tokenizers import Tokenizer
 
 import numpy as np
 import cka
-import train
 from cka import linear_cka
 from model import ModernBertConfig, ModernBertForMaskedLM
 from support.checkpoint import latest_valid_checkpoint, step_checkpoints, weights_only
 from support.metrics import TIMINGS
 from support.tokenizer import train_bpe
-from test_train import base_ckpt, data_dir, launcher, metrics, train_cmd  # noqa: F401 (fixtures)
+from test_train import base_ckpt, data_dir, launcher, metrics, train_cmd, train_here  # noqa: F401 (fixtures)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -225,18 +223,6 @@ KEEP = ["--keep_every=6", "--max_ckpts=2", "--ckpt_interval=8", "--eval_interval
 ARMS = {"clm": ["--objective=clm"], "mlm": ["--objective=mlm"], "mlm_twin": ["--objective=mlm", "--seed=42"]}
 
 
-def train_here(out, data_dir, *overrides):  # noqa: F811
-    """train.py's tiny run (test_train.train_cmd) in this process, pytest's signal handlers kept: -> what it printed."""
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}  # train.main sets its own
-    try:
-        with contextlib.redirect_stdout(io.StringIO()) as said:
-            train.main(train_cmd(out, data_dir, *overrides)[2:])
-    finally:
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
-    return said.getvalue()
-
-
 @pytest.fixture(scope="module")
 def runs(data_dir, base_ckpt, tmp_path_factory):  # noqa: F811
     tmp = tmp_path_factory.mktemp("runs")
@@ -271,7 +257,7 @@ def test_resume_picks_the_newest_full_checkpoint_not_a_weights_only_one(runs, da
     shutil.rmtree(run / "final")
     shutil.rmtree(run / "ckpt-20")
     assert latest_valid_checkpoint(str(run)) == str(run / "ckpt-16")
-    assert "resuming at step 16" in train_here(run, data_dir, f"--init_from={base_ckpt}", *KEEP, *ARMS["clm"])
+    assert "resuming at step 16" in train_here(run, data_dir, f"--init_from={base_ckpt}", *KEEP, *ARMS["clm"]).stdout
     strip = lambda records: [{k: v for k, v in m.items() if k not in TIMINGS} for m in records]  # noqa: E731
     assert strip(metrics(run)) == strip(metrics(runs / "clm"))
     assert steps_in(run) == steps_in(runs / "clm")
