@@ -1,15 +1,12 @@
 """
 Files from elsewhere. Checkpoints, data directories, tokenizers, locks and results travel between people and sit on
 shared filesystems where others can write, so every script reads and writes them by two rules, kept here once:
-
-- reading: a file is read only if it is a regular file of a size such a file can have (a FIFO would block, a
-  directory or a device is no file of ours), and JSON only if it parses and has the shape its reader expects;
-  anything else is a ValueError that names the file, which the caller turns into its one line;
+- reading: only a regular file of a size such a file can have (a FIFO would block), and JSON only of the shape its
+  reader expects; anything else is a ValueError that names the file, which the caller turns into its one line;
 - writing: nothing is written, renamed or deleted through a symbolic link that the project did not make.
 
 Each file the project reads, where its values are checked, and what a bad or hostile one gets. "One line": exit 1,
-naming the file, the field and the fix, before any work, nothing on disk changed. tests/test_files.py,
-test_links.py, test_resilience.py and test_trust.py build such files.
+naming the file, the field and the fix, before any work, nothing on disk changed (tests/test_files.py builds them).
 - config.json of a checkpoint (support/hf.py): every field's type and range, heads into even head dims, the model's
   float32 bytes against this machine's memory, before anything is allocated. One line.
 - model.safetensors, pytorch_model.bin (support/hf.py): weights_only; a dict of named floating-point tensors of the
@@ -31,7 +28,6 @@ test_links.py, test_resilience.py and test_trust.py build such files.
 - out_dir/config.json (support/checkpoint.check_same_run, under the hold): an object. One line.
 - stored suite runs, task .jsonl/.tsv (support/suite.py, eval.py): their shapes, metrics in [0, 1], field types.
   Named in the suite's one refusal; one line.
-- design.json of a study (demo.py --study --report): an object with the keys a report needs. One line.
 - every file or folder the project writes, renames or deletes: the Writing section below. A link, FIFO or hard
   link there: one line.
 """
@@ -60,18 +56,12 @@ def read_bytes(path, limit):
             raise ValueError(f"{path} is {kind(path, st)}, not a file")
         if st.st_size > limit:
             raise ValueError(f"{path} has {st.st_size:,} bytes, more than such a file can hold ({limit:,})")
-        chunks, left = [], limit + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 24))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        if left <= 0:  # it grew while read
-            raise ValueError(f"{path} has more than {limit:,} bytes, more than such a file can hold")
-        return b"".join(chunks)
+        data = open(fd, "rb", closefd=False).read(limit + 1)  # buffered: reads on until limit + 1 bytes or the end
     finally:
         os.close(fd)
+    if len(data) > limit:  # it grew while read
+        raise ValueError(f"{path} has more than {limit:,} bytes, more than such a file can hold")
+    return data
 
 
 def read_json(path, shape=dict, limit=MAX_JSON):
@@ -128,15 +118,12 @@ def number(value, lo=-math.inf, hi=math.inf):
 #
 # What a run writes lies in its output directory (out_dir, --out, a data set's folder): a path the user gave, a link
 # included, is theirs. Inside it the project makes every entry itself, so a link found there was put there by someone
-# else (a user of the shared filesystem, a copy that kept links): a write through it would change the file it points
-# to, anywhere this user (as root: anyone) may write, and a deletion through it would delete there. So a file is
-# opened without following a link at its last component (O_NOFOLLOW), and a directory of the project's is one that
-# it made (mkdir never follows a link) or found to be no link (lstat). What is refused is one line naming it (a
-# SystemExit: a caller can do nothing about it). A file with another name (a hard link) is refused where a file is
-# changed in place (appended to, a lock record); a rename replaces a name, never the file behind it.
-# Beyond these rules: a user who may rename the entries of an output directory while a run writes there (one
-# writable by others, without the sticky bit) could swap a directory for a link between a check and a write. Keep
-# output directories writable by you, or by a group you trust, alone.
+# else: a write through it would change the file it points to, anywhere this user (as root: anyone) may write. So a
+# file is opened without following a link (O_NOFOLLOW), and a directory of the project's is one that it made (mkdir
+# never follows a link) or found to be no link (lstat). A hard link is refused where a file is changed in place
+# (appended to, a lock record); a rename replaces a name, never the file behind it. Not covered: a user who may
+# rename the entries of an output directory while a run writes there could swap a directory for a link between a
+# check and a write. Keep output directories writable by you, or by a group you trust, alone.
 
 
 def refuse(path, what):
@@ -203,9 +190,8 @@ def replace_file(path, data):
 
 def remove(path):
     """Delete the file or directory tree `path`, if there is one; a link there is refused. Inside a tree a link is
-    deleted itself, never what it points to (shutil.rmtree works through directory descriptors, so not even one
-    made during the walk is followed). A tree is removed as far as it can be (rmtree's ignore_errors): what stays
-    makes the rename that follows fail, with its own line."""
+    deleted itself, never what it points to (shutil.rmtree works through directory descriptors). A tree is removed
+    as far as it can be: what stays makes the rename that follows fail, with its own line."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -244,9 +230,8 @@ def make_dirs(root, path):
 
 
 def check_no_links(directory):
-    """Before any work: no entry of the output directory `directory` (if it exists) is a link. The project makes
-    every entry there itself, so one that is a link was put there by someone else; said now, not at the write that
-    would meet it, hours in."""
+    """Before any work: no entry of the output directory `directory` (if it exists) is a link; said now, not at the
+    write that would meet it, hours in."""
     if os.path.isdir(directory):
         for entry in os.scandir(directory):
             refuse_link(entry.path)
