@@ -1,29 +1,27 @@
 """
 One writer per output directory. A run holds its directory (train.py's out_dir, eval.py's and cka.py's --out)
-with an exclusive flock on DIR/.lock, which the kernel drops when the process ends, however it ends (exit,
-SIGKILL, the OOM killer): the same command run again after a crash needs no manual step. The file says who
-holds it (host, pid, command, since when), whether it is stopping, and a heartbeat, so that a second run is
-refused at once in one line naming the holder, and a requeued job tells a live holder from a dying or lost one:
+with an exclusive flock on DIR/.lock, which the kernel drops when the process ends, however it ends (SIGKILL, the
+OOM killer): the same command run again after a crash needs no manual step. The file says who holds it (host, pid,
+command, since when), whether it is stopping, and a heartbeat, so that a second run is refused at once in one line
+naming the holder, and a requeued job tells a live holder from a dying or lost one:
   - stopping (train.py caught SIGTERM and is writing its last checkpoint): wait for it, then resume from it;
-  - silent (its heartbeat has not moved for STALE seconds, timed on this side: its node is lost or frozen): wait
+  - silent (its heartbeat has not moved for STALE seconds on this side's clock: its node is lost or frozen): wait
     for the filesystem to drop its lock;
-each wait at most WAIT seconds, said when it starts. Under torchrun rank 0 holds the directory for the job and
-every rank gets the same answer. A process holds a directory once, until it exits, however often it asks.
+each wait at most WAIT seconds. Under torchrun rank 0 holds the directory for the job and every rank gets the same
+answer. A process holds a directory once, until it exits, however often it asks.
 
-What this needs of the filesystem: flock shared by every node that runs against it. Local disks: yes. NFS (Linux
-clients turn flock into POSIX locks, which the server arbitrates): yes, unless mounted `nolock` or
-`local_lock=flock|all` (then each node sees only its own locks); a lost client's lock lasts until the server's
-lease expires (NFSv4: 90 s by default, within the wait) or, on NFSv3, until that node reboots: the refusal then
-says to remove DIR/.lock. Lustre: mounted with `-o flock`; with `-o localflock` only one node's processes see each
-other's lock; with neither, flock fails and the run warns that nothing guards its directory, then goes on
-unguarded. BeeGFS: with tuneUseGlobalFileLocks. POSIX locks belong to a process, not to an open file: this
-process must never open and close DIR/.lock elsewhere, which on NFS would drop its lock. That is also why the lock
-is fcntl.flock on the descriptor that carries the record, not filelock's: filelock lends its descriptor to one
-callback at the take, and the heartbeat writes through it for the whole run.
+What this needs of the filesystem: flock shared by every node. Local disks: yes. NFS (flock becomes a POSIX lock
+the server arbitrates): yes, unless mounted `nolock` or `local_lock=flock|all`; a lost client's lock lasts until the
+server's lease expires (NFSv4: 90 s, within the wait) or, on NFSv3, until that node reboots: the refusal then says
+to remove DIR/.lock. Lustre: `-o flock` (with `-o localflock` only one node's processes see each other; with
+neither, the run warns that nothing guards its directory and goes on). BeeGFS: tuneUseGlobalFileLocks. POSIX locks
+belong to a process, not to an open file: this process must never open and close DIR/.lock elsewhere, which on NFS
+would drop its lock. So the lock is fcntl.flock on the descriptor that carries the record, not filelock's (which
+lends its descriptor to one callback at the take, where the heartbeat writes through it for the whole run).
 
-The lock file is the project's own: a link there, a directory, a FIFO (a second run would wait on it forever) or a
-file with another name is refused in one line (support/files.py); one larger than its record is cut to it once
-held; a record of another shape (not JSON, other fields or types) names no holder.
+The lock file is the project's own: a link, a directory, a FIFO or a file with another name there is refused in one
+line (support/files.py); one larger than its record is cut to it once held; a record of another shape names no
+holder.
 """
 
 import errno
@@ -180,10 +178,5 @@ def hold(directory, process, what="--out", check=None):
     """Hold `directory` for this run, before any work: rank 0 takes it (and runs check() under it, see take), every
     rank gets the outcome (a refusal is one line on rank 0). -> the Hold on rank 0 (None elsewhere, or where the
     filesystem has no locks)."""
-    mine = []
-
-    def take_on_rank0():  # returns nothing: only the outcome goes to the other ranks, the Hold stays here
-        mine.append(take(directory, what, check))
-
-    on_rank0(take_on_rank0, process)
-    return mine[0] if mine else None
+    on_rank0(lambda: take(directory, what, check) and None, process)  # only the outcome goes to the other ranks
+    return held.get(os.path.realpath(directory)) if process.rank == 0 else None
