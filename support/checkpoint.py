@@ -1,27 +1,19 @@
 """
-Checkpoints: the directory format, and the Checkpointer that decides when to write one and where
-to resume, so that train.py's loop only says "once in a while: checkpoint".
+Checkpoints: the directory format, and the Checkpointer that decides when to write one and where to resume, so that
+train.py's loop only says "once in a while: checkpoint".
 
-A checkpoint is out_dir/ckpt-STEP/ (and out_dir/final/): the Hugging Face files (config.json,
-model.safetensors, tokenizer) + progress.json (step, tokens, phase) + train_state.pt (optimizer,
-step, tokens, data position, every rank's random streams and loss sums) + manifest.json.
+A checkpoint is out_dir/ckpt-STEP/ (and out_dir/final/): the Hugging Face files (config.json, model.safetensors,
+tokenizer) + progress.json (step, tokens, phase) + train_state.pt (optimizer, step, tokens, data position, every
+rank's random streams and loss sums) + manifest.json (size and sha256 of every other file). It is written to a
+temporary directory, manifest last, synced, then renamed: a kill at any moment leaves the previous checkpoints as
+they were, and one damaged later (a truncated copy, a bad disk) fails its manifest and is skipped on resume.
 
-Retention: the newest max_ckpts full checkpoints stay, and so does the one at the end of each
-phase, whole: the next phase (or a branch of the run, a decay-length sweep) starts there exactly,
-and cka.py compares it. Any other older one is removed, unless its step is a multiple of
-keep_every. Those stay, weights-only (no train_state.pt with AdamW's two moments: a third of a
-full checkpoint), for cka.py --runs to follow the run through time. A keep_every step that no
-other reason checkpoints is written weights-only at once. Resuming reads only full checkpoints.
+Retention: the newest max_ckpts full checkpoints stay, and the one at the end of each phase (the next phase, or a
+branch of the run, starts there exactly). An older one whose step is a multiple of keep_every stays weights-only (no
+train_state.pt with AdamW's two moments: a third of the size) for cka.py --runs; any other is removed.
 
-Everything is written to a temporary directory, the manifest (size and sha256 of every other
-file) last, synced to disk, then renamed: a kill at any moment leaves the previous checkpoints
-as they were, and a checkpoint damaged later (a truncated copy, a bad disk, a manifest of another
-shape) fails its manifest and is skipped on resume. Nothing is written, renamed or deleted through
-a link (support/files.py), and what a checkpoint takes from the data directory is the data's own.
-
-On a cluster the Checkpointer also answers preemption (SIGTERM, SIGINT: checkpoint at the next
-step boundary, then stop), writes one on a timer, makes the ranks agree on all of it, and checks
-that every rank sees what rank 0 wrote.
+On a cluster the Checkpointer also answers preemption (SIGTERM, SIGINT: checkpoint at the next step boundary, then
+stop), writes one on a timer, and makes the ranks agree on all of it.
 """
 
 import dataclasses
@@ -82,9 +74,7 @@ def save_checkpoint(path, model, optimizer, state, c, schedule=None):
             file = os.path.join(tmp, name)
             manifest[name] = {"bytes": os.path.getsize(file), "sha256": sha256(file)}
             fsync(file)
-        with open_file(os.path.join(tmp, MANIFEST)) as f:
-            json.dump(manifest, f, indent=1)
-        fsync(os.path.join(tmp, MANIFEST))
+        replace_file(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))  # synced
         fsync(tmp)
         remove(path)  # "final" of a re-run, or a damaged copy of this step
         os.replace(tmp, path)
@@ -131,9 +121,8 @@ def fsync(path):
 
 
 def read_manifest(path):
-    """The manifest of the checkpoint directory `path`: {file name: {"bytes": size, "sha256": hex digest}}; a
-    ValueError naming the file if it is not one (a name that is no plain file name in the directory, a field of
-    another type)."""
+    """{file name: {"bytes": size, "sha256": hex digest}} of the checkpoint directory `path`; a ValueError naming the
+    file if it is not one (a name that is no plain file name in the directory, a field of another type)."""
     file = os.path.join(path, MANIFEST)
     manifest = read_json(file)
     for name, entry in manifest.items():
@@ -267,7 +256,6 @@ def set_rng_state(state, device):
 
 
 # -----------------------------------------------------------------------------
-# The Checkpointer: resume, and "once in a while: checkpoint", for every rank of a run.
 
 
 @dataclass
@@ -281,11 +269,9 @@ class TrainState:
 
 
 class Checkpointer:
-    """Chooses the checkpoint to resume from, writes checkpoints when the loop or a signal or the clock
-    says so, keeps the newest max_ckpts (and weights at every keep_every steps), and stops the run on a
-    signal. Every rank makes the same calls: rank 0 decides and writes, every rank gets the outcome (errors
-    included) and checks that it sees it. `schedule` names the phase each checkpoint is in. It holds out_dir
-    from the start (support/lock.py): a second run on it is refused before any work."""
+    """Resume, and "once in a while: checkpoint", for every rank of a run: rank 0 decides and writes, every rank
+    gets the outcome (errors included) and checks that it sees it. `schedule` names the phase each checkpoint is in.
+    It holds out_dir from the start (support/lock.py): a second run on it is refused before any work."""
 
     def __init__(self, c, process, schedule):
         self.c, self.process, self.schedule = c, process, schedule
@@ -374,11 +360,10 @@ class Checkpointer:
         return state
 
     def after_step(self, model, optimizer, state, due, last=False):
-        """At the step boundary `state.step`: write ckpt-STEP if `due` (the loop's interval, a phase's end),
-        or if a signal reached any rank, or if ckpt_every_minutes have passed on any rank's clock; else,
-        at a multiple of keep_every, write it weights-only (a trajectory point, not a resume point). Returns
-        True when a signal came: the checkpoint is written and the run must stop (exit_code says how). After
-        the `last` step nothing stops: the run ends there anyway, with its final checkpoint."""
+        """At the step boundary `state.step`: write ckpt-STEP if `due` (the loop's interval, a phase's end), or if a
+        signal reached any rank, or ckpt_every_minutes passed on any rank's clock; else, at a multiple of
+        keep_every, weights-only. -> True when a signal came: the checkpoint is written and the run must stop
+        (exit_code says how), unless this is the `last` step, which ends the run with its final checkpoint anyway."""
         stopping, late = self.agree()
         if stopping and self.hold and not self.caught:  # the signal reached another rank
             self.hold.stopping()
@@ -409,10 +394,10 @@ class Checkpointer:
         return bool(stopping), bool(late)
 
     def save(self, path, model, optimizer, state):
-        """Every rank: rank 0 writes the checkpoint and drops the oldest beyond max_ckpts, every rank checks that it
-        sees the result. With the optimizer, a resume point: the per-rank state (random streams, loss sum) is
-        gathered; without (None), weights-only."""
-        started, saved = time.time(), self.progress(state)
+        """Every rank: rank 0 writes the checkpoint and prunes, every rank checks that it sees the result. With the
+        optimizer, a resume point (every rank's random streams and loss sum gathered); without (None), weights-only."""
+        started = time.time()  # the phase of the last step done:
+        saved = dict(step=state.step, tokens=state.tokens, phase=self.schedule.at(max(state.step - 1, 0)).name)
         if optimizer is not None:
             mine = dict(rng=rng_state(self.process.device), loss_acc=state.loss.item())
             ranks = [mine]
@@ -434,10 +419,6 @@ class Checkpointer:
             self.saved, self.saved_at = path, time.monotonic()
         self.written.append(time.time() - started)
 
-    def progress(self, state):
-        """Where the run is after `state.step` steps: the phase is that of the last step done."""
-        return dict(step=state.step, tokens=state.tokens, phase=self.schedule.at(max(state.step - 1, 0)).name)
-
 
 def loss_error(loss, step, out_dir):
     return SystemExit(f"step {step}: loss is {loss}; stopping. The last good checkpoint is "
@@ -445,9 +426,8 @@ def loss_error(loss, step, out_dir):
 
 
 def skip_data(loader, tokens):
-    """Move a fresh data.Loader past the first `tokens` tokens of the stream, in whole windows (tokens //
-    seq_len of them): where an uninterrupted run that had trained on those tokens would stand. -> the tokens
-    skipped."""
+    """Move a fresh data.Loader past the first `tokens` tokens of the stream, in whole windows: where an
+    uninterrupted run that had trained on those tokens would stand. -> the tokens skipped."""
     windows = tokens // loader.seq_len
     loader.load_state_dict({**loader.state_dict(), "consumed": loader.state_dict()["consumed"] + windows})
     return windows * loader.seq_len
@@ -501,8 +481,7 @@ class Unset:
 
 
 def differences(key, old, new):
-    """Where two values of a config key differ, down to the entry of a list or a dict (a phase's steps, a
-    model_config key): ["phases[1].steps 29500 -> 30000"], not the whole list twice."""
+    """Where two values of a config key differ, down to the entry: ["phases[1].steps 29500 -> 30000"]."""
     if isinstance(old, dict) and isinstance(new, dict):
         return [d for k in {**old, **new} for d in differences(f"{key}.{k}", old.get(k, Unset()), new.get(k, Unset()))]
     if isinstance(old, list) and isinstance(new, list):
@@ -512,8 +491,8 @@ def differences(key, old, new):
 
 
 def every_rank_sees(path, process):
-    """Checkpoints are written by rank 0 and read by every rank on resume: a node that cannot see them would
-    resume from another step than the others. Each rank checks `path` (sizes only, cheap); all agree or stop."""
+    """Each rank checks `path` (sizes only, cheap), which rank 0 wrote: a node that cannot see it would resume from
+    another step than the others."""
     if not dist.is_initialized():
         return
     views = [None] * process.world
