@@ -1,11 +1,8 @@
 """
-The checks made before any work: a config's values and names, a phase, a run's inputs (data, out_dir,
-init_from), a checkpoint directory given to eval.py or cka.py. Whatever can be known at step 0 is checked at
-step 0, so that no run dies hours in for a condition it had from the start. Each problem is one line naming it
-and the fix (a SystemExit); under torchrun every rank runs the same checks on the same files and stops alike,
-before any rank waits in a collective. The formats check themselves where they are read: support/shards.py
-(the data), support/hf.py (config.json and weights), support/tokenizer.py (the tokenizer files),
-support/checkpoint.py (manifests).
+The checks made before any work: a config's values and names, a phase, a run's inputs (data, out_dir, init_from),
+a checkpoint directory given to eval.py or cka.py. What can be known at step 0 is checked at step 0, so that no run
+dies hours in for a condition it had from the start: one line naming it and the fix (a SystemExit), on every rank
+alike, before any rank waits in a collective. The formats check themselves where they are read (support/files.py).
 """
 
 import glob

@@ -27,12 +27,10 @@ class Process:
 
 
 def setup(device="auto", timeout_minutes=60.0, compile="false"):
-    """-> this Process, its CPU threads set (support/threads.py) and `compile` resolved (kernels.compiler) for its
-    device. Under torchrun: join the process group (NCCL on GPU, gloo on CPU; a world of one too, so that
-    `torchrun --nproc_per_node=1` tries NCCL's path on one GPU) and take this rank's GPU; without: rank 0 of 1 on
-    `device`, no group. `timeout_minutes` must cover the slowest wait in a collective: the other ranks wait while
-    rank 0 writes a checkpoint (Large: about 5 GB, read back for its sha256, synced), which on a slow shared
-    filesystem takes far longer than NCCL's default of 10 minutes."""
+    """-> this Process, its CPU threads set (support/threads.py) and `compile` resolved for its device. Under
+    torchrun: join the process group (NCCL on GPU, gloo on CPU; a world of one too) and take this rank's GPU;
+    without: rank 0 of 1 on `device`, no group. `timeout_minutes` must cover the other ranks' wait while rank 0
+    writes a checkpoint (Large: about 5 GB, hashed, synced): on a slow filesystem far longer than NCCL's 10 minutes."""
     cuda = device != "cpu" and torch.cuda.is_available()
     if device.startswith("cuda") and not cuda:
         raise SystemExit(f"device={device!r}: PyTorch sees no CUDA GPU here ({torch.__version__}); use --device=cpu "
@@ -67,9 +65,8 @@ def said_once():
 
 
 def quiet_exit():
-    """A rank > 0 stops for a mistake that rank 0 says: after rank 0 has had time to say it. torchrun stops
-    every process as soon as one exits, so a rank that exited first could cut rank 0 short of its one line;
-    once rank 0 exits, torchrun ends this wait too."""
+    """A rank > 0 stops for a mistake that rank 0 says, after rank 0 has had time to say it: torchrun stops every
+    process as soon as one exits (so also this wait, once rank 0 exits)."""
     time.sleep(QUIET)
     raise SystemExit(1) from None
 
@@ -111,9 +108,7 @@ def autocast(device, dtype="auto"):
 
 def teardown():
     """Leave the process group once the prefetch thread is joined and the DDP model is gone, so that its threads
-    (gloo's workers and TCP loop, rank 0's TCPStore server) are joined before the interpreter exits. Freed during
-    finalization instead, it sometimes aborted a rank after its last line (SIGABRT, "terminate called without an
-    active exception") and torchrun reported a finished run as failed. What kept it alive: a DDP model freed later
-    (at exit, where freeing the group deadlocked on gloo's threads), and the default argument named in setup."""
+    (gloo's, rank 0's TCPStore server) are joined before the interpreter exits. Freed during finalization instead,
+    it sometimes aborted a rank after its last line (SIGABRT) and torchrun reported a finished run as failed."""
     if dist.is_initialized():
         dist.destroy_process_group()
