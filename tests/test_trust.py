@@ -3,18 +3,21 @@ script, and one run writes an out_dir at a time (support/lock.py): a second is r
 holder is waited for. (A killed holder leaves nothing to clean up: test_resilience and test_suite resume such runs.)"""
 
 import errno
+import fcntl
 import json
 import os
 import re
 import shutil
 import signal
 import subprocess
-import sys
+import threading
 import time
 
 import pytest
 import torch
 
+import cka
+import eval as eval_script
 from support import lock
 from support.checkpoint import MANIFEST, TRAIN_STATE
 from support.files import sha256
@@ -26,18 +29,16 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def analyses(ckpt, tmp_path, out):
-    """cka.py and eval.py on the checkpoint `ckpt`, with tiny inputs, writing to `out`: -> their results."""
+    """cka.py's and eval.py's main() on the checkpoint `ckpt`, with tiny inputs, writing to `out`: -> the two calls."""
     texts, task = tmp_path / "texts.jsonl", tmp_path / "task"
     texts.write_text("".join(json.dumps({"text": f"the gene binds a cell number {i}."}) + "\n" for i in range(8)))
     task.mkdir(exist_ok=True)
     for split in ("train", "validation", "test"):
         (task / f"{split}.jsonl").write_text("".join(json.dumps({"text": f"the {w} binds", "label": w}) + "\n"
                                                      for w in ("cell", "gene") * 4))
-    return [subprocess.run([sys.executable, *script, "--out", str(out), "--device", "cpu"], cwd=ROOT, env=ENV,
-                           capture_output=True, text=True)
-            for script in (["cka.py", "--pair", ckpt, ckpt, "--texts", str(texts), "--n", "8", "--seeds", "1"],
-                           ["eval.py", "--model", ckpt, "--task", "cls", "--data", str(task), "--seeds", "1",
-                            "--epochs", "1"])]
+    common = ["--out", str(out), "--device", "cpu", "--seeds", "1"]
+    return [lambda: cka.main(["--pair", ckpt, ckpt, "--texts", str(texts), "--n", "8", *common]),
+            lambda: eval_script.main(["--model", ckpt, "--task", "cls", "--data", str(task), "--epochs", "1", *common])]
 
 
 @pytest.fixture(scope="module")
@@ -68,16 +69,16 @@ def test_a_train_state_that_would_run_code_is_refused_or_ignored(finished, data_
         f"{ckpt / TRAIN_STATE}: refused: it holds objects other than tensors"), r.stderr
     # Weights from it (a new run), its CKA and its fine-tuning never read the train state.
     run_train(tmp_path / "new", data_dir, f"--init_from={ckpt}", "--run_phases=main", f"--tokens={2 * 8 * 64}")
-    for r in analyses(str(ckpt), tmp_path, tmp_path / "out"):
-        assert r.returncode == 0, r.stderr[-2000:]
+    for analysis in analyses(str(ckpt), tmp_path, tmp_path / "out"):
+        analysis()
     assert not marker.exists()
 
     # cka.py --out and eval.py --out held by another run: refused in one line, before any model runs.
-    holder = hold_in_another_process(tmp_path / "held")
-    for r in analyses(str(ckpt), tmp_path, tmp_path / "held"):
-        assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(
-            f"--out={tmp_path / 'held'} is in use by pid {holder.pid}"), r.stderr[-2000:]
-    let_go(holder)
+    holder = Holder(tmp_path / "held")
+    for analysis in analyses(str(ckpt), tmp_path, tmp_path / "held"):
+        with pytest.raises(SystemExit, match=f"^--out={tmp_path / 'held'} is in use by pid {holder.pid} "):
+            analysis()
+    holder.let_go()
 
 
 # -----------------------------------------------------------------------------
@@ -128,32 +129,32 @@ def test_a_second_run_on_one_out_dir_is_refused_and_a_signalled_holder_says_it_i
     assert steps == sorted(set(steps)) and "stopped by SIGTERM at step" in open(log).read()  # each step logged once
 
 
-def hold_in_another_process(out, state="running", beat_age=0.0, beat=3600):
-    """A process that holds `out` as a train.py run would, says `state`, its heartbeat `beat_age` seconds old by
-    its clock (one `beat` seconds apart), until a line on its stdin."""
-    code = f"""
-import json, os, sys, time
-from support import lock
-lock.BEAT = {beat}
-h = lock.take({str(out)!r}, "out_dir")
-h.info["state"] = {state!r}
-def write():
-    os.pwrite(h.fd, json.dumps({{**h.info, "beat": time.time() - {beat_age}}}).ljust(lock.RECORD).encode(), 0)
-h.write = write
-write()
-print("held", flush=True)
-sys.stdin.readline()
-"""
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=ENV, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline() == "held\n"
-    return proc
+class Holder(lock.Hold):
+    """`out` held as another run would hold it, on a descriptor of its own (which flock tells from any other, in
+    this process too), until let_go(): its record says `state`, its heartbeat `beat_age` seconds old by its clock
+    (one `beat` seconds apart)."""
 
+    def __init__(self, out, state="running", beat_age=0.0, beat=3600):
+        self.state, self.age, self.period, self.pid, self.gone = state, beat_age, beat, os.getpid(), threading.Event()
+        os.makedirs(out, exist_ok=True)
+        fd = os.open(os.path.join(out, lock.LOCK), os.O_RDWR | os.O_CREAT)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        super().__init__(fd)
 
-def let_go(proc):
-    proc.stdin.write("\n")
-    proc.stdin.flush()
-    proc.wait()
+    def write(self):
+        with self.writing:
+            if not self.gone.is_set():
+                record = {**self.info, "state": self.state, "beat": time.time() - self.age}
+                os.pwrite(self.fd, json.dumps(record).ljust(lock.RECORD).encode(), 0)
+
+    def beat(self):
+        while not self.gone.wait(self.period):
+            self.write()
+
+    def let_go(self):
+        with self.writing:
+            self.gone.set()
+            os.close(self.fd)  # and the lock with it
 
 
 @pytest.mark.parametrize("state, beat_age, why", [
@@ -164,11 +165,11 @@ def test_a_requeued_run_waits_for_a_stopping_or_silent_holder(finished, data_dir
     yet: waited for; once it lets go, the run resumes."""
     out, log = tmp_path / "run", tmp_path / "requeued.log"
     shutil.copytree(finished, out)
-    holder = hold_in_another_process(out, state, beat_age)
+    holder = Holder(out, state, beat_age)
     run = subprocess.Popen(train_cmd(out, data_dir), cwd=ROOT, env=ENV, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     pattern = f"out_dir={out} is held by pid {holder.pid} on .*, {why}; waiting up to 10 minutes for it"
     wait_for(lambda: re.search(pattern, open(log).read()), run, log)
-    let_go(holder)
+    holder.let_go()
     assert run.wait() == 0, open(log).read()[-3000:]
     said = open(log).read()
     assert "its holder is gone after" in said and "resuming at step 16" in said
@@ -179,15 +180,15 @@ def test_a_silent_holder_is_told_from_one_whose_clock_differs(tmp_path, monkeypa
     STALE seconds on ours: a lost one, waited for, then refused with what to do."""
     monkeypatch.setattr(lock, "STALE", 3.0)
     monkeypatch.setattr(lock, "WAIT", 600.0)  # the moving heartbeat is seen long before, however busy the machine
-    holder = hold_in_another_process(tmp_path / "skewed", beat_age=1000, beat=1)
+    holder = Holder(tmp_path / "skewed", beat_age=1000, beat=1)
     with pytest.raises(SystemExit, match=f"is in use by pid {holder.pid}"):
         lock.take(str(tmp_path / "skewed"), "out_dir")
-    let_go(holder)
+    holder.let_go()
     monkeypatch.setattr(lock, "WAIT", 6.0)
-    holder = hold_in_another_process(tmp_path / "lost", beat_age=1000)
+    holder = Holder(tmp_path / "lost", beat_age=1000)
     with pytest.raises(SystemExit, match=r"is still held by .* after 0 minutes\. If that process is gone .* remove "):
         lock.take(str(tmp_path / "lost"), "out_dir")
-    let_go(holder)
+    holder.let_go()
 
 
 def test_a_filesystem_without_locks_is_said_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
@@ -229,7 +230,7 @@ def test_a_record_names_its_holder_only_in_its_own_shape_and_a_take_cuts_a_longe
 def test_a_held_lock_whose_record_names_no_holder_is_refused_in_one_line(tmp_path, monkeypatch):
     """Refused after UNNAMED seconds: not a KeyError, not a wait for ever."""
     monkeypatch.setattr(lock, "UNNAMED", 0.5)
-    holder = hold_in_another_process(tmp_path)
+    holder = Holder(tmp_path)
     path = tmp_path / ".lock"
     fd = os.open(path, os.O_WRONLY)
     os.pwrite(fd, json.dumps({"pid": "x", "beat": "soon"}).ljust(lock.RECORD).encode(), 0)
@@ -240,7 +241,7 @@ def test_a_held_lock_whose_record_names_no_holder_is_refused_in_one_line(tmp_pat
     assert str(e.value).startswith(f"out_dir={tmp_path} is held by a process that {path} does not name. If that "
                                    "process is gone")
     assert time.time() - t0 < 60  # UNNAMED, not WAIT (10 minutes)
-    let_go(holder)
+    holder.let_go()
 
 
 def test_a_changed_run_that_waited_for_a_stopping_holder_is_refused_under_the_hold(finished, data_dir, tmp_path):
@@ -252,7 +253,7 @@ def test_a_changed_run_that_waited_for_a_stopping_holder_is_refused_under_the_ho
     aside.mkdir()
     for name in ("ckpt-16", "final"):  # A, before its last checkpoint
         shutil.move(out / name, aside / name)
-    holder = hold_in_another_process(out, "stopping")
+    holder = Holder(out, "stopping")
     log = tmp_path / "b.log"
     b = subprocess.Popen(train_cmd(out, data_dir, "--run_phases=main", "--objective=mlm", "--lr=1e-3", "--seed=3"),
                          cwd=ROOT, env=ENV, stdout=open(log, "w"), stderr=subprocess.STDOUT)
@@ -262,7 +263,7 @@ def test_a_changed_run_that_waited_for_a_stopping_holder_is_refused_under_the_ho
             shutil.move(aside / name, out / name)
         before = sums(out)
     finally:
-        let_go(holder)
+        holder.let_go()
     assert b.wait(timeout=300) == 1, open(log).read()[-3000:]
     said = open(log).read()
     assert said.strip().splitlines()[-1] == (
