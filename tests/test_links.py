@@ -120,7 +120,10 @@ def tiny(data_dir):
     torch.manual_seed(0)
     model = ModernBertForMaskedLM(ModernBertConfig(vocab_size=320, **TINY))
     c = Config(data_dir=data_dir, lr=1e-3)
-    return model, make_optimizer(model, c, torch.device("cpu")), c
+    optimizer = make_optimizer(model, c, torch.device("cpu"))
+    model(torch.randint(0, 320, (1, 16))).sum().backward()
+    optimizer.step()  # so that the optimizer has moments to save
+    return model, optimizer, c
 
 
 def test_checkpoints_are_never_written_or_deleted_through_a_link(tiny, tmp_path, elsewhere):

@@ -16,14 +16,15 @@ import pytest
 import torch
 
 from data import load_meta
-from model import ModernBertConfig, ModernBertForMaskedLM
+from model import ModernBertForMaskedLM
 from support.card import latest_records
 from support.checkpoint import (MANIFEST, TRAIN_STATE, checkpoint_problem, latest_valid_checkpoint, rng_state,
                                 save_checkpoint, set_rng_state, weights_only)
 from support.checks import check_init_from
 from support.metrics import records, trim_metrics
-from test_train import ROOT, TINY, base_ckpt, data_dir, metrics, train_cmd  # noqa: F401 (fixtures)
-from train import Config, build_model, make_optimizer
+from test_links import tiny  # noqa: F401 (a fixture)
+from test_train import ROOT, base_ckpt, data_dir, metrics, train_cmd  # noqa: F401 (fixtures)
+from train import build_model
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -63,17 +64,6 @@ def finish(proc, check=True, timeout=300):
     out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0 or not check, out[-3000:] + err[-3000:]
     return proc.returncode, out, err
-
-
-@pytest.fixture()
-def tiny(data_dir):
-    torch.manual_seed(0)
-    model = ModernBertForMaskedLM(ModernBertConfig(vocab_size=320, **TINY))
-    c = Config(data_dir=data_dir, lr=1e-3)
-    optimizer = make_optimizer(model, c, torch.device("cpu"))
-    model(torch.randint(0, 320, (1, 16))).sum().backward()
-    optimizer.step()  # so that the optimizer has moments to save
-    return model, optimizer, c
 
 
 def test_a_manifest_that_is_no_manifest_is_damaged_and_skipped(tiny, tmp_path, capsys):
@@ -116,13 +106,7 @@ def test_a_manifest_that_is_no_manifest_is_damaged_and_skipped(tiny, tmp_path, c
         said = capsys.readouterr().err
         assert f"warning: checkpoint {ckpt} is damaged ({MANIFEST} is unreadable ({ckpt / MANIFEST}" in said, said
         assert why in said, said
-    (ckpt / MANIFEST).write_text(json.dumps(good))
-
-    os.truncate(tmp_path / "ckpt-20" / "train_state.pt", 100)
-    capsys.readouterr()
-    assert latest_valid_checkpoint(str(tmp_path)) == str(tmp_path / "ckpt-10")
-    assert "warning: checkpoint " + str(tmp_path / "ckpt-20") + " is damaged" in capsys.readouterr().err
-    os.remove(tmp_path / "ckpt-10" / "manifest.json")
+    os.remove(tmp_path / "ckpt-10" / "manifest.json")  # ckpt-20's is still the last one above
     with pytest.raises(SystemExit, match="no valid checkpoint in .*ckpt-20, .*ckpt-10 are damaged"):
         latest_valid_checkpoint(str(tmp_path))
 
@@ -182,15 +166,10 @@ def test_damaged_init_from_names_the_file(tiny, data_dir, tmp_path):
         build_model(c, load_meta(data_dir), str(hf))
 
 
-def test_rng_state_round_trips_cpu_and_cuda(monkeypatch, tmp_path):
+def test_rng_state_reads_and_restores_this_ranks_cuda_stream(monkeypatch):
+    """The CUDA branch without a GPU (test_gpu.py resumes on one; on CPU every resume test with dropout shows the CPU
+    stream restored): it must read and restore the stream of this rank's device."""
     cpu = torch.device("cpu")
-    state = rng_state(cpu)
-    expect = torch.rand(3)
-    torch.save(state, tmp_path / "rng.pt")  # through a checkpoint file, as train_state.pt holds it
-    set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=False), cpu)
-    assert torch.equal(torch.rand(3), expect) and set(state) == {"cpu"}
-
-    # The CUDA branch without a GPU: it must read and restore the stream of this rank's device.
     streams, restored = {1: torch.tensor([7], dtype=torch.uint8)}, []
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: streams[device.index])
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device: restored.append((s, device)))
@@ -283,7 +262,11 @@ def reference(data_dir, base_ckpt, tmp_path_factory):
     return losses(metrics(out))
 
 
-def test_sigterm_checkpoints_exits_and_resumes_exactly(data_dir, base_ckpt, reference, tmp_path, start):
+def test_sigterm_then_kill9_and_a_truncated_checkpoint_resume_exactly(data_dir, base_ckpt, reference, tmp_path,
+                                                                       start):
+    """SIGTERM: a checkpoint at the next step boundary, exit 143, resumed there. Then kill -9 while a checkpoint is
+    written at every step (ckpt_every_minutes, which a resume may change), the newest cut short: resumed from the one
+    before. The logged numbers are the uninterrupted run's, checkpoints between two logs included."""
     cmd = train_cmd(tmp_path, data_dir, f"--init_from={base_ckpt}", *ARGS)
     proc = start(cmd)
     wait_for(lambda: logged(tmp_path) >= 4, proc, "step 4")
@@ -293,19 +276,12 @@ def test_sigterm_checkpoints_exits_and_resumes_exactly(data_dir, base_ckpt, refe
     assert ckpt_steps(tmp_path)[-1] == at and at % 10, "a checkpoint between interval checkpoints"
     assert logged(tmp_path) <= at and not (tmp_path / "final").exists()
 
-    code, out, err = finish(start(cmd))
-    assert f"resuming at step {at}" in out and losses(metrics(tmp_path)) == reference
-
-
-def test_kill9_and_a_truncated_checkpoint_resume_from_the_one_before(data_dir, base_ckpt, reference, tmp_path,
-                                                                     start):
-    cmd = train_cmd(tmp_path, data_dir, f"--init_from={base_ckpt}", *ARGS, "--ckpt_every_minutes=1e-9")
-    proc = start(cmd)
-    wait_for(lambda: (tmp_path / "ckpt-14").exists(), proc, "ckpt-14")
+    proc = start(cmd + ["--ckpt_every_minutes=1e-9"])
+    wait_for(lambda: (tmp_path / f"ckpt-{at + 6}").exists(), proc, f"ckpt-{at + 6}")
     proc.kill()
-    proc.communicate()
+    assert f"resuming at step {at}" in proc.communicate()[0]
     newest = ckpt_steps(tmp_path)[-1]
-    assert newest - 1 in ckpt_steps(tmp_path) and newest < 40, ckpt_steps(tmp_path)
+    assert newest - 1 in ckpt_steps(tmp_path) and at + 6 <= newest < 40, ckpt_steps(tmp_path)
     for name in ("model.safetensors", "train_state.pt"):  # a copy cut short
         file = tmp_path / f"ckpt-{newest}" / name
         os.truncate(file, file.stat().st_size // 2)
@@ -318,8 +294,12 @@ def test_kill9_and_a_truncated_checkpoint_resume_from_the_one_before(data_dir, b
 
 
 def test_torchrun_ranks_stop_together_and_resume_exactly(data_dir, base_ckpt, tmp_path, start):
+    """The uninterrupted run's first checkpoint write is slow, as on a shared filesystem: with the default
+    dist_timeout_minutes rank 1 waits for it in a collective (a short timeout stops the run: the next test)."""
     args = [f"--init_from={base_ckpt}", "--micro_batch_size=2", *ARGS, f"--tokens={24 * 8 * 64}"]  # dropout 0.1
-    finish(start(train_cmd(tmp_path / "whole", data_dir, *args, nproc=2)))
+    started = time.time()
+    finish(start(slow_save(train_cmd(tmp_path / "whole", data_dir, *args, nproc=2), tmp_path)))
+    assert time.time() - started > 6
     out = tmp_path / "stopped"
 
     # SIGTERM to rank 1 alone: rank 0 learns it through the step's all-reduce and stops at the same step.
@@ -343,7 +323,6 @@ def test_torchrun_ranks_stop_together_and_resume_exactly(data_dir, base_ckpt, tm
     assert losses(metrics(out)) == losses(metrics(tmp_path / "whole"))
 
 
-# The first checkpoint write takes {seconds} s more, as on a slow shared filesystem.
 SLOW_SAVE = """import runpy, sys, time
 sys.path.insert(0, {root!r})
 import support.checkpoint as checkpoint
@@ -363,27 +342,23 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def test_ranks_wait_for_a_slow_checkpoint_write(data_dir, base_ckpt, tmp_path, start):
-    """The process-group timeout covers a slow checkpoint write: rank 1 waits in a collective while rank 0 writes."""
+def slow_save(cmd, tmp_path, seconds=6):
+    """The train_cmd `cmd`, its first checkpoint write `seconds` s slower, as on a slow shared filesystem."""
     wrapper = tmp_path / "slow_save.py"
-    wrapper.write_text(SLOW_SAVE.format(root=ROOT, seconds=6))
-    args = [f"--init_from={base_ckpt}", "--micro_batch_size=2", f"--tokens={4 * 8 * 64}", "--run_phases=main",
-            "--ckpt_interval=2", "--eval_interval=4"]
+    wrapper.write_text(SLOW_SAVE.format(root=ROOT, seconds=seconds))
+    at = cmd.index(os.path.join(ROOT, "train.py"))
+    return cmd[:at] + [str(wrapper)] + cmd[at:]
 
-    def cmd(out, *extra):
-        plain = train_cmd(tmp_path / out, data_dir, *args, *extra, nproc=2)
-        at = plain.index(os.path.join(ROOT, "train.py"))
-        return plain[:at] + [str(wrapper)] + plain[at:]
 
-    # A 2-second timeout (what a short default would do): rank 1 gives up waiting while rank 0 writes ckpt-2.
-    code, out, err = finish(start(cmd("short", "--dist_timeout_minutes=0.0333")), check=False)
-    assert code != 0 and not (tmp_path / "short" / "final").exists()
+def test_a_short_timeout_stops_ranks_that_wait_for_a_slow_checkpoint_write(data_dir, base_ckpt, tmp_path, start):
+    """A 2-second timeout (what a short default would do): rank 1 gives up waiting in a collective while rank 0
+    writes ckpt-2. (The default timeout waits: test_torchrun_ranks_stop_together_and_resume_exactly.)"""
+    cmd = train_cmd(tmp_path, data_dir, f"--init_from={base_ckpt}", "--micro_batch_size=2", f"--tokens={4 * 8 * 64}",
+                    "--run_phases=main", "--ckpt_interval=2", "--eval_interval=4", "--dist_timeout_minutes=0.0333",
+                    nproc=2)
+    code, out, err = finish(start(slow_save(cmd, tmp_path)), check=False)
+    assert code != 0 and not (tmp_path / "final").exists()
     assert re.search(r".*(Timed out|timed out|Timeout).*", err), err[-3000:]
-    # The default timeout: rank 1 waits the 6 s, and the run goes on to its end.
-    started = time.time()
-    code, out, err = finish(start(cmd("default")))
-    assert "done:" in out and [m["step"] for m in metrics(tmp_path / "default")] == [1, 2, 3, 4]
-    assert time.time() - started > 6
 
 
 def test_metrics_lines_that_hold_no_record_are_kept_and_skipped(tmp_path, capsys):
