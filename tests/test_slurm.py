@@ -7,7 +7,6 @@ must end with the metrics of an uninterrupted one, bit for bit.
 
 Runs where Debian's slurm-wlm and munge are installed (.ci/run installs them); skips elsewhere."""
 
-import json
 import os
 import shutil
 import signal
@@ -18,6 +17,7 @@ import time
 import pytest
 
 from support.metrics import TIMINGS
+from test_resilience import logged
 from test_train import ROOT, base_ckpt, data_dir, free_port, metrics, train_cmd  # noqa: F401 (fixtures)
 
 TOOLS = ("slurmctld", "slurmd", "sbatch", "munged", "munge")
@@ -127,14 +127,6 @@ def job_state(job, env):
     return fields.get("JobState", "?"), int(fields.get("Restarts", 0))
 
 
-def logged_steps(out):
-    try:
-        with open(out / "metrics.jsonl") as f:
-            return max((json.loads(line)["step"] for line in f if line.endswith("\n")), default=0)
-    except FileNotFoundError:
-        return 0
-
-
 def same_numbers(records):
     """What must not change with an interruption: every logged number but the timings."""
     return [{k: v for k, v in r.items() if k not in TIMINGS} for r in records]
@@ -170,8 +162,8 @@ def test_slurm_job_is_preempted_requeued_and_resumes_exactly(slurm, data_dir, ba
     wait("running", lambda: job_state(job, env)[0] == "RUNNING")
     for restart, (name, preempt) in enumerate([("warning signal", ["scancel", "-b", "-s", "TERM", job]),
                                               ("scontrol requeue", ["scontrol", "requeue", job])], start=1):
-        steps_before = logged_steps(out)
-        wait(f"training (step {steps_before + 4})", lambda: logged_steps(out) >= steps_before + 4)
+        steps_before = logged(out)
+        wait(f"training (step {steps_before + 4})", lambda: logged(out) >= steps_before + 4)
         subprocess.run(preempt, check=True, env=env)
         timeline.append((name, time.time() - t0))
         wait("checkpoint", lambda: text().count("stopped by SIGTERM") >= restart)
