@@ -372,19 +372,6 @@ def test_a_hostile_data_dir_is_refused_before_any_work(shards, tmp_path, name, c
     assert not (tmp_path / "out").exists() and sums(d) == before
 
 
-def fifo(path):
-    os.remove(path)
-    os.mkfifo(path)
-
-
-def test_a_meta_json_that_is_a_fifo_is_one_line_without_waiting(shards, tmp_path):
-    d = copy(shards, tmp_path)
-    fifo(d / "meta.json")  # no writer: a blocking open would wait for ever
-    e = within(30, lambda: train.main([f"--data_dir={d}", f"--out_dir={tmp_path / 'out'}", *TRAIN_ARGS])).get("error")
-    assert isinstance(e, SystemExit) and str(e.code).startswith(f"{d / 'meta.json'} is a FIFO, not a file"), e
-    assert not (tmp_path / "out").exists()
-
-
 @pytest.mark.parametrize("bad_id", [300, 65535])
 def test_an_id_past_the_vocabulary_stops_the_run_before_its_step(shards, tmp_path, bad_id):
     """300: the first id past the vocabulary, an untrained row of the 320-row embedding; 65535: past the embedding.
