@@ -172,8 +172,7 @@ def step_of(path):
 
 
 def step_checkpoints(out_dir):
-    """The ckpt-STEP directories in out_dir, complete or not, oldest first. One that is a link is refused: resuming
-    it would take another run's state as this one's, pruning it would delete there."""
+    """The ckpt-STEP directories in out_dir, complete or not, oldest first; one that is a link is refused."""
     found = [p for p in glob.glob(os.path.join(out_dir, "ckpt-*")) if re.fullmatch(r"ckpt-\d+", os.path.basename(p))]
     for p in found:
         refuse_link(p)
@@ -202,9 +201,8 @@ def latest_valid_checkpoint(out_dir):
 
 
 def prune(out_dir, max_ckpts, keep_every, phase_ends=()):
-    """Retention: the newest max_ckpts full checkpoints stay as they are, and those at the `phase_ends` steps. An
-    older one is removed, unless its step is a multiple of keep_every: that one stays, weights-only (weights_only
-    says so from then on)."""
+    """Retention: the newest max_ckpts full checkpoints stay, and those at the `phase_ends` steps; an older one is
+    removed, or made weights-only if its step is a multiple of keep_every."""
     for old in full_checkpoints(out_dir)[:-max_ckpts]:
         if step_of(old) in phase_ends:
             continue
@@ -215,9 +213,8 @@ def prune(out_dir, max_ckpts, keep_every, phase_ends=()):
 
 
 def drop_train_state(path):
-    """Make a checkpoint weights-only. The file goes first, then the manifest is rewritten (atomically):
-    a kill in between leaves a manifest that names a missing train state, which the next prune finishes.
-    A checkpoint with no readable manifest is left as it is (damaged: resume warns and skips it)."""
+    """Make a checkpoint weights-only: the file first, then the manifest (a kill in between leaves one that names a
+    missing train state, which the next prune finishes). One with no readable manifest is left as it is (damaged)."""
     try:
         manifest = read_manifest(path)
     except (OSError, ValueError):
