@@ -203,18 +203,6 @@ def paired_delta(a, b):
     return {"mean": mean, "low": mean - half, "high": mean + half, "n": len(d)}
 
 
-def nested_delta(a, b):
-    """b - a over two seed levels: a[p][f] and b[p][f] from pretraining seed p and fine-tuning seed f. The interval
-    over the P per-pretraining-seed means (paired_delta's t_{P-1}) holds both levels' noise (the one-way
-    random-effects interval); pairing the P x F differences as independent would miss the pretraining seeds' own
-    spread. Adds half, the half-width (the smallest difference this design tells from 0), and the P means."""
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)  # (P, F)
-    delta = paired_delta(a.mean(axis=1), b.mean(axis=1))
-    half = None if delta["low"] is None else delta["high"] - delta["mean"]
-    return {**delta, "half": half, "per_pretraining_seed": (b - a).mean(axis=1).tolist(),
-            "finetuning_seeds": a.shape[1]}
-
-
 def summarize(suite, seeds, tasks, models, scores):
     """models: {name: path}, the first the reference; scores[(task, model name)]: the test metrics of each seed.
     -> everything results.json holds."""
