@@ -1,21 +1,13 @@
 """
-Fine-tuning evaluation over seeds, with the paper's protocol: AdamW (lr 5e-5, weight
-decay 0.01, batch 16), 10 epochs (20 for NER), evaluate on validation after every epoch,
-report test at the best epoch. Where the paper says nothing, the protocol it follows
-(BioClinical-ModernBERT, Hugging Face Trainer defaults): no warmup, linear decay to 0;
-examples truncated only at the model's maximum length (max_position_embeddings). The best
-epoch is the one with the highest validation macro F1, the reported metric (--select).
-Any of these can be set on the command line; support/suite.py's PROTOCOL holds them, each
-with its source.
+Fine-tuning evaluation over seeds, with the paper's protocol: AdamW (lr 5e-5, weight decay 0.01, batch 16), 10
+epochs (20 for NER), test scored at the epoch of best validation macro F1 (--select). Where the paper says nothing,
+the protocol it follows (BioClinical-ModernBERT, Hugging Face Trainer defaults): no warmup, linear decay to 0,
+examples cut only at the model's maximum length. Each is an option here; support/suite.py's PROTOCOL cites them.
 
-The model is a ModernBERT checkpoint, run by model.py (unpadded, our attention kernels), or any other Hugging
-Face encoder with a fast tokenizer (BERT, RoBERTa / CamemBERT, ELECTRA, DeBERTa: the paper's baseline rows),
-run by transformers under the same protocol, with its own maximum length, special tokens and classification
-head (support/baselines.py; transformers is then needed: pip install transformers).
-
-At full context a batch of 16 examples can hold 16 x 8192 tokens: it is cut into micro
-batches of at most --max_tokens tokens (default 16384 on GPU, 4096 on CPU), whose summed
-gradients make exactly the update of the whole batch.
+The model is a ModernBERT checkpoint, run by model.py (unpadded, our attention kernels), or any other Hugging Face
+encoder with a fast tokenizer (BERT, RoBERTa, ...: the paper's baseline rows), run by transformers with its own
+maximum length, special tokens and head (support/baselines.py; pip install transformers). A batch is cut into micro
+batches of at most --max_tokens tokens, whose summed gradients make exactly the update of the whole batch.
 
     python eval.py --model out/clm/final --task ner --data ../shared/data/ncbi_disease
     python eval.py --model DIR --task cls --data DIR --seeds 42,43,44,45,46 --epochs 10

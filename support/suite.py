@@ -1,16 +1,12 @@
 """
-The paper's downstream table in one command (eval.py --suite): fine-tuning over tasks x models x seeds, with seed
-statistics that tell a real gain from noise. eval.py fine-tunes; this file holds what is around it:
-- the suite file: plain Python with `seeds = [...]` and `tasks = [dict(name=..., task="cls" | "multilabel" |
-  "ner", data=DIR, ...), ...]`; a key a task leaves out takes PROTOCOL's; `data` is relative to the suite file.
-- the runs: each finished (task, model, seed) is one file OUT/runs/TASK/MODEL/seedN.json, written atomically
-  with the options that determine it, so a killed suite goes on where it stopped. A run stored with other
-  options (max_len and max_tokens included, as resolved) stops the suite before any training: reusing it would
-  mix two protocols in one table, overwriting it would throw finished work away.
-- the table (results.md/.json/.png): per task and model the test macro F1 (the paper's metric) and the metric
-  other papers report, mean ± std over seeds; their average over tasks (the paper's headline); each model's
-  difference to the first, paired over seeds, with a 95% t interval. The models may be of any family
-  (support/baselines.py): model_info records each one's family, maximum length and code, ran_with what it ran with.
+The paper's downstream table in one command (eval.py --suite): tasks x models x seeds, with seed statistics that
+tell a real gain from noise. The suite file is plain Python: `seeds = [...]` and `tasks = [dict(name=..., task=
+"cls" | "multilabel" | "ner", data=DIR relative to the file, ...), ...]`, PROTOCOL filling what a task leaves out.
+Each finished run is OUT/runs/TASK/MODEL/seedN.json, stored with the options that determine it, so a killed
+suite goes on where it stopped; one stored with other options stops the suite before any training (reusing it
+would mix two protocols in one table). The table (results.md/.json/.png): per task and model, test macro F1 (the
+paper's metric) and the metric other papers report, mean ± std over seeds; their average over tasks; each model's
+difference to the first, paired over seeds, with a 95% t interval.
 """
 
 import json
