@@ -49,9 +49,8 @@ from support.tokenizer import check_vocab, load_tokenizer
 
 
 def f1_from_counts(tp, fp, fn):
-    p = tp / (tp + fp) if tp + fp else 0.0
-    r = tp / (tp + fn) if tp + fn else 0.0
-    return 2 * p * r / (p + r) if p + r else 0.0
+    """2 tp / (2 tp + fp + fn), elementwise on arrays; 0 where there was nothing to find and nothing was found."""
+    return 2 * tp / np.maximum(2 * tp + fp + fn, 1)
 
 
 def classification_metrics(y_true, y_pred):
@@ -59,8 +58,7 @@ def classification_metrics(y_true, y_pred):
     y_true, y_pred = np.asarray(y_true), np.asarray(y_pred)
     labels = np.union1d(y_true, y_pred)
     t, p = y_true[:, None] == labels, y_pred[:, None] == labels  # one-hot (n, labels)
-    f1s = np.array([f1_from_counts(*c) for c in zip((t & p).sum(0), (~t & p).sum(0), (t & ~p).sum(0))])
-    support = t.sum(0)
+    f1s, support = f1_from_counts((t & p).sum(0), (~t & p).sum(0), (t & ~p).sum(0)), t.sum(0)
     accuracy = float((y_true == y_pred).mean())
     return {"macro_f1": float(f1s.mean()), "micro_f1": accuracy,
             "weighted_f1": float((f1s * support).sum() / support.sum()), "accuracy": accuracy}
@@ -70,8 +68,8 @@ def multilabel_metrics(y_true, y_pred):
     """y: (n, L) 0/1. Macro F1 over the L labels, micro F1 over all cells."""
     y_true, y_pred = np.asarray(y_true, bool), np.asarray(y_pred, bool)
     tp, fp, fn = (y_true & y_pred).sum(0), (~y_true & y_pred).sum(0), (y_true & ~y_pred).sum(0)
-    macro = float(np.mean([f1_from_counts(*c) for c in zip(tp, fp, fn)]))
-    return {"macro_f1": macro, "micro_f1": f1_from_counts(tp.sum(), fp.sum(), fn.sum()),
+    return {"macro_f1": float(f1_from_counts(tp, fp, fn).mean()),
+            "micro_f1": float(f1_from_counts(tp.sum(), fp.sum(), fn.sum())),
             "subset_accuracy": float((y_true == y_pred).all(1).mean())}
 
 
@@ -94,9 +92,9 @@ def ner_metrics(gold, pred):
     """Entity-level F1 (exact span and type): micro over entities, macro over entity types."""
     g, p = set(entities(gold)), set(entities(pred))
     types = sorted({e[0] for e in g | p})
-    per_type = {t: f1_from_counts(*(sum(e[0] == t for e in s) for s in (g & p, p - g, g - p))) for t in types}
+    per_type = {t: float(f1_from_counts(*(sum(e[0] == t for e in s) for s in (g & p, p - g, g - p)))) for t in types}
     return {"macro_f1": float(np.mean(list(per_type.values()))) if types else 0.0,
-            "micro_f1": f1_from_counts(len(g & p), len(p - g), len(g - p)), "per_type_f1": per_type}
+            "micro_f1": float(f1_from_counts(len(g & p), len(p - g), len(g - p))), "per_type_f1": per_type}
 
 
 # -----------------------------------------------------------------------------
