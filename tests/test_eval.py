@@ -5,7 +5,6 @@ import math
 import os
 import random
 import re
-import shutil
 import subprocess
 
 import numpy as np
@@ -16,12 +15,9 @@ from eval import classification_metrics, encode_examples, multilabel_metrics, ne
 from model import (ModernBertConfig, ModernBertForMaskedLM, ModernBertForSequenceClassification,
                    ModernBertForTokenClassification)
 from support.tokenizer import load_tokenizer, train_bpe
-from test_suite import conll_slice
 from test_train import launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NCBI = os.path.join(ROOT, "..", "shared", "data", "ncbi_disease")
-TOKENIZER = os.path.join(ROOT, "..", "shared", "tokenizers", "modernbert", "tokenizer.json")
 
 
 def test_metrics_hand_checked_and_equal_seqeval_and_sklearn():
@@ -155,22 +151,6 @@ def test_learns_selects_the_first_best_epoch_refuses_bad_inputs(tiny_model, tmp_
     (tmp_path / "task" / "validation.jsonl").write_text("")  # (a split missing, a label unseen: test_suite.py)
     with pytest.raises(SystemExit, match="validation.jsonl: the split is empty"):
         eval_in_process(["--model", tiny_model, "--task", "cls", "--data", str(tmp_path / "task"), "--device", "cpu"])
-
-
-@pytest.mark.skipif(not os.path.isdir(NCBI), reason="../shared/data/ncbi_disease is not beside the checkout")
-def test_ncbi_disease_beats_all_o(tmp_path):
-    """The real tokenizer on 800 training sentences of NCBI-disease (CoNLL), each with an entity, for 2 epochs."""
-    torch.manual_seed(0)
-    ModernBertForMaskedLM(ModernBertConfig(vocab_size=50368, hidden_size=64, intermediate_size=128,
-                                           num_hidden_layers=2, num_attention_heads=4,
-                                           local_attention=64)).save_pretrained(tmp_path / "m")
-    shutil.copyfile(TOKENIZER, tmp_path / "m" / "tokenizer.json")
-    (tmp_path / "ncbi").mkdir()
-    for split, n in (("train", 800), ("devel", 100), ("test", 100)):
-        conll_slice(os.path.join(NCBI, f"{split}.tsv"), tmp_path / "ncbi" / f"{split}.tsv", n)
-    eval_in_process(["--model", str(tmp_path / "m"), "--task", "ner", "--data", str(tmp_path / "ncbi"), "--seeds", "1",
-                     "--epochs", "2", "--lr", "3e-3", "--out", str(tmp_path / "out"), "--device", "cpu"])
-    assert json.loads((tmp_path / "out" / "results.json").read_text())["runs"][0]["test"]["micro_f1"] > 0.3  # all-O: 0
 
 
 def test_torchrun_with_several_micro_batches_per_rank_equals_one_process(tiny_model, tmp_path):
@@ -345,6 +325,7 @@ def test_ner_scores_are_seqeval_on_the_saved_models_first_sub_tokens(tiny_model,
             tags = model(torch.tensor([ids + [tok.token_to_id("[SEP]")]]))[0].argmax(-1)
             predicted.append([model.config.id2label[str(int(tags[k]))] for k in firsts])
     gold = [ex["tags"] for ex in examples]
-    assert any(t != "O" for seq in predicted for t in seq) and any(len(tok.encode(" " + w).ids) > 1 for w in filler)
+    assert any(len(tok.encode(" " + w).ids) > 1 for w in filler)
+    assert reported["micro_f1"] > 0.3  # all-O scores 0: entities were learned
     assert seqeval.f1_score(gold, predicted, average="micro") == pytest.approx(reported["micro_f1"], abs=1e-12)
     assert seqeval.f1_score(gold, predicted, average="macro") == pytest.approx(reported["macro_f1"], abs=1e-12)
