@@ -27,6 +27,9 @@ from support.tokenizer import train_bpe  # noqa: E402
 from test_suite import conll_slice, jsonl_slice  # noqa: E402
 
 CPU, FLOAT32 = torch.device("cpu"), torch.float32
+FAMILIES = {"modernbert": (8192, "model.py ModernBertForSequenceClassification"),  # maximum length, what runs it
+            "bert": (64, "transformers BertForSequenceClassification"),
+            "roberta": (64, "transformers RobertaForSequenceClassification")}
 TINY = dict(vocab_size=600, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
 
 
@@ -268,34 +271,20 @@ def tasks(tmp_path_factory):
     return tmp
 
 
-def run_eval(*args):
-    eval.main([*args, "--device", "cpu"])
-
-
-@pytest.mark.parametrize("family,learn", [("bert", ("cls", "separable")), ("roberta", ("ner", "separable_ner"))])
-def test_every_task_runs_end_to_end_and_a_separable_one_is_learned(models, tasks, tmp_path, family, learn):
-    for task, data in (("cls", "gad"), ("multilabel", "multilabel"), ("ner", "ncbi_disease")):
-        out = tmp_path / task
-        run_eval("--model", str(models / family), "--task", task, "--data", str(tasks / data), "--seeds", "1",
-                 "--epochs", "2", "--lr", "1e-3", "--out", str(out))
-        res = json.loads((out / "results.json").read_text())
-        settings, run = res["settings"], res["runs"][0]
-        assert settings["model_info"]["family"] == family and settings["max_len"] == 64
-        assert settings["model_info"]["code"].startswith("transformers ")
-        f1 = [e["validation"]["macro_f1"] for e in run["epochs"]]
-        assert len(f1) == 2 and run["best_epoch"] == 1 + f1.index(max(f1))  # selected by validation macro F1
-        assert 0 <= run["test"]["macro_f1"] <= 1 and {"micro_f1", "macro_f1"} <= set(run["test"])
-    # 4 epochs take a tiny random model from chance to a task separable by its words
-    run_eval("--model", str(models / family), "--task", learn[0], "--data", str(tasks / learn[1]), "--seeds", "3",
-             "--epochs", "4", "--lr", "3e-3", "--out", str(tmp_path / "learn"))
+@pytest.mark.parametrize("family,task,data", [("bert", "cls", "separable"), ("roberta", "ner", "separable_ner")])
+def test_a_task_separable_by_its_words_is_learned(models, tasks, tmp_path, family, task, data):
+    # 4 epochs take a tiny random model from chance to a task separable by its words (every family x task runs
+    # end to end in the suite below)
+    eval.main(["--model", str(models / family), "--task", task, "--data", str(tasks / data), "--seeds", "3",
+               "--epochs", "4", "--lr", "3e-3", "--out", str(tmp_path / "learn"), "--device", "cpu"])
     assert json.loads((tmp_path / "learn" / "results.json").read_text())["summary"]["macro_f1"]["mean"] > 0.9
 
 
 # -----------------------------------------------------------------------------
-# One table: a ModernBERT checkpoint beside a BERT
+# One table: a ModernBERT checkpoint beside a BERT and a RoBERTa, on every kind of task
 
 
-def test_suite_checks_every_model_then_puts_a_modernbert_and_a_bert_in_one_table(models, tasks, tmp_path):
+def test_suite_checks_every_model_then_puts_modernbert_bert_and_roberta_in_one_table(models, tasks, tmp_path):
     np = pytest.importorskip("numpy")
     (tmp_path / "bad.py").write_text(f"seeds = [1]\ntasks = [dict(name='gad', task='cls', "
                                      f"data={str(tasks / 'gad')!r}, max_len=128)]\n")
@@ -309,33 +298,31 @@ def test_suite_checks_every_model_then_puts_a_modernbert_and_a_bert_in_one_table
     assert "max_len=128 is beyond the model's 64 positions" in str(e.value)  # the RoBERTa's own maximum
     assert not (tmp_path / "out").exists()
 
-    (tmp_path / "suite.py").write_text(
-        "seeds = [1, 2]\n"
-        f"tasks = [dict(name='gad', task='cls', data={str(tasks / 'gad')!r}, epochs=1, lr=5e-3),\n"
-        f"         dict(name='ncbi', task='ner', data={str(tasks / 'ncbi_disease')!r}, epochs=1, lr=5e-3)]\n")
-    eval.main(["--suite", str(tmp_path / "suite.py"), "--models", str(models / "modernbert"), str(models / "bert"),
+    (tmp_path / "suite.py").write_text("seeds = [1, 2]\ntasks = [" + ", ".join(
+        f"dict(name={name!r}, task={task!r}, data={str(tasks / data)!r}, epochs=1, lr=5e-3)"
+        for name, task, data in (("gad", "cls", "gad"), ("multilabel", "multilabel", "multilabel"),
+                                 ("ncbi", "ner", "ncbi_disease"))) + "]\n")
+    eval.main(["--suite", str(tmp_path / "suite.py"), "--models", *(str(models / m) for m in FAMILIES),
                "--out", str(tmp_path / "out"), "--device", "cpu"])
-    res = json.loads((tmp_path / "out" / "results.json").read_text())
-    ours, bert = names = list(res["models"])  # families0/modernbert, families0/bert
-    assert ours.endswith("/modernbert") and bert.endswith("/bert")
-    info = res["model_info"]
-    assert (info[ours]["family"], info[ours]["max_len"]) == ("modernbert", 8192)
-    assert (info[bert]["family"], info[bert]["max_len"]) == ("bert", 64)
-    assert info[ours]["code"].startswith("model.py ") and info[bert]["code"].startswith("transformers ")
-    for task in ("gad", "ncbi"):  # each model at its own maximum length; the delta paired over seeds
+    res, md = json.loads((tmp_path / "out" / "results.json").read_text()), (tmp_path / "out" / "results.md").read_text()
+    names = list(res["models"])  # families0/modernbert, families0/bert, families0/roberta
+    assert [n.split("/")[-1] for n in names] == list(FAMILIES) and names == list(res["average"])
+    for name, (family, (max_len, code)) in zip(names, FAMILIES.items()):
+        about = res["model_info"][name]
+        assert (about["family"], about["max_len"]) == (family, max_len) and about["code"].startswith(code)
+        assert f"{name} = {models / family} ({family}, up to {max_len} tokens; {about['code']})" in md
+    for task in ("gad", "multilabel", "ncbi"):  # each model at its own maximum length; the deltas paired over seeds
         row = res["tasks"][task]["models"]
-        assert row[ours]["ran_with"]["max_len"] == 8192 and row[bert]["ran_with"]["max_len"] == 64
-        a, b = row[ours]["macro_f1"]["per_seed"], row[bert]["macro_f1"]["per_seed"]
-        assert len(a) == len(b) == 2
-        assert row[bert]["delta_macro_f1"]["mean"] == pytest.approx(np.mean(np.subtract(b, a)), abs=1e-12)
-    md = (tmp_path / "out" / "results.md").read_text()
-    assert f"{bert} = {models / 'bert'} (bert, up to 64 tokens; transformers BertForSequenceClassification" in md
-    assert f"{ours} = {models / 'modernbert'} (modernbert, up to 8192 tokens; model.py " in md
+        assert [row[m]["ran_with"]["max_len"] for m in names] == [v[0] for v in FAMILIES.values()]
+        for m in names[1:]:
+            a, b = row[names[0]]["macro_f1"]["per_seed"], row[m]["macro_f1"]["per_seed"]
+            assert len(a) == len(b) == 2
+            assert row[m]["delta_macro_f1"]["mean"] == pytest.approx(np.mean(np.subtract(b, a)), abs=1e-12)
     rows = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| task")]
-    assert [r.split("|")[1].split()[0] for r in rows] == ["gad", "ncbi", "**average**"]
-    assert all(r.count("|") == 7 and re.search(r"\| [+-]\d+\.\d\d \[[+-]\d+\.\d\d, [+-]\d+\.\d\d\]( \*)? \|$", r)
-               for r in rows)  # task, two models x (macro F1, upstream), the BERT's paired delta and interval
-    assert names == list(res["average"])
+    assert [r.split("|")[1].split()[0] for r in rows] == ["gad", "multilabel", "ncbi", "**average**"]
+    delta = r" [+-]\d+\.\d\d \[[+-]\d+\.\d\d, [+-]\d+\.\d\d\]( \*)? \|"
+    assert all(r.count("|") == 10 and re.search(f"\\|{delta}{delta}$", r) for r in rows)
+    # task, three models x (macro F1, upstream), the two paired deltas and their intervals
 
 
 # -----------------------------------------------------------------------------
