@@ -523,7 +523,7 @@ def test_every_config_parses_and_ablations_stack():
     twin, mlm = config("fr_base.py", "seed_twin.py"), config("fr_base.py", "mlm_baseline.py")
     assert (twin.objective, twin.seed, mlm.objective, mlm.seed) == ("mlm", 42, "mlm", 17)
     assert config("demo.py").device == "cpu"
-    study, base = config("study.py"), config("study.py", "study_base.py")  # demo.py --study's two stacks
+    study, base = config("study.py"), config("study.py", "study_base.py")  # the study's two stacks (results/h200-2026-11-28)
     assert (study.init_from, base.init_from, base.objective, study.seq_len, base.seq_len) == (
         "scratch", "scratch", "mlm", 1024, 1024) and study.tokens < base.tokens
     ten, fifty = config("en_base.py"), config("en_base.py", "tokens_50b.py")
