@@ -40,9 +40,8 @@ from support.shards import load_meta, split_tokens
 from support.tokenizer import SPECIAL_NAMES, TOKENIZER_FILES, load_tokenizer, tokenizer_file, train_bpe
 
 # -----------------------------------------------------------------------------
-# Reading documents: .txt (a document per line, or per blank-line-separated
-# paragraph), .jsonl (a text field), either xz-compressed (.txt.xz, .jsonl.xz),
-# .parquet (if pyarrow is installed), and the built-in demo corpus.
+# Reading documents: .txt (a document per line or per paragraph), .jsonl, either xz-compressed, .parquet (with
+# pyarrow), and the built-in demo corpus.
 
 
 def check_inputs(paths):
@@ -115,10 +114,8 @@ BODIES = (ast.stmt, ast.excepthandler, ast.match_case)
 
 
 def demo_documents(part):
-    """The built-in demo corpus: docstrings of code installed with Python and this project's
-    dependencies, read with `ast` (nothing imported, nothing downloaded, no text copied
-    into the repository). "general": the standard library; "domain": PyTorch and NumPy,
-    a scientific-computing domain with its own vocabulary. Yields (module, docstring)."""
+    """The built-in demo corpus, (module, docstring) pairs read with `ast` from installed code (nothing imported
+    or downloaded): "general", the standard library; "domain", PyTorch and NumPy, a domain with its own words."""
     if part == "general":  # module names relative to the stdlib folder: json.decoder
         roots = [(sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["stdlib"])]
     elif part == "domain":  # relative to site-packages: torch.nn.functional
@@ -168,9 +165,8 @@ def _encode_chunk(job):
 
 
 def _tokenized(keyed_docs, spec, workers, chunk_docs, n_docs, desc):
-    """Tokenize the non-empty texts of keyed_docs, (key, text) pairs whose key says where a document goes, in chunks
-    of up to chunk_docs documents of one key, on a pool of `workers` processes (or here, for one). Yields the
-    _encode_chunk of each chunk in input order whatever the number of workers, so the output is deterministic."""
+    """_encode_chunk of the non-empty texts of keyed_docs, (key, text) pairs, in chunks of up to chunk_docs documents
+    of one key, on `workers` processes: in input order whatever the number of workers, so the output is the same."""
     def jobs():
         for key, group in itertools.groupby(((k, doc) for k, doc in keyed_docs if doc), key=lambda kd: kd[0]):
             docs = (doc for _, doc in group)
@@ -202,10 +198,9 @@ def _count_documents(docs_fn, where):
 
 @contextlib.contextmanager
 def _staged(out, tokenizer):
-    """The frame of prepare: yields (stage, spec, dtype, meta): a staging folder beside out that holds the tokenizer,
-    copied (whatever its file's name) as tokenizer.json with its companions; the copy's path, for the workers; the
-    shards' dtype; meta.json's keys about the tokenizer, which the caller completes. Then meta.json is written and
-    every staged file moved into out: a failed or interrupted run leaves what out held as it was."""
+    """Yields (stage, spec, dtype, meta): a staging folder beside out, the tokenizer copied into it as tokenizer.json
+    (spec), the shards' dtype, meta.json's tokenizer keys for the caller to complete. Then every staged file is moved
+    into out: a failed or interrupted run leaves what out held as it was."""
     stage = fresh_dir(os.path.normpath(out) + ".prepare.tmp")  # one that a killed run left is removed
     try:
         tok = load_tokenizer(tokenizer)  # first: a missing or broken tokenizer is said before anything is copied
@@ -221,9 +216,8 @@ def _staged(out, tokenizer):
         yield stage, spec, dtype, meta
         with open_file(os.path.join(stage, "meta.json")) as f:
             json.dump(meta, f, indent=2)
-        # meta.json leaves out first and comes back last: a kill in between leaves a folder that train.py refuses
-        # (no meta.json), never old shards beside a new tokenizer. An earlier run's tokenizer file that this one
-        # does not have is removed.
+        # meta.json leaves first and comes back last: a kill in between leaves a folder train.py refuses (no
+        # meta.json), never old shards beside a new tokenizer; an earlier run's tokenizer file this one lacks goes.
         os.makedirs(out, exist_ok=True)
         for name in ("meta.json", *TOKENIZER_FILES):
             if name == "meta.json" or not os.path.exists(os.path.join(stage, name)):
@@ -235,10 +229,9 @@ def _staged(out, tokenizer):
 
 
 def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk_docs=512):
-    """Tokenize the documents that docs_fn() yields into out/{train,val}.bin and out/meta.json, with the tokenizer
-    copied beside them (staged: see _staged). docs_fn is called twice (a count, then the real pass) so nothing holds
-    the corpus in memory; empty texts are skipped and counted. The val documents are drawn at random (seed 0) from
-    the whole input."""
+    """Tokenize the documents docs_fn() yields into out/{train,val}.bin and meta.json, the tokenizer copied beside
+    them. docs_fn is called twice (a count, then the pass) so nothing holds the corpus in memory; the val documents
+    are drawn at random (seed 0) from the whole input."""
     with _staged(out, tokenizer) as (stage, spec, dtype, meta):
         n_docs = _count_documents(docs_fn, "prepare")
         if n_docs == 0:
@@ -261,23 +254,18 @@ def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk
 # -----------------------------------------------------------------------------
 # Mixtures: `python data.py --input A B C --weights 0.6 0.2 0.2 [--tokens N]`.
 #
-# The papers' corpora are weighted mixtures of sources of very different sizes (French: literature 7B,
-# synthetic QA 2B, clinical cases 400M, drug leaflets 600M). Each source (one input file) is tokenized once
-# into a scratch file, the sources one after another, keeping each document's length. Then each source's
-# share of the N training tokens is planned in whole documents: all of the source's documents `copies` times
-# (a small source is repeated, as the paper upsamples) and a random sample of them for the rest of its share
-# (a large source gives part of itself). Last, the planned documents of all sources are copied from the
-# scratch file into train.bin, interleaved in an order fixed by the seed. Memory holds document offsets and
-# labels, never a source's tokens.
+# The papers' corpora mix sources of very different sizes (French: literature 7B, synthetic QA 2B, clinical
+# cases 400M). Each source (input file) is tokenized once into a scratch file; its share of the N training
+# tokens is planned in whole documents (a small source repeated, as the paper upsamples; a large one sampled);
+# the planned documents are then copied into train.bin, interleaved in an order fixed by the seed. Memory holds
+# document offsets, never a source's tokens.
 
 
 def prepare_mixture(docs_fns, weights, tokenizer, out, tokens=None, val_docs=1000, workers=1, seed=0,
                     sources=(), chunk_docs=512):
-    """prepare for a weighted mixture: docs_fns[i]() yields the documents of source i (named sources[i]),
-    which makes weights[i] (normalized to sum to 1; check_args checks them) of the `tokens` training tokens;
-    tokens=None: the largest mixture that repeats no document. The val_docs validation documents are drawn from
-    every source (split by weight, at least one each), never repeated and never in train. meta.json has prepare's
-    keys and "mixture": the seed, the tokens asked for, and per source its documents, tokens, share and repeat."""
+    """prepare for a weighted mixture: docs_fns[i]() yields source i's documents, weights[i] (normalized) of the
+    `tokens` training tokens (None: the largest mixture that repeats no document). The val_docs validation
+    documents are split over the sources by weight, never repeated, never in train. meta.json adds "mixture"."""
     sources = list(sources) or [f"source {i}" for i in range(len(docs_fns))]
     weights = np.asarray(weights, dtype=np.float64)
     weights = weights / weights.sum()
@@ -368,29 +356,21 @@ def plan_mixture(lengths, weights, tokens=None, seed=0, names=None):
 
 def _write_interleaved(path, token_file, offsets, streams, rng, desc):
     """Copy the documents of the streams from token_file into path, interleaved: the file's j-th document comes
-    from stream labels[j], where labels is a shuffle (by rng) of each stream's number repeated as many times
-    as it has documents, so every source is spread over the whole file; a stream's documents keep their order.
-    A stream (docs, copies, sample): all of docs (ids into offsets) `copies` times, then the ids in sample.
-    -> (documents, tokens) written."""
+    from stream labels[j], a shuffle (by rng) of each stream's number repeated as often as it has documents, so
+    every source is spread over the whole file; a stream's documents keep their order. A stream (docs, copies,
+    sample): all of docs (ids into offsets) `copies` times, then the ids in sample. -> (documents, tokens) written."""
     sizes = [copies * len(docs) + len(sample) for docs, copies, sample in streams]
     labels = rng.permutation(np.repeat(np.arange(len(streams), dtype=np.uint16), sizes))
-    ids_of = [(np.concatenate([docs, sample]), len(docs), copies) for docs, copies, sample in streams]
-    taken = [0] * len(streams)  # documents of each stream written so far
-    tokens = 0
-    with open_file(path, "wb") as f, tqdm(total=len(labels), desc=desc, unit="doc", disable=None) as bar:
-        for b in range(0, len(labels), 1 << 16):
-            block = labels[b:b + (1 << 16)]
-            ids = np.empty(len(block), dtype=np.int64)
-            for i, (stream_ids, n, copies) in enumerate(ids_of):
-                where = np.flatnonzero(block == i)
-                p = np.arange(taken[i], taken[i] + len(where))  # positions in the stream
-                taken[i] += len(where)
-                ids[where] = stream_ids[np.where(p < copies * n, p % n, p - copies * n + n)]
+    order = np.empty(len(labels), dtype=np.int64)  # the file's documents, as ids into offsets
+    for i, (docs, copies, sample) in enumerate(streams):
+        order[labels == i] = np.concatenate([np.tile(docs, copies), sample])
+    with open_file(path, "wb") as f, tqdm(total=len(order), desc=desc, unit="doc", disable=None) as bar:
+        for b in range(0, len(order), 1 << 16):
+            ids = order[b:b + (1 << 16)]
             for start, end in zip(offsets[ids].tolist(), offsets[ids + 1].tolist()):
                 f.write(token_file[start:end])
-                tokens += end - start
-            bar.update(len(block))
-    return len(labels), tokens
+            bar.update(len(ids))
+    return len(order), int((offsets[order + 1] - offsets[order]).sum())
 
 
 def mixture_table(meta):
@@ -405,12 +385,9 @@ def mixture_table(meta):
 
 
 # -----------------------------------------------------------------------------
-# The loader: fixed windows of a memmapped .bin, in an order fixed by data_seed.
-#
-# The stream of windows is epoch 0's permutation, then epoch 1's, ... A step
-# takes the next world * micro_batch windows of the stream; rank r takes its own
-# contiguous slice of them. The whole state is one number, the count of windows
-# consumed, so a run resumes exactly and may resume at another world size.
+# The loader: fixed windows of a memmapped .bin. The stream of windows is epoch 0's permutation (by data_seed),
+# then epoch 1's, ... A step takes the next world * micro_batch windows; rank r takes its own contiguous slice.
+# The whole state is the count of windows consumed: a run resumes exactly, even at another world size.
 
 
 class Loader:
@@ -436,8 +413,7 @@ class Loader:
         self.consumed += self.world_size * self.micro_batch_size
         windows = np.stack([self.tokens[i * self.seq_len:(i + 1) * self.seq_len] for i in idx])
         # An id past the vocabulary (a file changed since data.py wrote it) would index past the embedding: a max
-        # per window costs nothing next to a step, where a scan of train.bin at start-up would cost minutes. A
-        # SystemExit, raised again by prefetch at the step it belongs to: the run stops before that step, in one line.
+        # per window costs nothing next to a step. prefetch raises it at its step: the run stops there, in one line.
         if windows.max() >= self.meta["vocab_size"]:
             at = idx[int(np.argmax(windows.max(1) >= self.meta["vocab_size"]))] * self.seq_len
             raise SystemExit(f"{self.tokens.filename}: holds token id {windows.max()} (near token {at:,}), past the "
@@ -456,8 +432,7 @@ class Loader:
 
 
 # -----------------------------------------------------------------------------
-# The two objectives. Both turn (B, S) windows into the flat unpadded batch the
-# model takes; only the targets differ.
+# The two objectives: (B, S) windows -> the flat unpadded batch the model takes; only the targets differ.
 
 
 @dataclass
@@ -481,8 +456,8 @@ class Batch:
 
 
 def _layout(windows, eos_id, split_docs):
-    """cu_seqlens for (B, S) windows: one sequence per window, or one per document when split_docs
-    (a document ends after its eos), so attention and positions restart at each document."""
+    """cu_seqlens for (B, S) windows: one sequence per window, or per document (ending after its eos) when
+    split_docs, so attention and positions restart at each document."""
     B, S = windows.shape
     if not split_docs:
         return torch.arange(0, (B + 1) * S, S, dtype=torch.int32), S
@@ -504,9 +479,8 @@ def clm_batch(windows, eos_id, split_docs=False):
 
 
 def mlm_batch(windows, mask_prob, special, vocab_size, seed, split_docs=False):
-    """BERT masking of `mask_prob` of the non-special tokens: 80% [MASK], 10% a random
-    token, 10% unchanged. `seed` (e.g. [training seed, step, rank, micro step]) drives
-    its own generator, so masking never depends on the data order."""
+    """BERT masking of `mask_prob` of the non-special tokens: 80% [MASK], 10% a random token, 10% unchanged.
+    `seed` (e.g. [training seed, step, rank, micro step]) drives its own generator: masking never depends on data."""
     cu, max_seqlen = _layout(windows, special["eos_id"], split_docs)
     tokens = windows.flatten()
     g = torch.Generator().manual_seed(int(np.random.SeedSequence(seed).generate_state(1, dtype=np.uint64)[0] >> 1))
@@ -522,10 +496,9 @@ def mlm_batch(windows, mask_prob, special, vocab_size, seed, split_docs=False):
 
 
 def prefetch(produce, steps):
-    """Yield produce(step) for each of `steps`, built up to two steps ahead by a background thread,
-    so that the CPU work of a step's batches (reading, masking, targets, pinning) overlaps the GPU work
-    of the steps before. produce() runs in step order in one thread: the stream is what it would be
-    without the thread, and an exception in it is raised here, at the step it belongs to."""
+    """Yield produce(step) for each of `steps`, built up to two steps ahead by a background thread so that a step's
+    CPU work (reading, masking, pinning) overlaps the GPU work of the steps before. produce() runs in step order in
+    one thread: the stream is the same as without it, and its exception is raised here, at its step."""
     ready, done = queue.Queue(maxsize=2), threading.Event()
 
     def work():

@@ -67,9 +67,8 @@ def check_type(key, value, typ, where):
 
 
 def check_out_dir(path, name="--out"):
-    """The output location is a directory, or can be made one, that this user may write, and holds no link (see
-    files.check_no_links): checked before any work, so that no result is lost at the end for a path that was wrong
-    from the start. A probe file is written and removed in the nearest folder that exists; nothing is left behind."""
+    """The output location is a directory, or can be made one, that this user may write (a probe file is written
+    and removed), and holds no link: checked before any work, so no result is lost at the end to a wrong path."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise SystemExit(f"{name}={path}: is a file, not a directory; give a directory path")
     parent = os.path.abspath(path)

@@ -1,10 +1,8 @@
 """
-The token shards `python data.py` writes into a data directory and the loader reads: train.bin and val.bin
-(token ids, uint16 or uint32, documents separated by the tokenizer's end-of-document id), meta.json (the
-tokenizer and its sha256, vocab size, dtype, special ids, document and token counts) and the tokenizer files.
-Reading them, with the checks that belong to the format, lives here, where train.py's start-up checks, the
-loader and the model card all reach it. Each id a shard holds is checked by the loader as it hands the window
-out (data.py): a scan of a large train.bin at start-up would cost minutes.
+The token shards `python data.py` writes and the loader reads: train.bin and val.bin (uint16 or uint32 ids,
+documents separated by the end-of-document id), meta.json (the tokenizer's sha256, vocab size, dtype, special ids,
+counts) and the tokenizer files; read here, with the format's checks, for train.py, the loader and the model card.
+The ids themselves are checked by the loader window by window: a scan of a large train.bin would cost minutes.
 """
 
 import os
@@ -20,10 +18,8 @@ COUNTS = ("train_docs", "train_tokens", "val_docs", "val_tokens")
 
 
 def load_meta(data_dir):
-    """meta.json of a data directory, once it is complete, every field it has is of its type and range (the dtype
-    a shard format that holds the vocabulary, the special ids inside it, whole counts), its tokenizer files are well
-    formed, and its tokenizer.json is the one the shards were made with (a copy that differs would go into every
-    checkpoint)."""
+    """meta.json of a data directory, once its fields are of their types and ranges, its tokenizer files well formed,
+    and its tokenizer.json the one the shards were made with (a copy that differs would go into every checkpoint)."""
     path = os.path.join(data_dir, "meta.json")
     if not os.path.lexists(path):
         raise SystemExit(f"{data_dir}: no meta.json; make the shards first with "
@@ -65,9 +61,8 @@ def meta_problem(meta):
 
 
 def split_tokens(data_dir, split, meta, seq_len, micro_batch_size, world):
-    """The split's tokens (memmapped) and its number of windows of seq_len tokens, once the file makes at least one
-    micro batch on every rank and is as long as meta.json counts (where it does); else a ValueError that names the
-    fix."""
+    """The split's tokens (memmapped) and its number of windows of seq_len tokens, once the file makes a micro batch
+    on every rank and is as long as meta.json counts; else a ValueError that names the fix."""
     path = os.path.join(data_dir, f"{split}.bin")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} is missing or is not a file: prepare the data again with `python data.py`")

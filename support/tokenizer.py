@@ -2,13 +2,9 @@
 Tokenizers that give exactly the ids of Hugging Face `tokenizers`, behind one interface:
 vocab_size, the special ids, encode / encode_batch (no special tokens added), decode.
 
-load_tokenizer(spec) picks one of two kinds:
-  - TiktokenBPE: a byte-level BPE tokenizer.json (ModernBERT) on tiktoken, 3-4x faster than
-    `tokenizers` itself; tests/test_tokenizer.py checks its ids against `tokenizers` on real
-    tokenizers and fuzzed text.
-  - HFTokenizer: any other tokenizer.json (WordPiece: ModernCamemBERT) on `tokenizers` itself.
-train_bpe trains a byte-level BPE on the input, for the offline demo (`--tokenizer bpe:N`).
-write_hf_config writes what transformers needs beside a tokenizer.json (its special tokens, its maximum length).
+load_tokenizer(spec) picks TiktokenBPE for a byte-level BPE tokenizer.json (ModernBERT): on tiktoken, 3-4x faster
+than `tokenizers` (tests/test_tokenizer.py checks its ids); else HFTokenizer (WordPiece: ModernCamemBERT) on
+`tokenizers` itself. train_bpe trains a byte-level BPE for the offline demo (`--tokenizer bpe:N`).
 """
 
 import json
@@ -42,7 +38,7 @@ def load_tokenizer(spec):
     except Exception as e:  # tokenizers raises a bare Exception
         raise ValueError(f"{path} is not a tokenizer.json that Hugging Face tokenizers reads ({e})") from None
     check_companions(os.path.dirname(path))
-    return TiktokenBPE(d, path) if _is_gpt2_byte_level_bpe(d) else HFTokenizer(tok, path)
+    return TiktokenBPE(d, tok, path) if _is_gpt2_byte_level_bpe(d) else HFTokenizer(tok, path)
 
 
 def tokenizer_file(spec):
@@ -52,29 +48,24 @@ def tokenizer_file(spec):
 
 
 class Tokenizer:
-    """encode(text) -> ids (no special tokens added), encode_batch, decode, vocab_size,
-    and the special ids cls_id, sep_id, pad_id, mask_id, eos_id (eos separates documents)."""
+    """encode(text) -> ids (no special tokens added), encode_batch, decode, vocab_size, and the special ids of a
+    BERT-style vocabulary: cls_id, sep_id, pad_id, mask_id ([CLS] [SEP] [PAD] [MASK]), eos_id ([SEP]: documents
+    end with it). tok: the file read by Hugging Face tokenizers."""
 
-    def __init__(self, vocab_size, special, where):
-        if vocab_size > MAX_VOCAB:
-            raise ValueError(f"{where}: ids up to {vocab_size - 1:,}, more than a vocabulary holds (at most "
+    def __init__(self, tok, where):
+        self.special_ids = {}
+        for name, token in zip(SPECIAL_NAMES, ["[CLS]", "[SEP]", "[PAD]", "[MASK]", "[SEP]"]):
+            if tok.token_to_id(token) is None:
+                raise ValueError(f"{where}: the tokenizer has no {token} token, which MLM training needs")
+            self.special_ids[name] = tok.token_to_id(token)
+        self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1  # ids may leave gaps
+        if self.vocab_size > MAX_VOCAB:
+            raise ValueError(f"{where}: ids up to {self.vocab_size - 1:,}, more than a vocabulary holds (at most "
                              f"{MAX_VOCAB:,})")
-        self.vocab_size, self.special_ids = vocab_size, {name: special[name] for name in SPECIAL_NAMES}
         vars(self).update(self.special_ids)  # tok.cls_id, tok.sep_id, ...
 
     def encode(self, text):
         return self.encode_batch([text])[0]
-
-
-def _special_ids_from_tokens(lookup, where):
-    """Special ids of a BERT-style vocabulary: [CLS] [SEP] [PAD] [MASK]; documents end with [SEP]."""
-    ids = {}
-    for name, token in [("cls_id", "[CLS]"), ("sep_id", "[SEP]"), ("pad_id", "[PAD]"), ("mask_id", "[MASK]")]:
-        if lookup(token) is None:
-            raise ValueError(f"{where}: the tokenizer has no {token} token, which MLM training needs")
-        ids[name] = lookup(token)
-    ids["eos_id"] = ids["sep_id"]
-    return ids
 
 
 def _is_gpt2_byte_level_bpe(d):
@@ -97,15 +88,12 @@ def _to_bytes(token):
 
 
 class TiktokenBPE(Tokenizer):
-    """Byte-level BPE from a tokenizer.json on tiktoken, exact to Hugging Face `tokenizers`.
-
-    Three things make it exact: the added tokens (ModernBERT's runs of 2-24 spaces,
-    [MASK] with lstrip, ...) are split off before BPE, leftmost-longest and in the
-    same two passes as Hugging Face; NFC (the file's normalizer) runs between them;
-    and tiktoken ranks follow the merge order, mapped back to the file's ids afterwards.
+    """Byte-level BPE from a tokenizer.json on tiktoken, exact to Hugging Face `tokenizers`: the added tokens
+    (ModernBERT's runs of 2-24 spaces, [MASK] with lstrip, ...) are split off before BPE, leftmost-longest, in
+    Hugging Face's two passes with NFC between them; tiktoken ranks follow the merge order, mapped to the file's ids.
     """
 
-    def __init__(self, d, path):
+    def __init__(self, d, tok, path):
         vocab = d["model"]["vocab"]
         ranks = {bytes([b]): b for b in range(256)}
         for merge in d["model"]["merges"]:
@@ -115,11 +103,11 @@ class TiktokenBPE(Tokenizer):
             ranks.setdefault(_to_bytes(a) + _to_bytes(b), len(ranks))
         self.rank_to_id = [0] * len(ranks)  # the file's id of each tiktoken rank
         for tok_bytes, rank in ranks.items():
-            tok = "".join(CHAR_OF[x] for x in tok_bytes)
-            if tok in vocab:
-                self.rank_to_id[rank] = vocab[tok]
+            token = "".join(CHAR_OF[x] for x in tok_bytes)
+            if token in vocab:
+                self.rank_to_id[rank] = vocab[token]
             elif not (len(tok_bytes) == 1 and tok_bytes[0] in NEVER_IN_UTF8):
-                raise ValueError(f"{path}: BPE token {tok!r} is not in the vocabulary")
+                raise ValueError(f"{path}: BPE token {token!r} is not in the vocabulary")
         self.tiktoken = tiktoken.Encoding(name=f"hf:{path}", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
                                           special_tokens={})
         added = {a["content"]: a for a in d.get("added_tokens", [])}
@@ -132,9 +120,7 @@ class TiktokenBPE(Tokenizer):
         self.nfc = d.get("normalizer") is not None
         self.id_to_bytes = {i: _to_bytes(t) for t, i in vocab.items() if all(ch in BYTE_OF for ch in t)}
         self.id_to_bytes.update({a["id"]: a["content"].encode() for a in d.get("added_tokens", [])})
-        lookup = lambda tok: added[tok]["id"] if tok in added else vocab.get(tok)  # noqa: E731
-        super().__init__(max([*vocab.values(), *(a["id"] for a in added.values())]) + 1,
-                         _special_ids_from_tokens(lookup, path), path)
+        super().__init__(tok, path)
 
     def _split(self, text):
         """text -> list of plain strings and added-token ids."""
@@ -223,8 +209,7 @@ class HFTokenizer(Tokenizer):
 
     def __init__(self, tok, path):
         self.tok = tok
-        super().__init__(max(tok.get_vocab(with_added_tokens=True).values()) + 1,  # ids may leave gaps
-                         _special_ids_from_tokens(tok.token_to_id, path), path)
+        super().__init__(tok, path)
 
     def encode_batch(self, texts):
         return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
@@ -246,15 +231,14 @@ def train_bpe(texts, vocab_size, path):
 
 
 def write_hf_config(directory, model_max_length):
-    """Beside directory/tokenizer.json, tokenizer_config.json and special_tokens_map.json that name its
-    special tokens and the model's maximum length: without them AutoTokenizer knows no [MASK], [CLS], [SEP] or
-    [PAD] (a trained `bpe:N` tokenizer ships tokenizer.json alone) and pipeline("fill-mask") fails. A copied
-    tokenizer's own files are kept, completed with what they lack; the maximum length is the model's."""
+    """Beside directory/tokenizer.json, tokenizer_config.json and special_tokens_map.json naming its special tokens
+    and the model's maximum length: without them AutoTokenizer knows no [MASK] (a `bpe:N` tokenizer ships
+    tokenizer.json alone) and pipeline("fill-mask") fails. A copied tokenizer's own files are kept, completed."""
     path = os.path.join(directory, "tokenizer.json")
     if not os.path.isfile(path):
         return  # the data directory had no tokenizer to copy
     tok = tokenizers.Tokenizer.from_file(path)
-    # the tokens load_tokenizer takes as special (_special_ids_from_tokens); documents end with [SEP]
+    # the tokens load_tokenizer takes as special (Tokenizer); documents end with [SEP]
     special = {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "mask_token": "[MASK]",
                "bos_token": "[CLS]", "eos_token": "[SEP]", "unk_token": "[UNK]"}
     special = {name: token for name, token in special.items() if tok.token_to_id(token) is not None}
@@ -275,9 +259,8 @@ def write_hf_config(directory, model_max_length):
 
 
 def check_companions(directory):
-    """tokenizer_config.json and special_tokens_map.json in `directory` (beside a tokenizer.json), where they are:
-    JSON objects whose special tokens (the `*_token` keys) are strings or objects with a string "content", as
-    transformers reads them; else a ValueError naming the file and the key."""
+    """tokenizer_config.json and special_tokens_map.json in `directory`, where they are, hold their special tokens
+    (`*_token` keys) as transformers reads them; else a ValueError naming the file and the key."""
     for name in TOKENIZER_FILES[1:]:
         path = os.path.join(directory, name)
         if os.path.lexists(path):
