@@ -143,7 +143,7 @@ def test_demo_corpus_is_each_docstring_once_in_ast_walk_order():
 
 def test_prepare_writes_shards_and_meta(tmp_path):
     """.txt and .jsonl, plain or xz-compressed (Python's lzma, the xz format), are read as the documents they hold;
-    the shards hold each document once, with its eos."""
+    the shards hold each document once, with its eos; a pool of workers writes the same bytes as one."""
     docs = [f"document number {i} says hello {'world ' * (i % 7)}" for i in range(300)]
     plain = {"a.txt": "\n".join(docs[:200]) + "\n\n", "b.jsonl": "\n".join(json.dumps({"body": d}) for d in docs[200:])}
     for name, text in plain.items():
@@ -152,10 +152,14 @@ def test_prepare_writes_shards_and_meta(tmp_path):
     for suffix in ("", ".xz"):
         assert list(read_documents([str(tmp_path / f"{name}{suffix}") for name in plain], text_field="body")) == docs
     train_bpe(iter(docs), 400, str(tmp_path / "tok.json"))
-    out = tmp_path / "new" / "out"  # its folder is made too
     src = [str(tmp_path / "a.txt.xz"), str(tmp_path / "b.jsonl.xz")]
-    meta = prepare(lambda: read_documents(src, text_field="body"), str(tmp_path / "tok.json"), str(out),
-                   val_docs=30, workers=1)
+    shards = []
+    for workers in (2, 1):  # chunks of 64 documents come back in input order from the pool
+        out = tmp_path / f"w{workers}" / "out"  # its folder is made too
+        meta = prepare(lambda: read_documents(src, text_field="body"), str(tmp_path / "tok.json"), str(out),
+                       val_docs=30, workers=workers, chunk_docs=64)
+        shards.append((out / "train.bin").read_bytes() + (out / "val.bin").read_bytes())
+    assert shards[0] == shards[1]
     assert sorted(os.listdir(out)) == ["meta.json", "tokenizer.json", "train.bin", "val.bin"]
     assert meta == load_meta(str(out)) and meta["train_docs"] == 270 and meta["val_docs"] == 30
     tok = load_tokenizer(str(out))
@@ -165,20 +169,6 @@ def test_prepare_writes_shards_and_meta(tmp_path):
     texts = [tok.decode(d) for d in np.split(np.concatenate([train, val]), np.flatnonzero(
         np.concatenate([train, val]) == tok.eos_id) + 1) if len(d)]
     assert sorted(t.removesuffix("[SEP]") for t in texts) == sorted(docs)
-
-
-def test_prepare_is_deterministic_across_workers(tmp_path):
-    """Chunks come back in input order from a pool of workers: the shards are the same bytes."""
-    docs = [f"line {i} " + "abc " * (i % 13) for i in range(600)]
-    (tmp_path / "in.txt").write_text("\n".join(docs))
-    train_bpe(iter(docs), 300, str(tmp_path / "tok.json"))
-    outs = []
-    for workers in (1, 2):
-        out = tmp_path / f"w{workers}"
-        prepare(lambda: read_documents([str(tmp_path / "in.txt")]), str(tmp_path / "tok.json"), str(out),
-                val_docs=40, workers=workers, chunk_docs=64)
-        outs.append((out / "train.bin").read_bytes() + (out / "val.bin").read_bytes())
-    assert outs[0] == outs[1]
 
 
 def run_data(cwd, *args):
