@@ -110,6 +110,27 @@ def test_loader_resumes_exactly_and_reshards(shards):
     assert torch.equal(one.next(), torch.cat([ld.next() for ld in halves]))
 
 
+def test_two_epochs_are_two_permutations_of_every_window(shards):
+    """10,000 tokens make 333 whole windows of 30 (the last 10 tokens are no window). The stream is epoch 0's
+    order, then epoch 1's: each a permutation of the 333 windows, the two in different orders, whatever the
+    world size (the ranks' windows disjoint), with the epoch boundary inside a step (333 is no multiple of 4 or of
+    2 x 2). Another data_seed gives another order of the same windows."""
+    orders = []
+    for world, seed in ((1, 42), (2, 42), (1, 43)):
+        loaders = [Loader(shards, "train", 30, 4 // world, data_seed=seed, rank=r, world_size=world)
+                   for r in range(world)]
+        assert loaders[0].n_windows == 333
+        stream = []
+        while len(stream) < 2 * 333:
+            for ld in loaders:  # a step: the ranks' micro batches, in rank order
+                stream += window_ids(ld.next(), 30)
+        first, second = stream[:333], stream[333:666]
+        assert sorted(first) == sorted(second) == list(range(333)), "an epoch misses or repeats a window"
+        assert first != second, "the second epoch repeats the first one's order"
+        orders.append(stream[:666])
+    assert orders[0] == orders[1] != orders[2]
+
+
 # -----------------------------------------------------------------------------
 # 3. prepare
 
@@ -171,39 +192,6 @@ def test_prepare_writes_shards_and_meta(tmp_path):
     assert sorted(t.removesuffix("[SEP]") for t in texts) == sorted(docs)
 
 
-def run_data(cwd, *args):
-    """data.py's main in this process, run in cwd: what it prints."""
-    printed = io.StringIO()
-    with contextlib.chdir(cwd), contextlib.redirect_stdout(printed):
-        data.main([str(a) for a in args])
-    return printed.getvalue()
-
-
-# -----------------------------------------------------------------------------
-# 4. Against an outside expectation: what the stream of windows is, not only that it resumes as itself
-
-
-def test_two_epochs_are_two_permutations_of_every_window(shards):
-    """10,000 tokens make 333 whole windows of 30 (the last 10 tokens are no window). The stream is epoch 0's
-    order, then epoch 1's: each a permutation of the 333 windows, the two in different orders, whatever the
-    world size (the ranks' windows disjoint), with the epoch boundary inside a step (333 is no multiple of 4 or of
-    2 x 2). Another data_seed gives another order of the same windows."""
-    orders = []
-    for world, seed in ((1, 42), (2, 42), (1, 43)):
-        loaders = [Loader(shards, "train", 30, 4 // world, data_seed=seed, rank=r, world_size=world)
-                   for r in range(world)]
-        assert loaders[0].n_windows == 333
-        stream = []
-        while len(stream) < 2 * 333:
-            for ld in loaders:  # a step: the ranks' micro batches, in rank order
-                stream += window_ids(ld.next(), 30)
-        first, second = stream[:333], stream[333:666]
-        assert sorted(first) == sorted(second) == list(range(333)), "an epoch misses or repeats a window"
-        assert first != second, "the second epoch repeats the first one's order"
-        orders.append(stream[:666])
-    assert orders[0] == orders[1] != orders[2]
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # data.py's weighted mixtures (`--input A B --weights 0.7 0.3 --tokens N`), checked on what train.bin and
 # val.bin hold, not on data.py's own bookkeeping: the two sources are written in disjoint alphabets, so every
@@ -250,6 +238,14 @@ def source_of(text, small, large):
     assert letters <= set("stuvwxyz"), f"a document mixing both sources: {text[:60]!r}"
     assert text in large, f"not a whole document of B: {text[:60]!r}"
     return "B"
+
+
+def run_data(cwd, *args):
+    """data.py's main in this process, run in cwd: what it prints."""
+    printed = io.StringIO()
+    with contextlib.chdir(cwd), contextlib.redirect_stdout(printed):
+        data.main([str(a) for a in args])
+    return printed.getvalue()
 
 
 def test_mixture_shares_counted_in_train_bin(corpus):
