@@ -50,15 +50,15 @@ def tokenizer_file(spec):
 class Tokenizer:
     """encode(text) -> ids (no special tokens added), encode_batch, decode, vocab_size, and the special ids of a
     BERT-style vocabulary: cls_id, sep_id, pad_id, mask_id ([CLS] [SEP] [PAD] [MASK]), eos_id ([SEP]: documents
-    end with it). tok: the file read by Hugging Face tokenizers."""
+    end with it). tok: the file read by Hugging Face tokenizers; ids: every id the encoder can give (default: tok's)."""
 
-    def __init__(self, tok, where):
+    def __init__(self, tok, where, ids=None):
         self.special_ids = {}
         for name, token in zip(SPECIAL_NAMES, ["[CLS]", "[SEP]", "[PAD]", "[MASK]", "[SEP]"]):
             if tok.token_to_id(token) is None:
                 raise ValueError(f"{where}: the tokenizer has no {token} token, which MLM training needs")
             self.special_ids[name] = tok.token_to_id(token)
-        self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1  # ids may leave gaps
+        self.vocab_size = max(ids or tok.get_vocab(with_added_tokens=True).values()) + 1  # ids may leave gaps
         if self.vocab_size > MAX_VOCAB:
             raise ValueError(f"{where}: ids up to {self.vocab_size - 1:,}, more than a vocabulary holds (at most "
                              f"{MAX_VOCAB:,})")
@@ -120,7 +120,7 @@ class TiktokenBPE(Tokenizer):
         self.nfc = d.get("normalizer") is not None
         self.id_to_bytes = {i: _to_bytes(t) for t, i in vocab.items() if all(ch in BYTE_OF for ch in t)}
         self.id_to_bytes.update({a["id"]: a["content"].encode() for a in d.get("added_tokens", [])})
-        super().__init__(tok, path)
+        super().__init__(tok, path, [*vocab.values(), *(a["id"] for a in added.values())])  # the file's, as encoded
 
     def _split(self, text):
         """text -> list of plain strings and added-token ids."""
