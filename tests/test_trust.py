@@ -18,13 +18,12 @@ import torch
 
 import cka
 import eval as eval_script
-import train
 from support import lock
 from support.checkpoint import MANIFEST, TRAIN_STATE
 from support.files import sha256
 from test_files import runs_code
 from test_links import sums
-from test_train import ROOT, data_dir, metrics, run_train, train_cmd  # noqa: F401 (data_dir is a fixture)
+from test_train import ROOT, data_dir, metrics, run_train, train_cmd, train_here  # noqa: F401 (data_dir is a fixture)
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -43,10 +42,11 @@ def analyses(ckpt, tmp_path, out):
 
 
 def refusal(out, data_dir, *args):
-    """train.py's main() here, on the tiny run: -> the one line it stops with."""
-    with pytest.raises(SystemExit) as e:
-        train.main(train_cmd(out, data_dir, *args)[2:])  # [2:]: train.py's arguments
-    return e.value.code
+    """train.py's main() here (test_train.train_here), on the tiny run: -> the one line it stops with, and what it
+    printed before."""
+    r = train_here(out, data_dir, *args, check=False)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stderr.strip().splitlines()[-1], r.stdout
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_a_train_state_that_would_run_code_is_refused_or_ignored(finished, data_
     marker.rmdir()
 
     # Resuming from it (out_dir's newest checkpoint; a decay run from it as init_from loads it the same way): refused
-    line = refusal(tmp_path / "run", data_dir)
+    line, _ = refusal(tmp_path / "run", data_dir)
     assert line.startswith(f"{ckpt / TRAIN_STATE}: refused: it holds objects other than tensors"), line
     # Weights from it (a new run), its CKA and its fine-tuning never read the train state.
     run_train(tmp_path / "new", data_dir, f"--init_from={ckpt}", "--run_phases=main", f"--tokens={2 * 8 * 64}")
@@ -110,17 +110,17 @@ def wait_for(condition, proc, log, seconds=120):
 LONG = [f"--tokens={100 * 8 * 64}", "--ckpt_interval=20", "--eval_interval=100"]  # 125 steps: seconds
 
 
-def test_a_second_run_on_one_out_dir_is_refused_and_a_signalled_holder_says_it_is_stopping(data_dir, tmp_path, capsys):
+def test_a_second_run_on_one_out_dir_is_refused_and_a_signalled_holder_says_it_is_stopping(data_dir, tmp_path):
     """A second run is refused at once; from the holder's SIGTERM on, its lock says "stopping" (a requeued job waits
     for it) while it writes its checkpoint and exits 143 as before."""
     out, log = tmp_path / "run", tmp_path / "first.log"
     first = start(out, data_dir, log, *LONG)
     first.send_signal(signal.SIGSTOP)  # paused, not finished, while the same command starts again
-    line = refusal(out, data_dir, *LONG)
+    line, printed = refusal(out, data_dir, *LONG)
     job = run_train(out, data_dir, *LONG, check=False, nproc=2)  # under torchrun: said once, by rank 0
     first.send_signal(signal.SIGCONT)
     assert line.startswith(f"out_dir={out} is in use by pid {first.pid} on "), line
-    assert "choose another out_dir" in line and "step" not in capsys.readouterr().out  # refused before any work
+    assert "choose another out_dir" in line and "step" not in printed  # refused before any work
     said = [line for line in job.stderr.splitlines() if "is in use by" in line]
     assert job.returncode != 0 and len(said) == 1 and said[0].startswith(f"out_dir={out} is in use by pid {first.pid}")
 
@@ -292,7 +292,7 @@ def test_a_train_state_of_another_code_leaves_the_run_and_its_log_as_they_were(f
     (ckpt / MANIFEST).write_text(json.dumps(manifest))
     before = sums(out)
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 16
-    assert refusal(out, data_dir, "--run_phases=main", "--ckpt_interval=16") == (
+    assert refusal(out, data_dir, "--run_phases=main", "--ckpt_interval=16")[0] == (
         f"{state}: not a train state this code wrote (KeyError: 'rng'). Restore the checkpoint from a copy, or move it "
         "away to resume from the one before")
     after = sums(out)
