@@ -116,9 +116,11 @@ def test_a_second_run_on_one_out_dir_is_refused_and_a_signalled_holder_says_it_i
     out, log = tmp_path / "run", tmp_path / "first.log"
     first = start(out, data_dir, log, *LONG)
     first.send_signal(signal.SIGSTOP)  # paused, not finished, while the same command starts again
-    line, printed = refusal(out, data_dir, *LONG)
-    job = run_train(out, data_dir, *LONG, check=False, nproc=2)  # under torchrun: said once, by rank 0
-    first.send_signal(signal.SIGCONT)
+    try:
+        line, printed = refusal(out, data_dir, *LONG)
+        job = run_train(out, data_dir, *LONG, check=False, nproc=2)  # under torchrun: said once, by rank 0
+    finally:  # never left stopped: it finishes its few seconds of steps whatever happened here
+        first.send_signal(signal.SIGCONT)
     assert line.startswith(f"out_dir={out} is in use by pid {first.pid} on "), line
     assert "choose another out_dir" in line and "step" not in printed  # refused before any work
     said = [line for line in job.stderr.splitlines() if "is in use by" in line]
