@@ -1,18 +1,11 @@
 """
-Tokenizers that give exactly the ids of Hugging Face `tokenizers`, behind one interface:
-vocab_size, the special ids, encode / encode_batch (no special tokens added), decode.
-
-load_tokenizer(spec) picks TiktokenBPE for a byte-level BPE tokenizer.json (ModernBERT): on tiktoken, 3-4x faster
-than `tokenizers` (tests/test_tokenizer.py checks its ids); else HFTokenizer (WordPiece: ModernCamemBERT) on
-`tokenizers` itself. train_bpe trains a byte-level BPE for the offline demo (`--tokenizer bpe:N`).
+The tokenizer: a tokenizer.json on Hugging Face `tokenizers`, with the special ids MLM needs (Tokenizer);
+train_bpe trains a byte-level BPE for the offline demo (`--tokenizer bpe:N`); the companion files transformers reads.
 """
 
 import json
 import os
-import re
-import unicodedata
 
-import tiktoken
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
@@ -21,9 +14,7 @@ from support.files import read_json
 SPECIAL_NAMES = ("cls_id", "sep_id", "pad_id", "mask_id", "eos_id")
 # The files a Hugging Face tokenizer is read from; they travel with the shards and the checkpoints.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-NEVER_IN_UTF8 = {0xC0, 0xC1, *range(0xF5, 0x100)}  # bytes a vocabulary may leave out
 MAX_VOCAB = 1 << 22  # ids: 16 times the largest vocabularies in use (250k); beyond it an id is a file's mistake
-GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
 def load_tokenizer(spec):
@@ -38,7 +29,7 @@ def load_tokenizer(spec):
     except Exception as e:  # tokenizers raises a bare Exception
         raise ValueError(f"{path} is not a tokenizer.json that Hugging Face tokenizers reads ({e})") from None
     check_companions(os.path.dirname(path))
-    return TiktokenBPE(d, tok, path) if _is_gpt2_byte_level_bpe(d) else HFTokenizer(tok, path)
+    return Tokenizer(tok, path)
 
 
 def tokenizer_file(spec):
@@ -48,17 +39,18 @@ def tokenizer_file(spec):
 
 
 class Tokenizer:
-    """encode(text) -> ids (no special tokens added), encode_batch, decode, vocab_size, and the special ids of a
-    BERT-style vocabulary: cls_id, sep_id, pad_id, mask_id ([CLS] [SEP] [PAD] [MASK]), eos_id ([SEP]: documents
-    end with it). tok: the file read by Hugging Face tokenizers; ids: every id the encoder can give (default: tok's)."""
+    """A tokenizer.json on Hugging Face `tokenizers`: encode(text) -> ids (no special tokens added), encode_batch
+    (parallel in Rust), decode, vocab_size, and the special ids of a BERT-style vocabulary: cls_id, sep_id, pad_id,
+    mask_id ([CLS] [SEP] [PAD] [MASK]), eos_id ([SEP]: documents end with it)."""
 
-    def __init__(self, tok, where, ids=None):
+    def __init__(self, tok, where):
+        self.tok = tok
         self.special_ids = {}
         for name, token in zip(SPECIAL_NAMES, ["[CLS]", "[SEP]", "[PAD]", "[MASK]", "[SEP]"]):
             if tok.token_to_id(token) is None:
                 raise ValueError(f"{where}: the tokenizer has no {token} token, which MLM training needs")
             self.special_ids[name] = tok.token_to_id(token)
-        self.vocab_size = max(ids or tok.get_vocab(with_added_tokens=True).values()) + 1  # ids may leave gaps
+        self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1  # ids may leave gaps
         if self.vocab_size > MAX_VOCAB:
             raise ValueError(f"{where}: ids up to {self.vocab_size - 1:,}, more than a vocabulary holds (at most "
                              f"{MAX_VOCAB:,})")
@@ -66,150 +58,6 @@ class Tokenizer:
 
     def encode(self, text):
         return self.encode_batch([text])[0]
-
-
-def _is_gpt2_byte_level_bpe(d):
-    m, pre, norm = d.get("model", {}), d.get("pre_tokenizer") or {}, d.get("normalizer")
-    return (m.get("type") == "BPE" and pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
-            and not pre.get("add_prefix_space", False) and not m.get("ignore_merges", False)
-            and m.get("dropout") is None and (norm is None or norm.get("type") == "NFC"))
-
-
-# GPT-2's bytes_to_unicode inverted: the character that stands for a byte in a vocabulary -> the byte.
-# Printable bytes stand for themselves, the others (in order) for chr(256), chr(257), ...
-PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-BYTE_OF = {chr(b): b for b in PRINTABLE} | {chr(256 + n): b for n, b in
-                                           enumerate(b for b in range(256) if b not in PRINTABLE)}
-CHAR_OF = {b: ch for ch, b in BYTE_OF.items()}
-
-
-def _to_bytes(token):
-    return bytes(BYTE_OF[ch] for ch in token)
-
-
-class TiktokenBPE(Tokenizer):
-    """Byte-level BPE from a tokenizer.json on tiktoken, exact to Hugging Face `tokenizers`: the added tokens
-    (ModernBERT's runs of 2-24 spaces, [MASK] with lstrip, ...) are split off before BPE, leftmost-longest, in
-    Hugging Face's two passes with NFC between them; tiktoken ranks follow the merge order, mapped to the file's ids.
-    """
-
-    def __init__(self, d, tok, path):
-        vocab = d["model"]["vocab"]
-        ranks = {bytes([b]): b for b in range(256)}
-        for merge in d["model"]["merges"]:
-            a, b = merge.split(" ") if isinstance(merge, str) else merge  # tokenizers checked: two parts
-            if not set(a + b) <= BYTE_OF.keys():
-                raise ValueError(f"{path}: the merge {merge!r} is not of byte-level BPE tokens")
-            ranks.setdefault(_to_bytes(a) + _to_bytes(b), len(ranks))
-        self.rank_to_id = [0] * len(ranks)  # the file's id of each tiktoken rank
-        for tok_bytes, rank in ranks.items():
-            token = "".join(CHAR_OF[x] for x in tok_bytes)
-            if token in vocab:
-                self.rank_to_id[rank] = vocab[token]
-            elif not (len(tok_bytes) == 1 and tok_bytes[0] in NEVER_IN_UTF8):
-                raise ValueError(f"{path}: BPE token {token!r} is not in the vocabulary")
-        self.tiktoken = tiktoken.Encoding(name=f"hf:{path}", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
-                                          special_tokens={})
-        added = {a["content"]: a for a in d.get("added_tokens", [])}
-        # Hugging Face matches added tokens in two passes: the non-normalized ones (special
-        # tokens) on the raw text, then the normalized ones (the space runs) on each
-        # remaining piece after normalization.
-        self.raw_added, self.normalized_added = [
-            AddedTokens({c: a for c, a in added.items() if a.get("normalized", not a.get("special")) == normalized})
-            for normalized in (False, True)]
-        self.nfc = d.get("normalizer") is not None
-        self.id_to_bytes = {i: _to_bytes(t) for t, i in vocab.items() if all(ch in BYTE_OF for ch in t)}
-        self.id_to_bytes.update({a["id"]: a["content"].encode() for a in d.get("added_tokens", [])})
-        super().__init__(tok, path, [*vocab.values(), *(a["id"] for a in added.values())])  # the file's, as encoded
-
-    def _split(self, text):
-        """text -> list of plain strings and added-token ids."""
-        out = []
-        for p in self.raw_added.split(text):
-            if isinstance(p, str):
-                out.extend(self.normalized_added.split(unicodedata.normalize("NFC", p) if self.nfc else p))
-            else:
-                out.append(p)
-        return out
-
-    def encode(self, text):
-        ids = []
-        for p in self._split(text):  # tiktoken's BPE ranks mapped to the file's ids; an added token is its id
-            ids += [self.rank_to_id[r] for r in self.tiktoken.encode_ordinary(p)] if isinstance(p, str) else [p]
-        return ids
-
-    def encode_batch(self, texts):
-        # A plain loop: encode_ordinary_batch's thread pool costs more than it gains on short texts.
-        return [self.encode(t) for t in texts]
-
-    def decode(self, ids):
-        return b"".join(self.id_to_bytes.get(int(i), b"") for i in ids).decode("utf-8", errors="replace")
-
-
-class AddedTokens:
-    """One pass of Hugging Face's added tokens: content -> the tokenizer.json entry (id, lstrip, ...)."""
-
-    def __init__(self, table):
-        self.table = table
-        self.pattern = re.compile(_trie_pattern(table)) if table else None
-
-    def split(self, text):
-        """text -> list of plain strings and added-token ids."""
-        parts, pos = [], 0
-        for m in (self.pattern.finditer(text) if self.pattern else ()):
-            a = self.table[m.group()]
-            if a.get("single_word") and not _is_single_word(text, m.start(), m.end()):
-                continue
-            start, end = m.start(), m.end()
-            while a.get("lstrip") and start > pos and _is_ws(text[start - 1]):
-                start -= 1
-            while a.get("rstrip") and end < len(text) and _is_ws(text[end]):
-                end += 1
-            if start > pos:
-                parts.append(text[pos:start])
-            parts.append(a["id"])
-            pos = end
-        if pos < len(text):
-            parts.append(text[pos:])
-        return parts
-
-
-def _trie_pattern(strings):
-    """A regex matching any of `strings`, leftmost-longest, built as a character trie so
-    that Python's re does not try every alternative at every position."""
-    trie = {}
-    for s in strings:
-        node = trie
-        for ch in s:
-            node = node.setdefault(ch, {})
-        node[""] = {}
-
-    def pattern(node):
-        alts = [re.escape(ch) + pattern(child) for ch, child in sorted(node.items()) if ch]
-        if not alts:
-            return ""
-        body = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
-        return f"(?:{body})?" if "" in node else body  # greedy: the longer match first
-
-    return pattern(trie)
-
-
-def _is_ws(ch):
-    """Unicode White_Space, as Hugging Face strips it around added tokens (Python's isspace adds \x1c-\x1f)."""
-    return ch.isspace() and ch not in "\x1c\x1d\x1e\x1f"
-
-
-def _is_single_word(text, start, end):
-    word = lambda i: 0 <= i < len(text) and (text[i].isalnum() or text[i] == "_")  # noqa: E731
-    return not word(start - 1) and not word(end)
-
-
-class HFTokenizer(Tokenizer):
-    """Any other tokenizer.json (WordPiece for ModernCamemBERT) on Hugging Face `tokenizers` itself."""
-
-    def __init__(self, tok, path):
-        self.tok = tok
-        super().__init__(tok, path)
 
     def encode_batch(self, texts):
         return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
