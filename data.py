@@ -21,7 +21,6 @@ import itertools
 import json
 import lzma
 import math
-import multiprocessing as mp
 import os
 import queue
 import shutil
@@ -148,42 +147,18 @@ def demo_documents(part):
 # -----------------------------------------------------------------------------
 # prepare: text -> train.bin / val.bin / meta.json
 
-_worker_tok = None  # this process's tokenizer: a pool worker's, or the main process's for one worker
-
-
-def _init_worker(spec):
-    global _worker_tok
-    _worker_tok = load_tokenizer(spec)
-
-
-def _encode_chunk(job):
-    """(key, documents) -> (key, their ids with an eos after each document, each document's length with its eos)."""
-    key, docs = job
-    encoded = [ids + [_worker_tok.eos_id] for ids in _worker_tok.encode_batch(docs)]
-    return (key, np.fromiter(itertools.chain.from_iterable(encoded), dtype=np.int64),
-            np.array([len(ids) for ids in encoded], dtype=np.int64))
-
-
-def _tokenized(keyed_docs, spec, workers, chunk_docs, n_docs, desc):
-    """_encode_chunk of the non-empty texts of keyed_docs, (key, text) pairs, in chunks of up to chunk_docs documents
-    of one key, on `workers` processes: in input order whatever the number of workers, so the output is the same."""
-    def jobs():
+def _tokenized(keyed_docs, tok, chunk_docs, n_docs, desc):
+    """(key, ids with an eos after each document, each document's length with its eos) for the non-empty texts of
+    keyed_docs, (key, text) pairs, in chunks of up to chunk_docs documents of one key: Hugging Face tokenizers
+    encodes each chunk on every core."""
+    with tqdm(total=n_docs, desc=desc, unit="doc", disable=None) as bar:
         for key, group in itertools.groupby(((k, doc) for k, doc in keyed_docs if doc), key=lambda kd: kd[0]):
             docs = (doc for _, doc in group)
             while chunk := list(itertools.islice(docs, chunk_docs)):
-                yield key, chunk
-
-    pool = mp.get_context("spawn").Pool(workers, _init_worker, (spec,)) if workers > 1 else None
-    if pool is None:
-        _init_worker(spec)
-    try:
-        with tqdm(total=n_docs, desc=desc, unit="doc", disable=None) as bar:
-            for key, ids, lengths in (pool.imap(_encode_chunk, jobs()) if pool else map(_encode_chunk, jobs())):
-                yield key, ids, lengths
-                bar.update(len(lengths))
-    finally:
-        if pool:
-            pool.terminate()
+                encoded = [ids + [tok.eos_id] for ids in tok.encode_batch(chunk)]
+                yield (key, np.fromiter(itertools.chain.from_iterable(encoded), dtype=np.int64),
+                       np.array([len(ids) for ids in encoded], dtype=np.int64))
+                bar.update(len(chunk))
 
 
 def _count_documents(docs_fn, where):
@@ -198,22 +173,23 @@ def _count_documents(docs_fn, where):
 
 @contextlib.contextmanager
 def _staged(out, tokenizer):
-    """Yields (stage, spec, dtype, meta): a staging folder beside out, the tokenizer copied into it as tokenizer.json
-    (spec), the shards' dtype, meta.json's tokenizer keys for the caller to complete. Then every staged file is moved
-    into out: a failed or interrupted run leaves what out held as it was."""
+    """Yields (stage, tok, dtype, meta): a staging folder beside out, the tokenizer as copied into it (tokenizer.json
+    and its companions), the shards' dtype, meta.json's tokenizer keys for the caller to complete. Then every staged
+    file is moved into out: a failed or interrupted run leaves what out held as it was."""
     stage = fresh_dir(os.path.normpath(out) + ".prepare.tmp")  # one that a killed run left is removed
     try:
-        tok = load_tokenizer(tokenizer)  # first: a missing or broken tokenizer is said before anything is copied
+        load_tokenizer(tokenizer)  # first: a missing or broken tokenizer is said before anything is copied
         path = tokenizer_file(tokenizer)
         for name in TOKENIZER_FILES:
             src = path if name == "tokenizer.json" else os.path.join(os.path.dirname(path), name)
             if os.path.isfile(src):
                 shutil.copyfile(src, os.path.join(stage, name))
         spec = os.path.join(stage, "tokenizer.json")
+        tok = load_tokenizer(spec)  # the copy, which the shards are made with and travel beside
         dtype = np.uint16 if tok.vocab_size <= 2 ** 16 else np.uint32
         meta = dict(tokenizer="tokenizer.json", tokenizer_sha256=sha256(spec), vocab_size=tok.vocab_size,
                     dtype=np.dtype(dtype).name, **tok.special_ids)
-        yield stage, spec, dtype, meta
+        yield stage, tok, dtype, meta
         with open_file(os.path.join(stage, "meta.json")) as f:
             json.dump(meta, f, indent=2)
         # meta.json leaves first and comes back last: a kill in between leaves a folder train.py refuses (no
@@ -228,11 +204,11 @@ def _staged(out, tokenizer):
         remove(stage)
 
 
-def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk_docs=512):
+def prepare(docs_fn, tokenizer, out, val_docs=1000, sources=(), chunk_docs=512):
     """Tokenize the documents docs_fn() yields into out/{train,val}.bin and meta.json, the tokenizer copied beside
     them. docs_fn is called twice (a count, then the pass) so nothing holds the corpus in memory; the val documents
     are drawn at random (seed 0) from the whole input."""
-    with _staged(out, tokenizer) as (stage, spec, dtype, meta):
+    with _staged(out, tokenizer) as (stage, tok, dtype, meta):
         n_docs = _count_documents(docs_fn, "prepare")
         if n_docs == 0:
             raise SystemExit("prepare: the input holds no documents (empty files?)")
@@ -243,7 +219,7 @@ def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk
         meta.update(train_docs=0, train_tokens=0, val_docs=0, val_tokens=0, sources=list(sources))
         with (open_file(os.path.join(stage, "train.bin"), "wb") as train,
               open_file(os.path.join(stage, "val.bin"), "wb") as val,
-              contextlib.closing(_tokenized(keyed, spec, workers, chunk_docs, n_docs, "prepare")) as chunks):
+              contextlib.closing(_tokenized(keyed, tok, chunk_docs, n_docs, "prepare")) as chunks):
             for split, ids, lengths in chunks:
                 (val if split == "val" else train).write(ids.astype(dtype).tobytes())
                 meta[f"{split}_docs"] += len(lengths)
@@ -261,15 +237,15 @@ def prepare(docs_fn, tokenizer, out, val_docs=1000, workers=1, sources=(), chunk
 # document offsets, never a source's tokens.
 
 
-def prepare_mixture(docs_fns, weights, tokenizer, out, tokens=None, val_docs=1000, workers=1, seed=0,
-                    sources=(), chunk_docs=512):
+def prepare_mixture(docs_fns, weights, tokenizer, out, tokens=None, val_docs=1000, seed=0, sources=(),
+                    chunk_docs=512):
     """prepare for a weighted mixture: docs_fns[i]() yields source i's documents, weights[i] (normalized) of the
     `tokens` training tokens (None: the largest mixture that repeats no document). The val_docs validation
     documents are split over the sources by weight, never repeated, never in train. meta.json adds "mixture"."""
     sources = list(sources) or [f"source {i}" for i in range(len(docs_fns))]
     weights = np.asarray(weights, dtype=np.float64)
     weights = weights / weights.sum()
-    with _staged(out, tokenizer) as (stage, spec, dtype, meta):
+    with _staged(out, tokenizer) as (stage, tok, dtype, meta):
         # count: every source is checked before any tokenizing
         n_docs = [_count_documents(docs_fn, f"prepare: {name}") for name, docs_fn in zip(sources, docs_fns)]
         n_val = split_val_docs(val_docs, weights)
@@ -281,7 +257,7 @@ def prepare_mixture(docs_fns, weights, tokenizer, out, tokens=None, val_docs=100
         keyed = ((i, doc) for i, docs_fn in enumerate(docs_fns) for doc in docs_fn())
         doc_tokens = []  # each document's tokens (eos included), in the scratch file's order
         with (open_file(scratch, "wb") as f,
-              contextlib.closing(_tokenized(keyed, spec, workers, chunk_docs, sum(n_docs), "tokenize")) as chunks):
+              contextlib.closing(_tokenized(keyed, tok, chunk_docs, sum(n_docs), "tokenize")) as chunks):
             for _, ids, lengths in chunks:
                 f.write(ids.astype(dtype).tobytes())
                 doc_tokens.append(lengths)
@@ -542,7 +518,6 @@ def parse_args(argv=None):
                     help="tokenizer.json, a checkpoint directory holding one, or bpe:N to train one here")
     p.add_argument("--out", required=True)
     p.add_argument("--val_docs", type=int, default=1000)
-    p.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)))
     p.add_argument("--text_field", default="text", help="the text field of .jsonl / .parquet")
     p.add_argument("--blank_line_docs", action="store_true",
                     help=".txt: documents are separated by blank lines (default: one per line)")
@@ -592,9 +567,9 @@ def main(argv=None):
             docs_fns = [functools.partial(read_documents, [path], args.text_field, args.blank_line_docs)
                         for path in args.input]
             meta = prepare_mixture(docs_fns, args.weights, tokenizer, args.out, args.tokens, args.val_docs,
-                                   args.workers, args.seed or 0, sources)
+                                   args.seed or 0, sources)
         else:
-            meta = prepare(docs_fn, tokenizer, args.out, args.val_docs, args.workers, sources)
+            meta = prepare(docs_fn, tokenizer, args.out, args.val_docs, sources)
     print(f"wrote {args.out}: {meta['train_tokens']:,} train tokens in {meta['train_docs']:,} documents, "
           f"{meta['val_tokens']:,} val tokens in {meta['val_docs']:,} documents ({meta['dtype']})")
     if "mixture" in meta:
@@ -603,8 +578,8 @@ def main(argv=None):
 
 def check_args(args):
     """Everything the command line says, checked before any file is read or written."""
-    if args.val_docs < 1 or args.workers < 1:
-        raise SystemExit(f"--val_docs {args.val_docs} --workers {args.workers}: both must be at least 1")
+    if args.val_docs < 1:
+        raise SystemExit(f"--val_docs {args.val_docs}: must be at least 1")
     if args.input:
         check_inputs(args.input)
     if args.weights is None and (args.tokens is not None or args.seed is not None):

@@ -48,9 +48,9 @@ CACHE_LINES = {"fx_graph hits": "fx graph cache hit for key", "fx_graph misses":
 SIZES = {  # every: b's runs, all or the first; bench_s: the seconds each of its rows is timed; phases: c's steps, the
     # decay outlasting a SIGTERM; examples: e's
     "full": dict(bench="base", bench_s=3, every=1, seq_len=8192, micro=4, phases=(4, 4, 8), probe=["base", "large"],
-                 cap=64, examples=64, model={"vocab_size": 50368}, data_workers=min(8, os.cpu_count() or 1)),
+                 cap=64, examples=64, model={"vocab_size": 50368}),
     "tiny": dict(bench="tiny", bench_s=0.02, every=4, seq_len=64, micro=2, phases=(4, 4, 60), probe=["tiny"], cap=4,
-                 examples=32, data_workers=1,  # a worker process costs more than it saves here
+                 examples=32,
                  model=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2,
                             local_attention=16)),
 }
@@ -168,8 +168,8 @@ def memory(ctx, deadline):
 
 def training(ctx, deadline):
     s, cuda, n, data = ctx.size, ctx.env["cuda"], ctx.size["phases"], os.path.join(ctx.work, "data")
-    run([PY, "data.py", "--demo", "general", "--tokenizer", "bpe:4096", "--out", data, "--val_docs", "2000",
-         "--workers", str(s["data_workers"])], ctx.log("data.log"), deadline)  # docstrings, a BPE trained here
+    run([PY, "data.py", "--demo", "general", "--tokenizer", "bpe:4096", "--out", data, "--val_docs", "2000"],
+        ctx.log("data.log"), deadline)  # docstrings, a BPE trained here
     phases = [dict(name="clm", objective="clm", steps=n[0], warmup_steps=1),
               dict(name="mlm", objective="mlm", mask_prob=0.3, steps=n[1]),
               dict(name="decay", objective="mlm", mask_prob=0.15, steps=n[2], decay=True)]

@@ -164,7 +164,7 @@ def test_demo_corpus_is_each_docstring_once_in_ast_walk_order():
 
 def test_prepare_writes_shards_and_meta(tmp_path):
     """.txt and .jsonl, plain or xz-compressed (Python's lzma, the xz format), are read as the documents they hold;
-    the shards hold each document once, with its eos; a pool of workers writes the same bytes as one."""
+    the shards hold each document once, with its eos."""
     docs = [f"document number {i} says hello {'world ' * (i % 7)}" for i in range(300)]
     plain = {"a.txt": "\n".join(docs[:200]) + "\n\n", "b.jsonl": "\n".join(json.dumps({"body": d}) for d in docs[200:])}
     for name, text in plain.items():
@@ -174,13 +174,9 @@ def test_prepare_writes_shards_and_meta(tmp_path):
         assert list(read_documents([str(tmp_path / f"{name}{suffix}") for name in plain], text_field="body")) == docs
     train_bpe(iter(docs), 400, str(tmp_path / "tok.json"))
     src = [str(tmp_path / "a.txt.xz"), str(tmp_path / "b.jsonl.xz")]
-    shards = []
-    for workers in (2, 1):  # chunks of 64 documents come back in input order from the pool
-        out = tmp_path / f"w{workers}" / "out"  # its folder is made too
-        meta = prepare(lambda: read_documents(src, text_field="body"), str(tmp_path / "tok.json"), str(out),
-                       val_docs=30, workers=workers, chunk_docs=64)
-        shards.append((out / "train.bin").read_bytes() + (out / "val.bin").read_bytes())
-    assert shards[0] == shards[1]
+    out = tmp_path / "w" / "out"  # its folder is made too
+    meta = prepare(lambda: read_documents(src, text_field="body"), str(tmp_path / "tok.json"), str(out), val_docs=30,
+                   chunk_docs=64)
     assert sorted(os.listdir(out)) == ["meta.json", "tokenizer.json", "train.bin", "val.bin"]
     assert meta == load_meta(str(out)) and meta["train_docs"] == 270 and meta["val_docs"] == 30
     tok = load_tokenizer(str(out))
@@ -252,7 +248,7 @@ def test_mixture_shares_counted_in_train_bin(corpus):
     d, small, large, small_tokens = corpus
     budget = 3 * small_tokens  # A's 70% is 2.1x all of A (more after its validation documents): A must repeat
     stdout = run_data(d, "--input", "small.txt", "large.jsonl", "--weights", "0.7", "0.3", "--tokens", str(budget),
-                      "--tokenizer", "tok.json", "--out", "mix", "--val_docs", "10", "--workers", "1")
+                      "--tokenizer", "tok.json", "--out", "mix", "--val_docs", "10")
     train, lengths = read_docs(d / "mix", "train")
     labels = [source_of(t, set(small), set(large)) for t in train]
     total = sum(lengths)
@@ -296,7 +292,7 @@ def test_mixture_without_tokens_repeats_nothing_and_is_seeded(corpus):
     d, small, large, _ = corpus
     common = ["--input", "small.txt", "large.jsonl", "--weights", "7", "3", "--tokenizer", "tok.json",
               "--val_docs", "4"]
-    stdout = run_data(d, *common, "--out", "most", "--workers", "1")
+    stdout = run_data(d, *common, "--out", "most")
     assert "normalized to 0.7 0.3" in stdout
     train, lengths = read_docs(d / "most", "train")
     val, _ = read_docs(d / "most", "val")
@@ -306,8 +302,8 @@ def test_mixture_without_tokens_repeats_nothing_and_is_seeded(corpus):
     share_a = sum(n for n, x in zip(lengths, labels) if x == "A") / sum(lengths)
     assert abs(share_a - 0.7) < 0.02
     # The seed fixes the order: the same seed gives the same bytes, another seed another order.
-    run_data(d, *common, "--out", "again", "--workers", "1", "--seed", "0")
-    run_data(d, *common, "--out", "other", "--workers", "1", "--seed", "1")
+    run_data(d, *common, "--out", "again", "--seed", "0")
+    run_data(d, *common, "--out", "other", "--seed", "1")
     same = [(d / "most" / f).read_bytes() == (d / "again" / f).read_bytes() for f in ("train.bin", "val.bin")]
     assert same == [True, True]
     assert (d / "most" / "train.bin").read_bytes() != (d / "other" / "train.bin").read_bytes()

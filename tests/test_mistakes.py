@@ -146,11 +146,11 @@ ROWS = [
              "--out", "new_shards"],
      "'lots' is not a positive token count"),
     ("a mixture source of one document", {"one.txt": "a single document\n"},
-     DATA + ["--input", "corpus.txt", "one.txt", "--weights", "0.9", "0.1", "--val_docs", "2", "--workers", "1",
+     DATA + ["--input", "corpus.txt", "one.txt", "--weights", "0.9", "0.1", "--val_docs", "2",
              "--tokenizer", "tok.json", "--out", "new_shards"],
      "one.txt has 1 document(s), too few to give one to training beside its 1 validation document(s)"),
     ("a mixture whose token budget leaves a source no document", {},
-     DATA + ["--input", "corpus.txt", "corpus.txt", "--weights", "0.999", "0.001", "--tokens", "400", "--workers", "1",
+     DATA + ["--input", "corpus.txt", "corpus.txt", "--weights", "0.999", "0.001", "--tokens", "400",
              "--val_docs", "2", "--tokenizer", "tok.json", "--out", "new_shards"],
      "its share (0 tokens) is too small for one of its documents; raise --tokens or its weight"),
     ("eval.py --tokenizer that does not exist", {},
@@ -241,7 +241,7 @@ def test_empty_and_null_texts_are_skipped_and_counted(workdir, tmp_path, capsys)
     lines = [{"text": t} for t in TEXTS[:40]] + [{"text": ""}, {"text": None}, {"text": "   "}]
     (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     main(tmp_path, DATA + ["--input", "in.jsonl", "--tokenizer", str(workdir / "tok.json"), "--out", "o",
-                           "--val_docs", "5", "--workers", "1"])
+                           "--val_docs", "5"])
     assert "skipped 2 empty or null texts of 43" in capsys.readouterr().out
     meta = json.loads((tmp_path / "o" / "meta.json").read_text())
     assert meta["train_docs"] + meta["val_docs"] == 41  # "   " is a text (of spaces), kept as written
@@ -253,8 +253,7 @@ def test_rerun_replaces_a_data_set_whole(workdir, tmp_path):
     d = tmp_path / "work"
     shutil.copytree(workdir, d, symlinks=True)
     (d / "shards" / "special_tokens_map.json").write_text("{}")  # as if the old tokenizer had one
-    main(d, DATA + ["--input", "corpus.txt", "--tokenizer", "other_tok.json", "--out", "shards", "--val_docs", "10",
-                    "--workers", "1"])
+    main(d, DATA + ["--input", "corpus.txt", "--tokenizer", "other_tok.json", "--out", "shards", "--val_docs", "10"])
     assert sorted(os.listdir(d / "shards")) == ["meta.json", "tokenizer.json", "train.bin", "val.bin"]
     assert (d / "shards" / "tokenizer.json").read_bytes() == (d / "other_tok.json").read_bytes()
     meta = json.loads((d / "shards" / "meta.json").read_text())
