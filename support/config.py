@@ -10,7 +10,7 @@ import dataclasses
 import os
 import uuid
 
-from support.files import check_no_links, open_fd
+from support.files import open_fd, refuse_link
 
 
 def parse(cls, argv):
@@ -43,8 +43,7 @@ def parse(cls, argv):
 
 
 def load_file(path, scope=None):
-    """The names a Python file (a config, a suite) sets, run with `scope` as what it sees first; its imports,
-    functions and _private names left out."""
+    """The names a Python file (a config, a suite) run in `scope` sets: no imports, functions or _private names."""
     scope = dict(scope or {})
     with open(path) as f:
         exec(compile(f.read(), path, "exec"), scope)
@@ -83,4 +82,6 @@ def check_out_dir(path, name="--out"):
     except OSError as e:
         raise SystemExit(f"{name}={path} is not writable ({e.strerror}): choose a directory this user can write"
                          f"{', on a filesystem every node shares' if name == 'out_dir' else ''}") from None
-    check_no_links(path)
+    if os.path.isdir(path):  # a link in it is said now, not at the write that would meet it, hours in
+        for entry in os.scandir(path):
+            refuse_link(entry.path)

@@ -5,31 +5,17 @@ shared filesystems where others can write, so every script reads and writes them
   reader expects; anything else is a ValueError that names the file, which the caller turns into its one line;
 - writing: nothing is written, renamed or deleted through a symbolic link that the project did not make.
 
-Each file the project reads, where its values are checked, and what a bad or hostile one gets. "One line": exit 1,
+Where each file the project reads is checked (its reader says what); a bad or hostile one gets "one line": exit 1,
 naming the file, the field and the fix, before any work, nothing on disk changed (tests/test_files.py builds them).
-- config.json of a checkpoint (support/hf.py): every field's type and range, heads into even head dims, the model's
-  float32 bytes against this machine's memory, before anything is allocated. One line.
-- model.safetensors, pytorch_model.bin (support/hf.py): weights_only; a dict of named floating-point tensors of the
-  config's shapes. One line ("is the file complete?").
-- train_state.pt, manifest.json (support/checkpoint.py): weights_only, then its fields; an object of plain file names,
-  each with its bytes and sha256. A pickle that would run code: one line. A manifest that fails: the checkpoint is
-  damaged, the one before it is resumed (none left: one line), and metrics.jsonl stays as it was.
-- progress.json (cka.py): step, tokens, phase. One line.
-- meta.json, train.bin, val.bin (support/shards.py, data.Loader): dtype uint16 or uint32, vocab_size within it,
-  special ids inside the vocabulary, counts equal to the .bin sizes, the tokenizer's sha256; each window's ids
-  inside the vocabulary as the loader reads it. One line at start-up, or at the step that reads the id.
-- tokenizer.json, tokenizer_config.json, special_tokens_map.json (support/tokenizer.py): the reading rule, then
-  Hugging Face's own parser; merges, ids, special tokens. Copied into a checkpoint only when they are the data's
-  own (a link only when its sha256 is meta.json's). One line.
-- .lock (support/lock.py): a regular file of one name (no link, FIFO or directory); its record's fields and types.
-  One line; a record of another shape names no holder.
-- metrics.jsonl (support/metrics.py): each line a JSON object with an integer step. Other lines are kept and
-  skipped, with a warning; a resume never cuts it past the checkpoint it loaded.
-- out_dir/config.json (support/checkpoint.check_same_run, under the hold): an object. One line.
-- stored suite runs, task .jsonl/.tsv (support/suite.py, eval.py): their shapes, metrics in [0, 1], field types.
-  Named in the suite's one refusal; one line.
-- every file or folder the project writes, renames or deletes: the Writing section below. A link, FIFO or hard
-  link there: one line.
+- config.json, model.safetensors, pytorch_model.bin: support/hf.py (weights_only).
+- train_state.pt, manifest.json, out_dir/config.json: support/checkpoint.py. A manifest that fails marks its
+  checkpoint damaged: the one before it is resumed (none left: one line), and metrics.jsonl stays as it was.
+- progress.json: cka.py. meta.json, train.bin, val.bin: support/shards.py, then data.Loader checks each window's ids.
+- tokenizer.json and its companions: support/tokenizer.py (then Hugging Face's own parser).
+- .lock: support/lock.py (a record of another shape names no holder).
+- metrics.jsonl: support/metrics.py (a line that is no record is kept and skipped, with a warning).
+- stored suite runs, task .jsonl/.tsv: support/suite.py, eval.py.
+- every file or folder the project writes, renames or deletes: the Writing section below.
 """
 
 import errno
@@ -41,6 +27,7 @@ import shutil
 import stat
 
 MAX_JSON = 1 << 28  # bytes: a tokenizer.json of a 250k vocabulary is about 20 MB; no JSON file of ours comes near
+JSON_TYPES = {bool: "boolean", dict: "object", list: "array", str: "string", int: "number", float: "number"}
 
 
 # -----------------------------------------------------------------------------
@@ -65,8 +52,7 @@ def read_bytes(path, limit):
 
 
 def read_json(path, shape=dict, limit=MAX_JSON):
-    """The JSON value in `path`, once it is of type `shape` (dict: a JSON object; list: an array); else a ValueError
-    naming the file and what it holds instead."""
+    """The JSON value in `path`, once of type `shape` (dict or list); else a ValueError naming the file and it."""
     data = read_bytes(path, limit)
     try:
         value = json.loads(data)
@@ -74,14 +60,14 @@ def read_json(path, shape=dict, limit=MAX_JSON):
         raise ValueError(f"{path} is not JSON this code reads: it is nested too deeply") from None
     except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
         raise ValueError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(value, shape) or isinstance(value, bool) and shape is not bool:
-        raise ValueError(f"{path} holds a JSON {json_type(value)} where a JSON {json_type(shape())} is expected")
+    if not isinstance(value, shape):
+        raise ValueError(f"{path} holds a JSON {JSON_TYPES.get(type(value), 'null')} where a JSON {JSON_TYPES[shape]} "
+                         "is expected")
     return value
 
 
 def json_lines(lines, path):
-    """(line number, value) of each non-blank line of a JSONL file; a line that is not JSON is a SystemExit naming
-    it."""
+    """(line number, value) of each non-blank line of a JSONL file; a line that is not JSON: a SystemExit naming it."""
     for n, line in enumerate(lines, 1):
         if line.strip():
             try:
@@ -93,14 +79,6 @@ def json_lines(lines, path):
 def sha256(path):
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def json_type(value):
-    """JSON's name for the type of a parsed value."""
-    for t, name in ((bool, "boolean"), (dict, "object"), (list, "array"), (str, "string"), ((int, float), "number")):
-        if isinstance(value, t):
-            return name
-    return "null"
 
 
 def whole(value, lo=0, hi=1 << 63):
@@ -166,9 +144,8 @@ def open_fd(path, flags):
 
 
 def open_file(path, mode="w"):
-    """The file `path` opened for writing as open(path, mode) would ("w", "wb": emptied; "a": appended to), once it
-    is a regular file of one name (see open_fd). No O_TRUNC at the open: a hard link is refused before it is
-    emptied."""
+    """`path` opened for writing as open(path, mode) would ("w", "wb": emptied; "a": appended to), once it is a
+    regular file of one name (see open_fd). No O_TRUNC at the open: a hard link is refused before it is emptied."""
     fd = open_fd(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in mode else 0))
     if "w" in mode:
         os.ftruncate(fd, 0)
@@ -228,10 +205,3 @@ def make_dirs(root, path):
                 refuse(here, kind(here, st) or "a file")
     return path
 
-
-def check_no_links(directory):
-    """Before any work: no entry of the output directory `directory` (if it exists) is a link; said now, not at the
-    write that would meet it, hours in."""
-    if os.path.isdir(directory):
-        for entry in os.scandir(directory):
-            refuse_link(entry.path)
