@@ -59,8 +59,7 @@ def save_checkpoint(path, model, optimizer, state, c, schedule=None):
         tokenizer = tokenizer_files(c.data_dir)
         model.save_pretrained(fresh_dir(tmp))  # made here: what is written into it lands in it
         for name, data in tokenizer.items():
-            with open_file(os.path.join(tmp, name), "wb") as f:
-                f.write(data)
+            replace_file(os.path.join(tmp, name), data)
         write_hf_config(tmp, model.config.max_position_embeddings)  # so that transformers' tools know [MASK] & co
         write_card(tmp, c, state["step"], state.get("tokens", 0), model, schedule)  # README.md: what the hub shows
         with open_file(os.path.join(tmp, PROGRESS)) as f:
@@ -121,8 +120,7 @@ def fsync(path):
 
 
 def read_manifest(path):
-    """{file name: {"bytes": size, "sha256": hex digest}} of the checkpoint directory `path`; a ValueError naming the
-    file if it is not one (a name that is no plain file name in the directory, a field of another type)."""
+    """{file name: {"bytes": size, "sha256": hex digest}} of the checkpoint `path`; else a ValueError naming it."""
     file = os.path.join(path, MANIFEST)
     manifest = read_json(file)
     for name, entry in manifest.items():
@@ -201,8 +199,7 @@ def latest_valid_checkpoint(out_dir):
 
 
 def prune(out_dir, max_ckpts, keep_every, phase_ends=()):
-    """Retention: the newest max_ckpts full checkpoints stay, and those at the `phase_ends` steps; an older one is
-    removed, or made weights-only if its step is a multiple of keep_every."""
+    """Retention (see above): the checkpoints at the `phase_ends` steps stay too."""
     for old in full_checkpoints(out_dir)[:-max_ckpts]:
         if step_of(old) in phase_ends:
             continue
@@ -226,8 +223,7 @@ def drop_train_state(path):
 
 
 def load_train_state(path):
-    """train_state.pt as tensors and plain data (torch.load's weights_only): a pickle that would build any other
-    object, which is how a pickle runs code, is refused with one line naming the file."""
+    """train_state.pt as tensors and plain data only: a pickle that would build other objects (run code): refused."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
@@ -293,8 +289,8 @@ class Checkpointer:
             signal.signal(s, caught)
 
     def resume(self, continue_from=None):
-        """The checkpoint this run starts from: the newest valid one in out_dir, else `continue_from` if it
-        has a train state (a phase-1 checkpoint for a run of the later phases), else None (init_from)."""
+        """The newest valid checkpoint in out_dir, else `continue_from` if it has a train state (a phase-1
+        checkpoint for a run of the later phases), else None (init_from)."""
         def choose():
             for tmp in glob.glob(os.path.join(self.c.out_dir, ".tmp-*")):  # a save that a kill interrupted
                 remove(tmp)
@@ -382,11 +378,10 @@ class Checkpointer:
     def agree(self):
         """(a signal reached some rank, ckpt_every_minutes passed on some rank's clock), the same on every rank."""
         late = self.c.ckpt_every_minutes > 0 and time.monotonic() - self.saved_at >= 60 * self.c.ckpt_every_minutes
-        # Without a process group the flags stay on the CPU: no wait for the GPU here.
-        flags = torch.tensor([self.caught, late], dtype=torch.float32,
-                             device=self.process.device if dist.is_initialized() else "cpu")
-        if dist.is_initialized():
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if not dist.is_initialized():
+            return bool(self.caught), late
+        flags = torch.tensor([self.caught, late], dtype=torch.float32, device=self.process.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         stopping, late = flags.tolist()  # waits for the step, as the next step's batch copy would
         return bool(stopping), bool(late)
 
@@ -488,8 +483,7 @@ def differences(key, old, new):
 
 
 def every_rank_sees(path, process):
-    """Each rank checks `path` (sizes only, cheap), which rank 0 wrote: a node that cannot see it would resume from
-    another step than the others."""
+    """Each rank checks (sizes only) `path`, which rank 0 wrote: a node that cannot see it would resume elsewhere."""
     if not dist.is_initialized():
         return
     views = [None] * process.world

@@ -71,8 +71,7 @@ def check_config(c, phase_names, world):
 
 
 def check_phases(specs, phase):
-    """The `phases` key: dicts of the fields of `phase` (the Phase class), a length each, unique names. -> the
-    phases."""
+    """The `phases` key: dicts of `phase`'s fields (the Phase class), a length each, unique names. -> the phases."""
     allowed = [f.name for f in fields(phase)]
     for spec in specs:
         if (not isinstance(spec, dict) or not {"name", "objective"} <= set(spec) <= set(allowed)
@@ -112,8 +111,7 @@ def check_phase(p):
 
 
 def check_model_config(c):
-    """model_config names ModernBertConfig fields, and from scratch makes a model that can be built (hf.check_config:
-    sizes in range, heads that split hidden_size into even head dims, a model that fits in memory)."""
+    """model_config names ModernBertConfig fields, and from scratch makes a model that hf.check_config passes."""
     keys = [f.name for f in fields(ModernBertConfig)]
     unknown = sorted(set(c.model_config) - set(keys))
     if unknown:
@@ -205,8 +203,7 @@ def check_seq_len(config, seq_len, fix, whose):
 
 
 def checkpoint_config(path, where):
-    """-> the ModernBertConfig of the checkpoint directory `path`; `where` (e.g. "--model out/x/final") begins
-    the one line that says why it is not one."""
+    """-> the ModernBertConfig of the checkpoint `path`, or one line, beginning with `where`, that says why not."""
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise SystemExit(f"{where}: not a checkpoint directory (no config.json); give a run's final/ or ckpt-STEP/, "
                          "or a Hugging Face ModernBERT directory")

@@ -75,9 +75,8 @@ def load_config(cls, path, **overrides):
 
 
 def check_config(config, where="config.json", fix="fix the file, or copy the checkpoint again from its source"):
-    """Every value of the config (a ModernBertConfig) of its type and in its range; heads that split hidden_size
-    into even head dims (RoPE rotates pairs); and a model that this machine's memory holds: else a ValueError that
-    names the fields."""
+    """Every value of the ModernBertConfig of its type and in its range, heads of an even size (RoPE rotates pairs),
+    a model that this machine's memory holds; else a ValueError that names the fields."""
     v = vars(config)
     bad = ([f"{k}={v[k]!r} must be a whole number from 1 to {top:,}" for k, top in SIZES.items()
             if not whole(v[k], 1, top)]
