@@ -437,9 +437,8 @@ def run_config(c):
             if not (c.phases and k in PAPER_PHASE_KEYS)}
 
 
-# Settings that do not change what a run computes: a resumed run may change them. Every other key (the
-# objective and phases, seq_len, data_dir, tokens, the model, the seeds, ...) must stay what the run was
-# started with, unless it is named in resume_changes.
+# Settings that do not change what a run computes, which a resumed run may change. Every other key (the objective
+# and phases, seq_len, the data, the model, the seeds, ...) must stay as it was, unless resume_changes names it.
 RUN_SETTINGS = {"out_dir", "run_phases", "resume_changes", "skip_tokens", "device", "dtype", "compile", "attn_backend",
                 "peak_tflops", "micro_batch_size", "log_interval", "eval_interval", "eval_windows",
                 "ckpt_interval", "ckpt_every_minutes", "max_ckpts", "keep_every", "dist_timeout_minutes",

@@ -138,8 +138,10 @@ def weights_file(path):
     return found[0]
 
 
-def load_state(path):
-    """The state dict of a checkpoint directory; a file cut short is named."""
+def load_weights(model, path):
+    """Fill `model` (a ModernBertForMaskedLM, or a classifier) from the directory's weights, which may come from
+    ModernBertForMaskedLM, a bare ModernBertModel or a classifier. The encoder must be there and of the config's
+    shapes; a task head that is not (a classifier on top of an MLM checkpoint) keeps its init, as in transformers."""
     file = weights_file(path)
     try:
         state = (load_file(file) if file.endswith(".safetensors")
@@ -152,14 +154,6 @@ def load_state(path):
                          "again.") from None
     if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(t) for k, t in state.items()):
         raise ValueError(f"{file} holds a {type(state).__name__}, not named tensors: it is no model's weights")
-    return state
-
-
-def load_weights(model, path):
-    """Fill `model` (a ModernBertForMaskedLM, or a classifier) from the directory's weights, which may come from
-    ModernBertForMaskedLM, a bare ModernBertModel or a classifier. The encoder must be there and of the config's
-    shapes; a task head that is not (a classifier on top of an MLM checkpoint) keeps its init, as in transformers."""
-    state = load_state(path)
     if not any(k.startswith("model.") for k in state):  # a bare ModernBertModel: keys without the prefix
         state = {"model." + k: v for k, v in state.items()}
     expected = {k: v for k, v in model.state_dict().items() if k != "decoder.weight"}  # tied to the embedding
