@@ -105,7 +105,6 @@ FIELDS = {"cls": ("text", "label"), "multilabel": ("text", "labels"), "ner": ("t
 
 
 def read_split(path, task):
-    """-> list of examples: {"text", "label"} / {"text", "labels"} / {"tokens", "tags"}."""
     examples = []
     if task == "ner" and not path.endswith(".jsonl"):
         tokens, tags = [], []
@@ -259,7 +258,6 @@ def flat_batch(items, task, device):
 
 
 def task_loss_sum(model, items, task, device):
-    """The summed loss of the items' targets: cross-entropy (cls, ner), binary cross-entropy (multilabel)."""
     flat, targets = flat_batch(items, task, device)
     logits = model(flat.tokens, cu_seqlens=flat.cu_seqlens, max_seqlen=flat.max_seqlen)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bfloat16 up; float64 (tests) kept
@@ -418,7 +416,6 @@ def check_model(path, tokenizer, device, dtype):
 
 
 def full_context(max_len, positions, where):
-    """max_len as given (at most the model's positions), or None: the model's max_position_embeddings."""
     if max_len is not None and max_len > positions:
         raise SystemExit(f"{where}: max_len={max_len} is beyond the model's {positions} positions; give at most "
                          f"{positions}, or leave it out for the model's full context")
@@ -450,9 +447,8 @@ def suite_runs(args, seeds, tasks, names, device, dtype):
             run_args = argparse.Namespace(**{**vars(args), **{k: t[k] for k in suite.TASK_KEYS if k != "name"},
                                              "model": os.path.abspath(path), "max_len": max_len[t["name"], path],
                                              "max_tokens": t["max_tokens"] or suite.max_tokens(device)})
-            options = {k: v for k, v in vars(run_args).items()
+            options = {k: v for k, v in {**vars(run_args), "dtype": str(dtype).removeprefix("torch.")}.items()
                        if k not in ("suite", "models", "out", "seeds", "device", "save_model")}
-            options["dtype"] = str(dtype).removeprefix("torch.")
             runs += [dict(task=t, model=path, name=name, seed=seed, args=run_args, options={**options, "seed": seed},
                           file=suite.run_file(args.out, t["name"], name, seed)) for seed in seeds]
     return toks, about, data, runs
@@ -476,26 +472,25 @@ def run_suite(args, process, autocast, dtype):
     if rank == 0:
         print(f"{args.suite}: {len(runs)} runs ({len(tasks)} tasks x {len(names)} models x {len(seeds)} seeds): "
               f"{len(done)} finished earlier, {len(runs) - len(done)} to run" + threads.describe("; "))
-    bar = tqdm(total=len(runs), initial=len(done), desc="suite", unit="run", disable=rank != 0 or None)
     encoded, splits = None, None  # the (task name, model path) whose splits, in that model's tokens, are at hand
-    for i, r in enumerate(runs):
-        if i in done:
-            continue
-        t, t0 = r["task"], time.time()
-        raw, labels = data[t["name"]]
-        if encoded != (t["name"], r["model"]):
-            encoded = (t["name"], r["model"])
-            splits = encode_splits(raw, toks[r["model"]], t["task"], labels, r["args"].max_len)
-        model, result = finetune(r["args"], r["seed"], splits, labels, device, rank, world, autocast)
-        done[i] = result
-        if rank == 0:
-            suite.store_run(r["file"], r["options"], result, args.out)
-            if args.save_model:
-                model.save_pretrained(fresh_dir(r["file"].removesuffix(".json")))
-            tqdm.write(f"run {t['name']} / {r['name']} / seed {r['seed']}: test macro F1 "
-                       f"{100 * result['test']['macro_f1']:.2f} ({time.time() - t0:.1f}s)")
-        bar.update()
-    bar.close()
+    with tqdm(total=len(runs), initial=len(done), desc="suite", unit="run", disable=rank != 0 or None) as bar:
+        for i, r in enumerate(runs):
+            if i in done:
+                continue
+            t, t0 = r["task"], time.time()
+            raw, labels = data[t["name"]]
+            if encoded != (t["name"], r["model"]):
+                encoded = (t["name"], r["model"])
+                splits = encode_splits(raw, toks[r["model"]], t["task"], labels, r["args"].max_len)
+            model, result = finetune(r["args"], r["seed"], splits, labels, device, rank, world, autocast)
+            done[i] = result
+            if rank == 0:
+                suite.store_run(r["file"], r["options"], result, args.out)
+                if args.save_model:
+                    model.save_pretrained(fresh_dir(r["file"].removesuffix(".json")))
+                tqdm.write(f"run {t['name']} / {r['name']} / seed {r['seed']}: test macro F1 "
+                           f"{100 * result['test']['macro_f1']:.2f} ({time.time() - t0:.1f}s)")
+            bar.update()
 
     if rank == 0:
         scores = {}  # (task, model name) -> the test metrics of each seed, in the order of seeds

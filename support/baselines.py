@@ -101,7 +101,6 @@ class Tokenizers:
         self.text, self.words = text, words
 
     def texts(self, texts, max_len):
-        """-> each text's ids with the special tokens, truncated to max_len."""
         return self.text(texts, truncation=True, max_length=max_len)["input_ids"]
 
     def sentences(self, sentences):

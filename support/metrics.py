@@ -38,7 +38,6 @@ def lines(path):
 
 
 def records(path):
-    """The records of metrics.jsonl at `path`, in order."""
     return [r for _, r in lines(path) if r]
 
 
