@@ -4,8 +4,6 @@ import json
 import math
 import os
 import random
-import re
-import subprocess
 
 import numpy as np
 import pytest
@@ -15,9 +13,6 @@ from eval import classification_metrics, encode_examples, multilabel_metrics, ne
 from model import (ModernBertConfig, ModernBertForMaskedLM, ModernBertForSequenceClassification,
                    ModernBertForTokenClassification)
 from support.tokenizer import load_tokenizer, train_bpe
-from test_train import launcher
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_metrics_hand_checked_and_equal_seqeval_and_sklearn():
@@ -70,13 +65,17 @@ TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_lay
 
 
 @pytest.mark.parametrize("kind,pooling", [("sequence", "mean"), ("sequence", "cls"), ("token", "mean")])
-def test_heads_interoperate_with_transformers(kind, pooling, tmp_path):
+def test_heads_start_from_an_mlm_checkpoint_and_interoperate_with_transformers(kind, pooling, tmp_path):
     transformers = pytest.importorskip("transformers")
     ours_cls = ModernBertForSequenceClassification if kind == "sequence" else ModernBertForTokenClassification
     hf_cls = getattr(transformers, ours_cls.__name__)
     labels = {"0": "neg", "1": "neu", "2": "pos"}
     torch.manual_seed(0)
-    ours = ours_cls(ModernBertConfig(**TINY, id2label=labels, classifier_pooling=pooling)).eval()
+    mlm = ModernBertForMaskedLM(ModernBertConfig(**TINY))
+    mlm.save_pretrained(tmp_path / "mlm")
+    ours = ours_cls.from_pretrained(tmp_path / "mlm", id2label=labels, classifier_pooling=pooling).eval()
+    assert torch.equal(ours.model.layers[1].mlp.Wi.weight, mlm.model.layers[1].mlp.Wi.weight)
+    assert torch.equal(ours.head.dense.weight, mlm.head.dense.weight)
     with torch.no_grad():
         for p in ours.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -94,15 +93,6 @@ def test_heads_interoperate_with_transformers(kind, pooling, tmp_path):
         a, b = ours(ids, mask)[real], hf.eval()(input_ids=ids, attention_mask=mask).logits[real]
         c = back(ids, mask)[real]
     assert (a - b).abs().max() <= 1e-5 and (c - a).abs().max() <= 1e-5
-
-
-def test_classifier_on_top_of_an_mlm_checkpoint(tmp_path):
-    torch.manual_seed(0)
-    mlm = ModernBertForMaskedLM(ModernBertConfig(**TINY))
-    mlm.save_pretrained(tmp_path)
-    clf = ModernBertForSequenceClassification.from_pretrained(tmp_path, id2label={"0": "a", "1": "b"})
-    assert torch.equal(clf.model.layers[1].mlp.Wi.weight, mlm.model.layers[1].mlp.Wi.weight)
-    assert torch.equal(clf.head.dense.weight, mlm.head.dense.weight)
 
 
 @pytest.fixture(scope="module")
@@ -151,34 +141,6 @@ def test_learns_selects_the_first_best_epoch_refuses_bad_inputs(tiny_model, tmp_
     (tmp_path / "task" / "validation.jsonl").write_text("")  # (a split missing, a label unseen: test_suite.py)
     with pytest.raises(SystemExit, match="validation.jsonl: the split is empty"):
         eval_in_process(["--model", tiny_model, "--task", "cls", "--data", str(tmp_path / "task"), "--device", "cpu"])
-
-
-def test_torchrun_with_several_micro_batches_per_rank_equals_one_process(tiny_model, tmp_path):
-    # micro batches of at most 16 tokens: a different number on each rank, only the last one all-reduces. The same
-    # seed in other processes gives the same weights, and a ModernBERT run imports no transformers.
-    from safetensors.torch import load_file
-
-    separable_task(tmp_path / "task")
-    common = ["--model", tiny_model, "--task", "cls", "--data", str(tmp_path / "task"), "--seeds", "7",
-              "--epochs", "1", "--lr", "3e-3", "--save_model", "--device", "cpu"]
-    eval_in_process([*common, "--out", str(tmp_path / "one")])
-    r = subprocess.run([*launcher(2), os.path.join(ROOT, "eval.py"), *common, "--max_tokens", "16", "--out",
-                        str(tmp_path / "two")], cwd=ROOT, capture_output=True, text=True,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPROFILEIMPORTTIME": "1"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "16 tokens per micro batch" in r.stdout
-    imported = re.findall(r"^import time:.*\| +(\S+)$", r.stderr, re.M)
-    assert "torch" in imported and not any(m.split(".")[0] == "transformers" for m in imported)
-    one, two = (load_file(str(tmp_path / d / "model-seed7" / "model.safetensors")) for d in ("one", "two"))
-    start = load_file(os.path.join(tiny_model, "model.safetensors"))
-    moved = max((one[k] - start[k]).abs().max().item() for k in start if k in one)
-    assert moved > 1e-3  # the comparison below means something: training moved the weights
-    for k in one:
-        torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-5)
-    # the first steps' losses that results.json records: each the mean over the whole batch, both ranks' shares
-    first, both = (json.loads((tmp_path / d / "results.json").read_text())["runs"][0]["first_losses"]
-                   for d in ("one", "two"))
-    assert len(first) == 10 and all(abs(a / b - 1) < 1e-5 for a, b in zip(both, first)), (first, both)
 
 
 # -----------------------------------------------------------------------------

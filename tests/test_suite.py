@@ -111,8 +111,9 @@ def jsonl_slice(src, dst, n):
 
 
 # Data paths are relative to the suite file, which the fixture writes beside the slices.
+# gad: 128 tokens per micro batch, two to four sentences: several micro batches on each of two ranks.
 TASKS = ['dict(name="ncbi_disease", task="ner", data="ncbi_disease", epochs=2, lr=5e-3, max_len=128)',
-         'dict(name="gad", task="cls", data="gad", epochs=2, lr=5e-3, max_len=128)']
+         'dict(name="gad", task="cls", data="gad", epochs=2, lr=5e-3, max_len=128, max_tokens=128)']
 
 
 def suite_text(tasks):
@@ -162,9 +163,9 @@ def test_suite_table_equals_eval_per_task(shared_suite):
     res = results(tmp / "out")
     assert list(res["tasks"]) == ["ncbi_disease", "gad"] and list(res["models"]) == ["a/final", "b/final"]
     # eval.py's single-task command gives the same numbers (one NER and the cls task; the second seed)
-    for task, kind, model in (("ncbi_disease", "ner", "a"), ("gad", "cls", "b")):
+    for task, kind, model, budget in (("ncbi_disease", "ner", "a", "4096"), ("gad", "cls", "b", "128")):
         eval.main(["--model", str(tmp / model / "final"), "--task", kind, "--data", str(tmp / task), "--seeds", "2",
-                   "--epochs", "2", "--lr", "5e-3", "--max_len", "128", "--device", "cpu",
+                   "--epochs", "2", "--lr", "5e-3", "--max_len", "128", "--max_tokens", budget, "--device", "cpu",
                    "--out", str(tmp / f"single_{task}")])
         single = results(tmp / f"single_{task}")["runs"]
         row = res["tasks"][task]["models"][f"{model}/final"]
@@ -254,14 +255,22 @@ def test_broken_tasks_and_changed_settings_are_refused_before_any_training(share
 
 @needs_shared
 def test_suite_under_torchrun_skips_alike_and_equals_one_process(shared_suite, tmp_path):
-    tmp, out = shared_suite, tmp_path / "out"
-    (out / "runs" / "gad" / "a" / "final").mkdir(parents=True)  # seed 1 finished: rank 0 skips it, so must rank 1
-    shutil.copyfile(tmp / "out" / "runs" / "gad" / "a" / "final" / "seed1.json",
-                    out / "runs" / "gad" / "a" / "final" / "seed1.json")
+    # several micro batches per rank (only the last all-reduces); a ModernBERT run imports no transformers
+    tmp, out, run = shared_suite, tmp_path / "out", os.path.join("runs", "gad", "a", "final")
+    (out / run).mkdir(parents=True)  # seed 1 finished: rank 0 skips it, so must rank 1
+    shutil.copyfile(tmp / "out" / run / "seed1.json", out / run / "seed1.json")
     r = subprocess.run([*launcher(2), *run_suite_cmd(tmp, out, suite_file="gad_only.py", models="a")], cwd=ROOT,
-                       capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPROFILEIMPORTTIME": "1"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "1 finished earlier, 1 to run" in r.stdout
+    imported = re.findall(r"^import time:.*\| +(\S+)$", r.stderr, re.M)
+    assert "torch" in imported and not any(m.split(".")[0] == "transformers" for m in imported)
     one, two = (results(d)["tasks"]["gad"]["models"]["a/final"] for d in (tmp / "out", out))
+    assert two["ran_with"] == {"max_len": 128, "max_tokens": 128}
     for metric in ("macro_f1", "weighted_f1"):  # seed 2 ran on two processes, seed 1 on one
         assert two[metric]["per_seed"] == pytest.approx(one[metric]["per_seed"], abs=1e-9)
+    # every step's loss (6 steps), each the mean over the whole batch, both ranks' shares
+    first, both = (json.loads((d / run / "seed2.json").read_text())["result"]["first_losses"]
+                   for d in (tmp / "out", out))
+    assert len(first) == 6 and len(set(first)) == 6 and all(abs(a / b - 1) < 1e-5 for a, b in zip(both, first))
