@@ -38,28 +38,22 @@ def texts(n=4000):
         return [line.strip() for line in itertools.islice(f, n)]
 
 
-def make_bert(path):
-    from tokenizers.implementations import BertWordPieceTokenizer
-    wordpiece = BertWordPieceTokenizer(lowercase=True)
-    wordpiece.train_from_iterator(texts(), vocab_size=600, min_frequency=2)
+def make_hf(path, family):
+    """A tiny random BERT (WordPiece) or RoBERTa (byte-level BPE, 66 positions: its position ids start at pad + 1)
+    with a tokenizer trained here, and its tokenizer.json as on the hub."""
+    from tokenizers.implementations import BertWordPieceTokenizer, ByteLevelBPETokenizer
+    if family == "bert":
+        tok, special, config = BertWordPieceTokenizer(lowercase=True), {}, transformers.BertConfig(
+            **TINY, max_position_embeddings=64)
+    else:
+        tok, special = ByteLevelBPETokenizer(), dict(special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
+        config = transformers.RobertaConfig(**TINY, max_position_embeddings=66, pad_token_id=1, bos_token_id=0,
+                                            eos_token_id=2)
+    tok.train_from_iterator(texts(), vocab_size=600, min_frequency=2, **special)
     os.makedirs(path)
-    wordpiece.save_model(str(path))  # vocab.txt, which transformers' BertTokenizer reads
+    tok.save_model(str(path))  # vocab.txt, or vocab.json and merges.txt: what transformers' slow classes read
     torch.manual_seed(0)
-    transformers.BertForMaskedLM(transformers.BertConfig(**TINY, max_position_embeddings=64)).save_pretrained(path)
-    transformers.AutoTokenizer.from_pretrained(path).save_pretrained(path)  # its tokenizer.json, as on the hub
-
-
-def make_roberta(path):
-    # 66 positions: position ids start at pad + 1 = 2
-    from tokenizers.implementations import ByteLevelBPETokenizer
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(texts(), vocab_size=600, min_frequency=2,
-                            special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
-    os.makedirs(path)
-    bpe.save_model(str(path))  # vocab.json and merges.txt
-    torch.manual_seed(0)
-    transformers.RobertaForMaskedLM(transformers.RobertaConfig(**TINY, max_position_embeddings=66, pad_token_id=1,
-                                                               bos_token_id=0, eos_token_id=2)).save_pretrained(path)
+    transformers.AutoModelForMaskedLM.from_config(config).save_pretrained(path)
     transformers.AutoTokenizer.from_pretrained(path).save_pretrained(path)
 
 
@@ -75,8 +69,8 @@ def make_modernbert(path):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("families")
-    make_bert(tmp / "bert")
-    make_roberta(tmp / "roberta")
+    make_hf(tmp / "bert", "bert")
+    make_hf(tmp / "roberta", "roberta")
     make_modernbert(tmp / "modernbert")
     return tmp
 
@@ -128,13 +122,6 @@ def test_each_family_has_its_own_first_sub_tokens_maximum_length_and_special_tok
     assert len(plain) > 64
     (ids, _), = eval.encode_examples([{"text": text, "label": "a"}], tok, "cls", ["a"], 64)["items"]
     assert ids == tok.text.convert_tokens_to_ids([cls]) + plain[:62] + tok.text.convert_tokens_to_ids([sep])
-
-
-def no_weights(models, path):
-    path.mkdir()
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        (path / name).write_bytes((models / "bert" / name).read_bytes())
-    return str(path)
 
 
 def test_refused_before_training_with_what_is_missing(models, tmp_path, monkeypatch):
@@ -286,11 +273,14 @@ def test_a_task_separable_by_its_words_is_learned(models, tasks, tmp_path, famil
 
 def test_suite_checks_every_model_then_puts_modernbert_bert_and_roberta_in_one_table(models, tasks, tmp_path):
     np = pytest.importorskip("numpy")
+    (tmp_path / "no_weights").mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "no_weights" / name).write_bytes((models / "bert" / name).read_bytes())
     (tmp_path / "bad.py").write_text(f"seeds = [1]\ntasks = [dict(name='gad', task='cls', "
                                      f"data={str(tasks / 'gad')!r}, max_len=128)]\n")
     with pytest.raises(SystemExit) as e:
         eval.main(["--suite", str(tmp_path / "bad.py"), "--models", str(models / "modernbert"),
-                   no_weights(models, tmp_path / "no_weights"), str(models / "roberta"), "--out", str(tmp_path / "out"),
+                   str(tmp_path / "no_weights"), str(models / "roberta"), "--out", str(tmp_path / "out"),
                    "--device", "cpu"])
     assert "nothing was trained" in str(e.value)
     assert re.search(r"no_weights: config.json has model_type='bert'; this code only reads ModernBERT .* cannot load",
@@ -335,10 +325,9 @@ class Stop(Exception):
 
 @pytest.mark.parametrize("task", ["cls", "multilabel", "ner"])
 def test_finetune_step_has_the_gradients_of_transformers_modernbert_loss(models, tmp_path, monkeypatch, task):
-    """eval.finetune's first optimizer step (float32, dropout 0, the train split in one batch cut into micro
-    batches) holds the loss and gradients of transformers' ModernBertFor*Classification on the same checkpoint,
-    its own mean loss on its padded batch; the logits and eval.py's transformers path (Padded) on that checkpoint
-    agree too. So a ModernBERT row and a baseline row differ by their models, not by the code that ran them.
+    """eval.finetune's first optimizer step (float32, dropout 0, one batch in micro batches) holds the loss and
+    gradients of transformers' ModernBertFor*Classification on the same checkpoint, as does eval.py's transformers
+    path (Padded): a ModernBERT row and a baseline row differ by their models, not by the code that ran them.
     Gradients, not weights: AdamW's first update, about lr x sign(g), hides a loss scaled by a constant."""
     tok, _ = eval.check_model(str(models / "modernbert"), None, CPU, FLOAT32)
     examples, labels = task_examples(task)

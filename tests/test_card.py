@@ -30,8 +30,7 @@ SHARED = os.path.join(ROOT, "..", "shared")
 TEXT = "the patient was treated with a [MASK] dose."
 
 
-def front_matter(card):
-    """The YAML front matter of a card, as the hub reads it."""
+def front_matter(card):  # as the hub reads it
     return yaml.safe_load(card.split("---\n")[1])
 
 
@@ -41,8 +40,8 @@ def weights(path):
 
 
 def check_fill_mask(path):
-    """transformers' pipeline("fill-mask") on the directory: it knows the special tokens and the maximum length,
-    its ids are those of tokenizers itself, and its top scores are our model's softmax at the [MASK]."""
+    """transformers' pipeline("fill-mask") knows the special tokens and the maximum length, its ids are those of
+    tokenizers itself, its top scores our model's softmax at the [MASK]."""
     from transformers import AutoTokenizer, pipeline
 
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -127,10 +126,8 @@ def test_fill_mask_runs_with_a_copied_tokenizer(name, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Weights & Biases tracking, offline (WANDB_MODE=offline: no network, no account): a tiny run with
-# wandb_project set, stopped by SIGTERM and resumed, logs every metrics.jsonl record to one W&B run, config
-# included. What W&B stored is read back from its own run files (.wandb: a LevelDB-style log of W&B's protobuf
-# records, read here with wandb's protobuf classes), not from our code.
+# Weights & Biases, offline (no network, no account): what W&B stored is read back from its own run files
+# (.wandb: a LevelDB-style log of its protobuf records, read with wandb's protobuf classes), not from our code.
 
 
 BLOCK = 32768  # the log's block size: a record header never straddles a block
@@ -172,6 +169,7 @@ def read_offline_run(run_dir):
 
 
 def test_wandb_offline_logs_every_record_and_a_resume_continues_the_same_run(data_dir, tmp_path):
+    # a tiny run stopped by SIGTERM and resumed: every metrics.jsonl record in one W&B run, config included
     pytest.importorskip("wandb", reason="wandb is not installed (pip install wandb)")
     out = tmp_path / "run"
     cmd = train_cmd(out, data_dir, f"--tokens={40 * 8 * 64}", "--log_interval=2", "--wandb_project=clm-detour-test",

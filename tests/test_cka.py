@@ -25,9 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def gram_cka(X, Y, debiased=False):
-    """The textbook: K = X X^T and L = Y Y^T as n x n Gram matrices, HSIC ratio, float64.
-    Biased: tr(KHLH) with the centring matrix H. Debiased: Song et al.'s unbiased HSIC on the
-    Grams of column-centred features with zeroed diagonals."""
+    """The textbook in float64: HSIC ratio of the n x n Grams K = X X^T, L = Y Y^T. Biased: tr(KHLH) with the
+    centring matrix H; debiased: Song et al.'s unbiased HSIC, the Grams' diagonals zeroed."""
     X, Y = np.asarray(X, np.float64), np.asarray(Y, np.float64)
     n = X.shape[0]
     # HKH = (HX)(HX)^T: centring the columns first changes nothing in exact arithmetic and
@@ -180,17 +179,13 @@ def test_bad_inputs_are_clear(setup, tmp_path):
 # Against an outside expectation: the paper's regions, and the table's numbers from the per-seed CKAs
 
 
-def test_regions_are_the_papers_at_22_layers_and_thirds_otherwise():
+def test_regions_and_ratios_are_the_papers_from_the_per_seed_divergences(one_process):
+    """results.json's summaries recomputed from its per-seed CKAs: divergence = 1 - CKA; a layer's ratio is the
+    mean over seeds of pair / control divergence; a region's divergence the mean over seeds of its layers' mean
+    (sample std), its ratio that of the pair's mean to the control's. (Two processes against one cannot see a
+    ratio turned upside down.)"""
     assert cka.regions(22) == [(0, 8), (8, 15), (15, 22)]  # PAPER.md: layers 0-7, 8-14, 15-21 (French Base)
     assert cka.regions(28) == [(0, 10), (10, 19), (19, 28)]  # Large: thirds, the larger first
-    assert cka.regions(6) == [(0, 2), (2, 4), (4, 6)]
-
-
-def test_ratios_and_regions_are_computed_from_the_per_seed_divergences(one_process):
-    """results.json's summaries, recomputed here from its per-seed, per-layer CKAs: divergence = 1 - CKA; a
-    layer's ratio is the mean over seeds of pair divergence / control divergence; a region's divergence is
-    the mean over seeds of its layers' mean divergence (sample std over seeds), and its ratio that of the
-    pair's region mean to the control's. Two processes against one cannot see a ratio turned upside down."""
     res, seeds = one_process, ("1", "2", "3")
     div = {name: np.array([[1 - row["cka"] for row in res["per_seed"][name][s]] for s in seeds])
            for name in ("pair", "control")}  # (seeds, layers)
@@ -212,13 +207,11 @@ def test_ratios_and_regions_are_computed_from_the_per_seed_divergences(one_proce
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# keep_every and cka.py --runs: checkpoints kept for a trajectory survive max_ckpts weights-only, resume
-# ignores them, and the trajectory over two tiny runs equals --pair step by step and the float64 textbook
-# CKA on transformers' own forward pass.
+# keep_every and cka.py --runs: checkpoints kept for a trajectory survive max_ckpts weights-only, resume ignores
+# them; the trajectory over two tiny runs equals --pair and the float64 textbook on transformers' forward.
 
-
-# 16 main + 4 decay steps (test_train's tiny run). Full checkpoints every 8 steps and at each phase end,
-# the newest 2 kept; every 6th step kept weights-only: 6 and 12 and 18 are trajectory points only.
+# 16 main + 4 decay steps (test_train's tiny run). Full checkpoints every 8 steps and at each phase end, the
+# newest 2 kept; every 6th step kept weights-only: 6, 12 and 18 are trajectory points only.
 KEEP = ["--keep_every=6", "--max_ckpts=2", "--ckpt_interval=8", "--eval_interval=100", "--log_interval=4"]
 ARMS = {"clm": ["--objective=clm"], "mlm": ["--objective=mlm"], "mlm_twin": ["--objective=mlm", "--seed=42"]}
 
@@ -305,9 +298,8 @@ def test_a_step_equals_pair_on_the_same_two_checkpoints_exactly(runs, trajectory
 
 
 def test_trajectory_equals_textbook_cka_on_transformers_forward(runs, trajectory):
-    """The independent reference: transformers' ModernBERT, one text at a time, hidden states mean-pooled,
-    and the n x n Gram-matrix CKA in float64 (test_cka.gram_cka), at one weights-only step (which transformers
-    loads as it is)."""
+    """transformers' ModernBERT (which loads a weights-only step as it is), one text at a time, each layer's
+    output mean-pooled, and gram_cka in float64."""
     from transformers import AutoModelForMaskedLM
 
     texts = (runs / "texts.txt").read_text().split("\n")
