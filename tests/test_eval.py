@@ -1,4 +1,5 @@
-"""eval.py: metrics against seqeval and scikit-learn, heads against transformers, learning, determinism."""
+"""eval.py: metrics against seqeval and scikit-learn, heads against transformers, learning, the selected epoch's
+weights, Trainer's optimizer. (eval.py under torchrun: test_suite.py.)"""
 
 import json
 import math
