@@ -74,17 +74,18 @@ def launcher(nproc, torchrun=False):
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
 
 
-def train_cmd(out_dir, data_dir, *overrides, nproc=1):
+def train_cmd(out_dir, data_dir, *overrides, nproc=1, torchrun=False):
     """A tiny run: 16 main + 4 decay steps of 8 x 64 tokens, unless overridden."""
     args = [f"--data_dir={data_dir}", f"--out_dir={out_dir}", f"--model_config={TINY!r}", "--seq_len=64",
             "--global_batch_size=8", "--micro_batch_size=4", f"--tokens={16 * 8 * 64}", f"--warmup_tokens={4 * 8 * 64}",
             "--lr=3e-3", "--decay_frac=0.25", "--log_interval=1", "--eval_interval=8", "--eval_windows=16",
             "--ckpt_interval=8", "--device=cpu", *overrides]
-    return launcher(nproc) + [os.path.join(ROOT, "train.py"), *args]
+    return launcher(nproc, torchrun) + [os.path.join(ROOT, "train.py"), *args]
 
 
-def run_train(out_dir, data_dir, *overrides, check=True, env=None, nproc=1):
-    r = subprocess.run(train_cmd(out_dir, data_dir, *overrides, nproc=nproc), capture_output=True, text=True,
+def run_train(out_dir, data_dir, *overrides, check=True, env=None, nproc=1, torchrun=False):
+    r = subprocess.run(train_cmd(out_dir, data_dir, *overrides, nproc=nproc, torchrun=torchrun), capture_output=True,
+                       text=True,
                        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, cwd=ROOT)
     if check:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -134,22 +135,10 @@ def tiny_model():
     return ModernBertForMaskedLM(ModernBertConfig(vocab_size=320, **TINY))
 
 
-def test_one_flag_losses_equal_reference_cross_entropy(data_dir):
-    """CLM: the next token's cross-entropy under the causal mask (MLM: test_micro_batches_weigh_every_target_alike)."""
-    meta = load_meta(data_dir)
-    model = tiny_model().eval()
-    windows = Loader(data_dir, "train", 64, 4, data_seed=1).next()  # (4, 64)
-    with torch.no_grad():
-        clm = clm_batch(windows, meta["eos_id"])
-        ours = batch_loss(model, clm, causal=True) / clm.targets.numel()
-        logits = model(windows, causal=True)  # padded entry point, (4, 64, V)
-        ref = F.cross_entropy(logits[:, :-1].reshape(-1, 320), windows[:, 1:].reshape(-1))
-    assert abs(ours.item() - ref.item()) < 1e-5
-
-
-def test_micro_batches_weigh_every_target_alike(data_dir):
-    """Two MLM micro batches with different target counts give the loss and gradients of one cross-entropy over all
-    their targets: each sum is divided by the global batch's target count, not by its own."""
+def test_losses_equal_reference_cross_entropy(data_dir):
+    """MLM: two micro batches with different target counts give the loss and gradients of one cross-entropy over all
+    their targets: each sum is divided by the global batch's target count, not by its own. CLM: the next token's
+    cross-entropy under the causal mask."""
     meta = load_meta(data_dir)
     model = tiny_model().eval()  # no dropout
     windows = Loader(data_dir, "train", 64, 2, data_seed=1).next()  # (2, 64): one window per micro batch
@@ -167,6 +156,12 @@ def test_micro_batches_weigh_every_target_alike(data_dir):
     assert abs(loss.item() - ref.item()) < 1e-5
     for name, p in model.named_parameters():
         assert torch.allclose(ours[name], p.grad, rtol=1e-4, atol=1e-7), name
+    with torch.no_grad():
+        clm = clm_batch(windows, meta["eos_id"])
+        ours = batch_loss(model, clm, causal=True) / clm.targets.numel()
+        logits = model(windows, causal=True)  # padded entry point, (2, 64, V)
+        ref = F.cross_entropy(logits[:, :-1].reshape(-1, 320), windows[:, 1:].reshape(-1))
+    assert abs(ours.item() - ref.item()) < 1e-5
 
 
 def test_one_step_with_zero_gradients_is_the_decoupled_weight_decay():
@@ -311,15 +306,18 @@ def test_each_step_runs_at_its_phase_lr(three_phase_run):
         assert all(g == pytest.approx(want, rel=1e-12) for g in groups), f"step {step}: lr {groups}, not {want}"
 
 
-def test_logged_loss_is_the_mean_of_the_steps_since_the_last_record(three_phase_run):
+def test_logged_loss_and_mfu_are_of_the_steps_since_the_last_record(three_phase_run):
     """log_interval 3 and a record with each evaluation. A step's loss is its micro batches' cross-entropy sums (what
-    the model returned) over its target count; a record's, the mean of the steps' since the record before it. A
+    the model returned) over its target count; a record's, the mean of the steps' since the record before it. Its MFU
+    (--peak_tflops 0.001: 1e9 FLOP/s) is the FLOPs of those steps' batches over the time tokens_per_s says. A
     record also says the seconds its tokens/s leaves out: its evaluation, the checkpoints written since the record
     before (ckpt-4 after step 4, ckpt-8 after 8); the end line counts them all, ckpt-12 and final included. One
     optimizer state across the phases: Adam's step count is never reset."""
     run, training = three_phase_run, three_phase_run["training"]
     step_loss = [sum(c["loss_sum"] for c in training[2 * s:2 * s + 2])
                  / sum(len(c["targets"]) for c in training[2 * s:2 * s + 2]) for s in range(12)]
+    flops = [training_flops(run["config"], c["cu_seqlens"].diff().tolist(), c["causal"], len(c["targets"]))
+             for c in training]
     records = run["records"]
     assert [(m["step"], m["phase"], m["objective"]) for m in records] == [
         (3, "clm", "clm"), (4, "clm", "clm"), (5, "mlm", "mlm"), (6, "mlm", "mlm"), (8, "mlm", "mlm"),
@@ -329,6 +327,8 @@ def test_logged_loss_is_the_mean_of_the_steps_since_the_last_record(three_phase_
     for m in records:
         want = sum(step_loss[previous:m["step"]]) / (m["step"] - previous)
         assert m["loss"] == pytest.approx(want, rel=1e-5), f"record at step {m['step']}"
+        seconds = (m["step"] - previous) * 8 * 64 / m["tokens_per_s"]
+        assert m["mfu"] == pytest.approx(sum(flops[2 * previous:2 * m["step"]]) / seconds / 1e9, rel=1e-9), m["step"]
         previous = m["step"]
     assert [m["step"] for m in records if "val_mlm_loss" in m and "val_clm_loss" in m] == EVALUATED
     assert [m["step"] for m in records if m.get("eval_s", 0) > 0] == EVALUATED
@@ -337,20 +337,6 @@ def test_logged_loss_is_the_mean_of_the_steps_since_the_last_record(three_phase_
     assert "outside the steps: 5 evaluations in " in stdout and ", 4 checkpoints in " in stdout, stdout[-500:]
     state = torch.load(run["out"] / "final" / "train_state.pt", weights_only=False)["optimizer"]["state"]
     assert {int(v["step"]) for v in state.values()} == {12}
-
-
-def test_logged_mfu_is_the_flops_of_the_steps_since_the_last_record(three_phase_run):
-    """--peak_tflops 0.001 (1e9 FLOP/s): a record's MFU is the FLOPs of the batches trained on since the record
-    before (from the recorded batches) over the time tokens_per_s says and the peak."""
-    run = three_phase_run
-    flops = [training_flops(run["config"], c["cu_seqlens"].diff().tolist(), c["causal"], len(c["targets"]))
-             for c in run["training"]]
-    previous = 0
-    for m in run["records"]:
-        seconds = (m["step"] - previous) * 8 * 64 / m["tokens_per_s"]
-        want = sum(flops[2 * previous:2 * m["step"]]) / seconds / 1e9
-        assert m["mfu"] == pytest.approx(want, rel=1e-9), m["step"]
-        previous = m["step"]
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -413,7 +399,6 @@ def test_resume_inside_a_frozen_phase_is_exact(data_dir, base_ckpt, tmp_path, fr
         optimizer = torch.load(tmp_path / "ckpt-8" / "train_state.pt", weights_only=False)["optimizer"]
         named = list(tiny_model().named_parameters())  # the optimizer's ids: its groups' order, matrices first
         order = [n for n, p in named if p.ndim >= 2] + [n for n, p in named if p.ndim < 2]
-        decayed = {i for g in optimizer["param_groups"] if g["weight_decay"] > 0 for i in g["params"]}
         frozen = [(i, name) for i, name in enumerate(order) if name.startswith(FROZEN)]
         assert len(frozen) == sum(k.startswith(FROZEN) for k in before)
         for i, name in frozen:
@@ -422,7 +407,7 @@ def test_resume_inside_a_frozen_phase_is_exact(data_dir, base_ckpt, tmp_path, fr
             step = int(state["step"])
             for t in range(4):  # the decay's lr: 1-sqrt from lr to 0.1 lr over its 4 steps; the gradient is 0
                 lr_t, step, m, v = lr * (0.1 + 0.9 * (1 - math.sqrt(t / 4))), step + 1, b1 * m, b2 * v
-                p = p * (1 - lr_t * wd / lr) if i in decayed else p  # decoupled: relative to the peak lr
+                p = p * (1 - lr_t * wd / lr) if p.ndim >= 2 else p  # matrices only; decoupled: relative to the peak lr
                 p = p - lr_t / (1 - b1 ** step) * m / ((v / (1 - b2 ** step)).sqrt() + eps)
             moved = (final[name].double() - before[name].double()).abs().max().item()
             ulps = 16 * 2 ** -24 * before[name].abs().max().item()  # float32 rounding over 4 steps, and a margin
@@ -445,16 +430,15 @@ def test_torchrun_one_process_is_python_and_two_equal_one(data_dir, base_ckpt, t
     args = [f"--init_from={base_ckpt}", "--attn_out_dropout=0.0", "--micro_batch_size=2", "--freeze_layers=0-1",
             "--freeze_phase=decay", f"--tokens={8 * 8 * 64}"]  # 8 + 2 steps
     train_here(tmp_path / "one", data_dir, *args)
-    r = subprocess.run([*launcher(1, torchrun=True), *train_cmd(tmp_path / "torchrun", data_dir, *args)[1:]],
-                       capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
-    assert r.returncode == 0 and "world 1 (gloo DDP), accumulation 4" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    r = run_train(tmp_path / "torchrun", data_dir, *args, torchrun=True)
+    assert "world 1 (gloo DDP), accumulation 4" in r.stdout, r.stdout[-3000:]
     one = metrics(tmp_path / "one")
     assert [m["loss"] for m in metrics(tmp_path / "torchrun")] == [m["loss"] for m in one]
     run_train(tmp_path / "two", data_dir, *args, nproc=2)
     two = metrics(tmp_path / "two")
     assert [m["step"] for m in one] == [m["step"] for m in two]
-    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(one, two)) <= 1e-5
-    assert max(abs(a[k] - b[k]) for a, b in zip(one, two) for k in ("val_mlm_loss", "val_clm_loss") if k in a) <= 1e-5
+    keys = ("loss", "val_mlm_loss", "val_clm_loss")
+    assert max(abs(a[k] - b[k]) for a, b in zip(one, two) for k in keys if k in a) <= 1e-5
     before, after = (load_file(tmp_path / "two" / d / "model.safetensors") for d in ("ckpt-8", "final"))
     assert all(torch.equal(before[k], after[k]) == k.startswith(FROZEN) for k in before)
 
@@ -523,7 +507,8 @@ def test_every_config_parses_and_ablations_stack():
     twin, mlm = config("fr_base.py", "seed_twin.py"), config("fr_base.py", "mlm_baseline.py")
     assert (twin.objective, twin.seed, mlm.objective, mlm.seed) == ("mlm", 42, "mlm", 17)
     assert config("demo.py").device == "cpu"
-    study, base = config("study.py"), config("study.py", "study_base.py")  # the study's two stacks (results/h200-2026-11-28)
+    # the study's two stacks (results/h200-2026-11-28)
+    study, base = config("study.py"), config("study.py", "study_base.py")
     assert (study.init_from, base.init_from, base.objective, study.seq_len, base.seq_len) == (
         "scratch", "scratch", "mlm", 1024, 1024) and study.tokens < base.tokens
     ten, fifty = config("en_base.py"), config("en_base.py", "tokens_50b.py")
