@@ -253,10 +253,16 @@ def within(k, n, p, sds=4.5):
     return abs(k - n * p) <= sds * math.sqrt(n * p * (1 - p))
 
 
-def test_every_step_trains_on_the_batch_its_phase_calls_for(three_phase_run):
+def test_every_step_trains_on_the_batch_and_at_the_lr_its_phase_calls_for(three_phase_run):
     """Across both phase boundaries, each step's two micro batches are its phase's, read from the batches: CLM for
-    steps 0-3, MLM choosing 40% of the maskable tokens for steps 4-7 and 15% for 8-11, about 80% of them [MASK]."""
-    run, chosen, masked = three_phase_run, 0, 0
+    steps 0-3, MLM choosing 40% of the maskable tokens for steps 4-7 and 15% for 8-11, about 80% of them [MASK].
+    The lr: a 2-step warmup to 3e-3 in CLM, the MLM phase's own 3-step warmup, then the decay's 1-sqrt to 3e-4."""
+    run, chosen, masked, lr = three_phase_run, 0, 0, 3e-3
+    expected = ([lr / 2, lr, lr, lr] + [lr / 3, 2 * lr / 3, lr, lr]
+                + [lr * (0.1 + 0.9 * (1 - math.sqrt(t / 4))) for t in range(4)])
+    assert len(run["lrs"]) == len(expected)
+    for step, (groups, want) in enumerate(zip(run["lrs"], expected)):
+        assert all(g == pytest.approx(want, rel=1e-12) for g in groups), f"step {step}: lr {groups}, not {want}"
     assert len(run["training"]) == 2 * len(STEPS_OF_PHASE)
     for step, (objective, mask_prob) in enumerate(STEPS_OF_PHASE):
         micro = run["training"][2 * step:2 * step + 2]
@@ -293,17 +299,6 @@ def test_evaluations_measure_mlm_at_15_percent_and_clm(three_phase_run):
             chosen, maskable, _ = mlm_counts(c, run["special"], run["mask_id"])
             k, n = k + chosen, n + maskable
     assert within(k, n, 0.15), f"validation MLM: {k} of {n} maskable tokens chosen, not about 15%"
-
-
-def test_each_step_runs_at_its_phase_lr(three_phase_run):
-    """A 2-step warmup to 3e-3 in CLM, the MLM phase's own 3-step warmup, then the decay's 1-sqrt to 3e-4."""
-    lr = 3e-3
-    expected = ([lr / 2, lr, lr, lr] + [lr / 3, 2 * lr / 3, lr, lr]
-                + [lr * (0.1 + 0.9 * (1 - math.sqrt(t / 4))) for t in range(4)])
-    got = three_phase_run["lrs"]
-    assert len(got) == len(expected)
-    for step, (groups, want) in enumerate(zip(got, expected)):
-        assert all(g == pytest.approx(want, rel=1e-12) for g in groups), f"step {step}: lr {groups}, not {want}"
 
 
 def test_logged_loss_and_mfu_are_of_the_steps_since_the_last_record(three_phase_run):
