@@ -23,7 +23,7 @@ from support.checkpoint import (MANIFEST, TRAIN_STATE, checkpoint_problem, lates
 from support.checks import check_init_from
 from support.metrics import records, trim_metrics
 from test_links import tiny  # noqa: F401 (a fixture)
-from test_train import ROOT, base_ckpt, data_dir, metrics, train_cmd  # noqa: F401 (fixtures)
+from test_train import ROOT, base_ckpt, data_dir, metrics, train_cmd, train_here  # noqa: F401 (fixtures)
 from train import build_model
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -256,9 +256,7 @@ def stop(proc, pid=None):
 def reference(data_dir, base_ckpt, tmp_path_factory):
     """The metrics of an uninterrupted run: what every interrupted and resumed run must log."""
     out = tmp_path_factory.mktemp("reference")
-    r = subprocess.run(train_cmd(out, data_dir, f"--init_from={base_ckpt}", *ARGS), capture_output=True, text=True,
-                       cwd=ROOT, env=ENV)
-    assert r.returncode == 0, r.stderr[-3000:]
+    train_here(out, data_dir, f"--init_from={base_ckpt}", *ARGS)
     return losses(metrics(out))
 
 
@@ -327,15 +325,10 @@ SLOW_SAVE = """import runpy, sys, time
 sys.path.insert(0, {root!r})
 import support.checkpoint as checkpoint
 real, calls = checkpoint.save_checkpoint, []
-
-
 def slow_save(*args, **kwargs):
-    if not calls:
-        time.sleep({seconds})
+    time.sleep(0 if calls else {seconds})
     calls.append(1)
     return real(*args, **kwargs)
-
-
 checkpoint.save_checkpoint = slow_save
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
