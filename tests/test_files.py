@@ -7,8 +7,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,9 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import cka
+import data
 import eval as eval_script
 import train
-from data import prepare, read_documents
 from model import ModernBertConfig, ModernBertForMaskedLM
 from support import hf, suite
 from support.card import base_model
@@ -46,14 +44,14 @@ def ckpt(tmp_path_factory):
     return d
 
 
-def edited(ckpt, tmp_path, edit=None):
-    """A copy of the checkpoint, its config.json dict updated by `edit` (a dict) or put through it (a function
-    that changes it in place or returns the file's new text)."""
-    d = tmp_path / "model"
-    shutil.copytree(ckpt / "model", d)
-    config = json.loads((d / "config.json").read_text())
-    config = (edit(config) if callable(edit) else config.update(edit or {})) or config
-    (d / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+def edited(folder, tmp_path, edit=None, name="config.json"):
+    """A copy of `folder` (a checkpoint, a data directory), its JSON file `name` (if any: {}) updated by `edit` (a
+    dict) or put through it (a function that changes it in place or returns its new value or the file's new text)."""
+    d = tmp_path / folder.name
+    shutil.copytree(folder, d)
+    value = json.loads((d / name).read_text()) if (d / name).exists() else {}
+    value = (edit(value) if callable(edit) else value.update(edit or {})) or value
+    (d / name).write_text(value if isinstance(value, str) else json.dumps(value))
     return d
 
 
@@ -63,14 +61,6 @@ def one_line(fn):
         fn()
     assert isinstance(e.value.code, str) and "\n" not in e.value.code, e.value.code
     return e.value.code
-
-
-def last_line(script, *args, cwd):
-    """The script run in a subprocess must exit 1 without a traceback: -> its last line on stderr."""
-    r = subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)], cwd=cwd, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 1 and "Traceback" not in r.stderr, (r.returncode, r.stderr[-2000:])
-    return r.stderr.strip().splitlines()[-1]
 
 
 CONFIGS = [  # (id, the change to config.json, what the line says after "config.json"); a value of each kind of check
@@ -99,7 +89,7 @@ CONFIGS = [  # (id, the change to config.json, what the line says after "config.
 
 @pytest.mark.parametrize("name, edit, said", CONFIGS, ids=[c[0] for c in CONFIGS])
 def test_a_config_json_value_or_shape_that_is_wrong_is_one_line(ckpt, tmp_path, name, edit, said):
-    d = edited(ckpt, tmp_path, edit)  # eval.py's check: a model_type that is no name is left to ModernBERT's checks
+    d = edited(ckpt / "model", tmp_path, edit)  # eval.py's check: a model_type that is no name is not ModernBERT's
     message = one_line(lambda: eval_script.check_model(str(d), None, torch.device("cpu"), torch.float32))
     assert message.startswith(f"--model {d}: ") and f"config.json{said}" in message, message
     # a value's check: the first (only) field named, and how to fix it
@@ -111,21 +101,14 @@ def test_a_model_no_machine_holds_is_refused_before_it_is_allocated(ckpt, tmp_pa
     tiny = ModernBertForMaskedLM(ModernBertConfig(**TINY))
     real = 4 * (tiny.num_params() + sum(b.numel() for b in tiny.buffers()))
     assert abs(hf.model_bytes(tiny.config) - real) <= 4 * TINY["hidden_size"]  # layer 0's attention has no norm
-    d = edited(ckpt, tmp_path, dict(hidden_size=65536, num_attention_heads=1024, intermediate_size=262144,
-                                    num_hidden_layers=1024))
+    d = edited(ckpt / "model", tmp_path, dict(hidden_size=65536, num_attention_heads=1024,
+                                              intermediate_size=262144, num_hidden_layers=1024))
     layer = 4 * 65536 ** 2 + 3 * 65536 * 262144  # Wqkv, Wo, Wi (two branches), the MLP's Wo: 1.1e15 bytes in all
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     message = one_line(lambda: checkpoint_config(str(d), "--model m"))
     need = int(re.search(r"needs ([\d,]+) GiB in float32", message)[1].replace(",", ""))
     assert 4 * 1024 * layer / 2 ** 30 <= need <= 1.001 * 4 * 1024 * layer / 2 ** 30  # the layers, and a little more
     assert f"more than this machine's {memory / 2 ** 30:,.0f} GiB of memory; {FIX}" in message
-
-
-def test_train_init_from_a_hostile_config_is_one_line(ckpt, shards, tmp_path):
-    d = edited(ckpt, tmp_path, {"num_hidden_layers": 10 ** 9})
-    message = one_line(lambda: train.main([f"--data_dir={shards}", f"--out_dir={tmp_path / 'out'}", f"--init_from={d}",
-                                           *TRAIN_ARGS[1:]]))
-    assert message.startswith(f"init_from={d}: config.json: num_hidden_layers=1000000000 must be a whole number")
 
 
 # -----------------------------------------------------------------------------
@@ -165,7 +148,7 @@ def bin_of(value):
      "cannot load {d}/pytorch_model.bin (RuntimeError: "),
 ], ids=["cut in half", "integer weights", "pickle of numbers", "pickle that would run code", "pickle cut short"])
 def test_weights_cut_short_or_malformed_are_one_line(ckpt, tmp_path, damage, said):
-    d = edited(ckpt, tmp_path)
+    d = edited(ckpt / "model", tmp_path)
     damage(d / "model.safetensors")
     with pytest.raises(ValueError) as e:
         ModernBertForMaskedLM.from_pretrained(str(d))
@@ -173,19 +156,20 @@ def test_weights_cut_short_or_malformed_are_one_line(ckpt, tmp_path, damage, sai
     assert not (d / "it_ran").exists()  # nothing in the file ran
 
 
-@pytest.mark.parametrize("edit, damage, said", [
-    ({"num_hidden_layers": 10 ** 9}, None, "config.json: num_hidden_layers=1000000000 must be"),
-    (None, cut, "cannot load {d}/model.safetensors (SafetensorError"),
-], ids=["config", "truncated weights"])
-def test_cka_on_a_hostile_checkpoint_is_one_line(ckpt, tmp_path, edit, damage, said):
-    """Before: cka.py allocated until the machine ran out of memory, or ended in a traceback (the config: run as a
-    user runs it, the weights: its main() here)."""
-    d = edited(ckpt, tmp_path, edit)
-    damage and damage(d / "model.safetensors")
+def test_cka_and_train_init_from_on_a_hostile_checkpoint_are_one_line(ckpt, shards, tmp_path):
+    """Before: cka.py allocated until the machine ran out of memory, or ended in a traceback."""
+    d = edited(ckpt / "model", tmp_path, {"num_hidden_layers": 10 ** 9})
     args = ["--pair", d, ckpt / "model", "--texts", ckpt / "texts.txt", "--n", "8", "--device", "cpu", "--out",
             tmp_path / "out"]
-    line = last_line("cka.py", *args, cwd=tmp_path) if edit else one_line(lambda: cka.main(list(map(str, args))))
-    assert line.startswith(f"{d}: " + said.format(d=d)), line
+    layers = "config.json: num_hidden_layers=1000000000 must be a whole number"
+    assert one_line(lambda: cka.main(list(map(str, args)))).startswith(f"{d}: {layers}")
+    message = one_line(lambda: train.main([f"--data_dir={shards}", f"--out_dir={tmp_path / 'out'}", f"--init_from={d}",
+                                           *TRAIN_ARGS[1:]]))
+    assert message.startswith(f"init_from={d}: {layers}"), message
+    shutil.copyfile(ckpt / "model" / "config.json", d / "config.json")
+    cut(d / "model.safetensors")
+    line = one_line(lambda: cka.main(list(map(str, args))))
+    assert line.startswith(f"{d}: cannot load {d}/model.safetensors (SafetensorError"), line
 
 
 # -----------------------------------------------------------------------------
@@ -217,8 +201,8 @@ def test_a_tokenizer_file_of_the_wrong_shape_is_one_line(ckpt, tmp_path, name, e
     message = str(e.value)
     assert message.startswith(f"{tmp_path / file}") and said in message and "\n" not in message, message
     if name == "a model that is a string":
-        line = last_line("data.py", "--input", ckpt / "texts.txt", "--tokenizer", tmp_path / "tokenizer.json", "--out",
-                         "out", "--val_docs", "5", cwd=tmp_path)
+        line = one_line(lambda: data.main(["--input", str(ckpt / "texts.txt"), "--tokenizer",
+                                           str(tmp_path / "tokenizer.json"), "--out", str(tmp_path / "out")]))
         assert line.startswith(f"--tokenizer {tmp_path / 'tokenizer.json'}: cannot load it") and \
             not (tmp_path / "out").exists()
 
@@ -314,26 +298,12 @@ TRAIN_ARGS = ["--model_config={'hidden_size': 32, 'intermediate_size': 48, 'num_
 @pytest.fixture(scope="module")
 def shards(ckpt):
     """A data directory as data.py makes it: the 300-token BPE, uint16 shards, meta.json."""
-    prepare(lambda: read_documents([str(ckpt / "texts.txt")]), str(ckpt / "tok.json"), str(ckpt / "shards"),
-            val_docs=10)
+    data.prepare(lambda: data.read_documents([str(ckpt / "texts.txt")]), str(ckpt / "tok.json"), str(ckpt / "shards"),
+                 val_docs=10)
     return ckpt / "shards"
 
 
-def copy(shards, tmp_path, change=None):
-    """A copy of the data directory, its meta.json updated by `change` (a dict) or replaced by change(meta) (a
-    function), or (a (name, text) pair) another file written."""
-    d = tmp_path / "data"
-    shutil.copytree(shards, d)
-    meta = json.loads((d / "meta.json").read_text())
-    if isinstance(change, tuple):
-        (d / change[0]).write_text(change[1])
-    elif change is not None:
-        meta = change(meta) if callable(change) else {**meta, **change}
-        (d / "meta.json").write_text(meta if isinstance(meta, str) else json.dumps(meta))
-    return d
-
-
-CASES = [  # (id, the change, what the line says)
+CASES = [  # (id, the change to meta.json, or (a change, another file), what the line says)
     ("dtype uint8", {"dtype": "uint8"}, "meta.json: dtype='uint8' is not a shard format"),
     ("dtype a list", {"dtype": ["uint16"]}, "meta.json: dtype=['uint16'] is not a shard format"),
     ("vocab_size a boolean", {"vocab_size": True}, "meta.json: vocab_size=True must be"),
@@ -350,14 +320,14 @@ CASES = [  # (id, the change, what the line says)
      "train.bin has 3,048 bytes, but meta.json's train_tokens=1,525 ids of uint16 make 3,050"),
     ("fewer val tokens counted than val.bin holds", lambda m: {**m, "val_tokens": m["val_tokens"] - 1},
      "val.bin has 270 bytes, but meta.json's val_tokens=134 ids of uint16 make 268"),
-    ("a special token that is a number", ("special_tokens_map.json", "{\"mask_token\": 4}"),
+    ("a special token that is a number", ({"mask_token": 4}, "special_tokens_map.json"),
      "special_tokens_map.json: mask_token=4 must be a token"),
 ]
 
 
 @pytest.mark.parametrize("name, change, said", CASES, ids=[c[0] for c in CASES])
 def test_a_hostile_data_dir_is_refused_before_any_work(shards, tmp_path, name, change, said):
-    d = copy(shards, tmp_path, change)
+    d = edited(shards, tmp_path, *(change if isinstance(change, tuple) else (change, "meta.json")))
     before = sums(d)
     message = one_line(lambda: train.main([f"--data_dir={d}", f"--out_dir={tmp_path / 'out'}", *TRAIN_ARGS]))
     assert said in message and "data.py" in message, message  # the file, the field, the fix
@@ -368,17 +338,17 @@ def test_a_hostile_data_dir_is_refused_before_any_work(shards, tmp_path, name, c
 def test_an_id_past_the_vocabulary_stops_the_run_before_its_step(shards, tmp_path, bad_id):
     """300: the first id past the vocabulary, an untrained row of the 320-row embedding; 65535: past the embedding.
     It sits in the first window of step 2 (data_seed 0): the run checkpoints at step 2, then stops, no temporary
-    checkpoint left (300: run as a user runs it; 65535: its main() here)."""
-    d = copy(shards, tmp_path)
+    checkpoint left."""
+    d = edited(shards, tmp_path, name="meta.json")
     ids = np.fromfile(d / "train.bin", dtype=np.uint16)
     window = int(np.random.default_rng([0, 0]).permutation(len(ids) // 32)[2 * 4])  # 4 windows per step
     ids[window * 32 + 5] = bad_id
     ids.tofile(d / "train.bin")
     args = [f"--data_dir={d}", f"--out_dir={tmp_path / 'out'}", *TRAIN_ARGS, "--data_seed=0"]
-    line = last_line("train.py", *args, cwd=tmp_path) if bad_id == 300 else one_line(lambda: train.main(args))
-    assert line == (f"{d / 'train.bin'}: holds token id {bad_id} (near token {window * 32:,}), past the vocabulary of "
-                    "its meta.json (vocab_size=300): the file is not what data.py wrote; prepare the data again (the "
-                    "checkpoints written so far are intact)")
+    assert one_line(lambda: train.main(args)) == (
+        f"{d / 'train.bin'}: holds token id {bad_id} (near token {window * 32:,}), past the vocabulary of its "
+        "meta.json (vocab_size=300): the file is not what data.py wrote; prepare the data again (the checkpoints "
+        "written so far are intact)")
     assert [n for n in sorted(os.listdir(tmp_path / "out")) if "ckpt" in n] == ["ckpt-2"]
 
 
