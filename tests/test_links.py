@@ -56,17 +56,13 @@ def elsewhere(tmp_path):
     return root
 
 
-def refused(path, target):
-    """The one line a link at `path` to `target` gets."""
-    return (f"{path} is a symbolic link to {target}, not a file this project made: nothing is written, renamed or "
-            f"deleted there. Remove it and re-run (if you did not put it there, someone who can write to "
-            f"{os.path.dirname(path)} did)")
-
-
 def refuses(fn, path, target):
+    """fn() stops with the one line a link at `path` to `target` gets."""
     with pytest.raises(SystemExit) as e:
         fn()
-    assert str(e.value) == refused(str(path), target)
+    assert str(e.value) == (f"{path} is a symbolic link to {target}, not a file this project made: nothing is written, "
+                            f"renamed or deleted there. Remove it and re-run (if you did not put it there, someone who "
+                            f"can write to {os.path.dirname(path)} did)")
 
 
 WRITERS = {  # each of support/files.py's ways to write, rename or delete, on a path inside an output directory
