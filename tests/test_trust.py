@@ -54,19 +54,23 @@ def finished(data_dir, tmp_path_factory):
     """A run of 16 steps with one checkpoint to resume, ckpt-16 (and final), and 16 records in metrics.jsonl; each
     test copies it."""
     out = tmp_path_factory.mktemp("finished") / "run"
-    run_train(out, data_dir, "--run_phases=main", "--ckpt_interval=16")
+    train_here(out, data_dir, "--run_phases=main", "--ckpt_interval=16")
     return out
+
+
+def forge(ckpt, state):
+    """`state` as ckpt's train_state.pt, the manifest updated to match, as a forger would."""
+    torch.save(state, ckpt / TRAIN_STATE)
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    manifest[TRAIN_STATE] = {"bytes": os.path.getsize(ckpt / TRAIN_STATE), "sha256": sha256(ckpt / TRAIN_STATE)}
+    (ckpt / MANIFEST).write_text(json.dumps(manifest))
 
 
 def test_a_train_state_that_would_run_code_is_refused_or_ignored(finished, data_dir, tmp_path):
     shutil.copytree(finished, tmp_path / "run")
     ckpt, marker = tmp_path / "run" / "ckpt-16", tmp_path / "it_ran"
-    # A callable in train_state.pt, the manifest updated to match, as a forger would.
     state = torch.load(ckpt / TRAIN_STATE, weights_only=True)  # what train.py writes loads as plain data
-    torch.save({**state, "extra": runs_code(marker)}, ckpt / TRAIN_STATE)
-    manifest = json.loads((ckpt / MANIFEST).read_text())
-    manifest[TRAIN_STATE] = {"bytes": os.path.getsize(ckpt / TRAIN_STATE), "sha256": sha256(ckpt / TRAIN_STATE)}
-    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+    forge(ckpt, {**state, "extra": runs_code(marker)})  # a callable in train_state.pt
     torch.load(ckpt / TRAIN_STATE, weights_only=False)  # the plant works: unpickling runs it
     assert marker.is_dir()
     marker.rmdir()
@@ -75,7 +79,7 @@ def test_a_train_state_that_would_run_code_is_refused_or_ignored(finished, data_
     line, _ = refusal(tmp_path / "run", data_dir)
     assert line.startswith(f"{ckpt / TRAIN_STATE}: refused: it holds objects other than tensors"), line
     # Weights from it (a new run), its CKA and its fine-tuning never read the train state.
-    run_train(tmp_path / "new", data_dir, f"--init_from={ckpt}", "--run_phases=main", f"--tokens={2 * 8 * 64}")
+    train_here(tmp_path / "new", data_dir, f"--init_from={ckpt}", "--run_phases=main", f"--tokens={2 * 8 * 64}")
     for analysis in analyses(str(ckpt), tmp_path, tmp_path / "out"):
         analysis()
     assert not marker.exists()
@@ -92,11 +96,13 @@ def test_a_train_state_that_would_run_code_is_refused_or_ignored(finished, data_
 # One run per out_dir
 
 
-def start(out, data_dir, log, *args):
-    """train.py in the background, its output in `log`, once it holds out_dir (its lock file names it)."""
+def start(out, data_dir, log, *args, said=None):
+    """train.py in the background, its output in `log`, once it has `said` (a pattern) or else holds out_dir (its lock
+    file names it)."""
     proc = subprocess.Popen(train_cmd(out, data_dir, *args), cwd=ROOT, env=ENV, stdout=open(log, "w"),
                             stderr=subprocess.STDOUT)
-    wait_for(lambda: (out / ".lock").is_file() and (out / ".lock").read_text().strip(), proc, log)
+    wait_for(lambda: re.search(said, open(log).read()) if said else
+             (out / ".lock").is_file() and (out / ".lock").read_text().strip(), proc, log)
     return proc
 
 
@@ -165,18 +171,14 @@ class Holder(lock.Hold):
             os.close(self.fd)  # and the lock with it
 
 
-@pytest.mark.parametrize("state, beat_age, why", [
-    ("stopping", 0, "stopping: it is writing its last checkpoint"),
-    ("running", 1000, r"its heartbeat 10\d\d s old by its clock \(lost, or its clock is not ours\)")])
-def test_a_requeued_run_waits_for_a_stopping_or_silent_holder(finished, data_dir, tmp_path, state, beat_age, why):
-    """A holder writing its last checkpoint after SIGTERM, or a lost node whose lock the filesystem has not dropped
-    yet: waited for; once it lets go, the run resumes."""
+def test_a_requeued_run_waits_for_a_silent_holder(finished, data_dir, tmp_path):
+    """A lost node whose lock the filesystem has not dropped yet: waited for; once it lets go, the run resumes. (A
+    holder writing its last checkpoint after SIGTERM is waited for alike: test_a_changed_run_that_waited_...)"""
     out, log = tmp_path / "run", tmp_path / "requeued.log"
     shutil.copytree(finished, out)
-    holder = Holder(out, state, beat_age)
-    run = subprocess.Popen(train_cmd(out, data_dir), cwd=ROOT, env=ENV, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    pattern = f"out_dir={out} is held by pid {holder.pid} on .*, {why}; waiting up to 10 minutes for it"
-    wait_for(lambda: re.search(pattern, open(log).read()), run, log)
+    holder = Holder(out, "running", 1000)
+    why = r"its heartbeat 10\d\d s old by its clock \(lost, or its clock is not ours\); waiting up to 10 minutes for it"
+    run = start(out, data_dir, log, said=f"out_dir={out} is held by pid {holder.pid} on .*, {why}")
     holder.let_go()
     assert run.wait() == 0, open(log).read()[-3000:]
     said = open(log).read()
@@ -261,12 +263,10 @@ def test_a_changed_run_that_waited_for_a_stopping_holder_is_refused_under_the_ho
     aside.mkdir()
     for name in ("ckpt-16", "final"):  # A, before its last checkpoint
         shutil.move(out / name, aside / name)
-    holder = Holder(out, "stopping")
-    log = tmp_path / "b.log"
-    b = subprocess.Popen(train_cmd(out, data_dir, "--run_phases=main", "--objective=mlm", "--lr=1e-3", "--seed=3"),
-                         cwd=ROOT, env=ENV, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    holder, log = Holder(out, "stopping"), tmp_path / "b.log"
     try:
-        wait_for(lambda: re.search(f"out_dir={out} is held by pid {holder.pid} .*stopping", open(log).read()), b, log)
+        b = start(out, data_dir, log, "--run_phases=main", "--objective=mlm", "--lr=1e-3", "--seed=3",
+                  said=f"out_dir={out} is held by pid {holder.pid} .*stopping")
         for name in ("ckpt-16", "final"):  # A's checkpoint, written; then A lets go
             shutil.move(aside / name, out / name)
         before = sums(out)
@@ -288,10 +288,7 @@ def test_a_train_state_of_another_code_leaves_the_run_and_its_log_as_they_were(f
     out, ckpt = tmp_path / "run", tmp_path / "run" / "ckpt-16"
     shutil.copytree(finished, out)
     state = ckpt / TRAIN_STATE
-    torch.save({**torch.load(state, weights_only=True), "ranks": [{}]}, state)  # no random streams for rank 0
-    manifest = json.loads((ckpt / MANIFEST).read_text())
-    manifest[TRAIN_STATE] = {"bytes": os.path.getsize(state), "sha256": sha256(state)}
-    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+    forge(ckpt, {**torch.load(state, weights_only=True), "ranks": [{}]})  # no random streams for rank 0
     before = sums(out)
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 16
     assert refusal(out, data_dir, "--run_phases=main", "--ckpt_interval=16")[0] == (
