@@ -66,9 +66,10 @@ def forge(ckpt, state):
     (ckpt / MANIFEST).write_text(json.dumps(manifest))
 
 
-def test_a_train_state_that_would_run_code_is_refused_or_ignored(finished, data_dir, tmp_path):
-    shutil.copytree(finished, tmp_path / "run")
-    ckpt, marker = tmp_path / "run" / "ckpt-16", tmp_path / "it_ran"
+def test_a_train_state_that_would_run_code_or_another_code_wrote_is_refused_or_ignored(finished, data_dir, tmp_path):
+    out, marker = tmp_path / "run", tmp_path / "it_ran"
+    shutil.copytree(finished, out)
+    ckpt = out / "ckpt-16"
     state = torch.load(ckpt / TRAIN_STATE, weights_only=True)  # what train.py writes loads as plain data
     forge(ckpt, {**state, "extra": runs_code(marker)})  # a callable in train_state.pt
     torch.load(ckpt / TRAIN_STATE, weights_only=False)  # the plant works: unpickling runs it
@@ -76,7 +77,7 @@ def test_a_train_state_that_would_run_code_is_refused_or_ignored(finished, data_
     marker.rmdir()
 
     # Resuming from it (out_dir's newest checkpoint; a decay run from it as init_from loads it the same way): refused
-    line, _ = refusal(tmp_path / "run", data_dir)
+    line, _ = refusal(out, data_dir)
     assert line.startswith(f"{ckpt / TRAIN_STATE}: refused: it holds objects other than tensors"), line
     # Weights from it (a new run), its CKA and its fine-tuning never read the train state.
     train_here(tmp_path / "new", data_dir, f"--init_from={ckpt}", "--run_phases=main", f"--tokens={2 * 8 * 64}")
@@ -90,6 +91,18 @@ def test_a_train_state_that_would_run_code_is_refused_or_ignored(finished, data_
         with pytest.raises(SystemExit, match=f"^--out={tmp_path / 'held'} is in use by pid {holder.pid} "):
             analysis()
     holder.let_go()
+
+    # A train state, vouched for by its manifest, that this code did not write: refused in one line, no traceback,
+    # nothing changed but the lock's record.
+    forge(ckpt, {**state, "ranks": [{}]})  # no random streams for rank 0
+    before = sums(out)
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 16
+    assert refusal(out, data_dir)[0] == (
+        f"{ckpt / TRAIN_STATE}: not a train state this code wrote (KeyError: 'rng'). Restore the checkpoint from a "
+        "copy, or move it away to resume from the one before")
+    after = sums(out)
+    assert after.pop(".lock") != before.pop(".lock")  # the refusal came under the hold: its record, only
+    assert after == before
 
 
 # -----------------------------------------------------------------------------
@@ -280,20 +293,3 @@ def test_a_changed_run_that_waited_for_a_stopping_holder_is_refused_under_the_ho
         "--resume_changes=objective,lr,seed"), said
     assert "Traceback" not in said and "resuming at step" not in said
     assert sums(out) == before
-
-
-def test_a_train_state_of_another_code_leaves_the_run_and_its_log_as_they_were(finished, data_dir, tmp_path):
-    """The only checkpoint's train_state.pt, vouched for by its manifest, is not one this code wrote: refused in one
-    line, no traceback, nothing changed but the lock's record."""
-    out, ckpt = tmp_path / "run", tmp_path / "run" / "ckpt-16"
-    shutil.copytree(finished, out)
-    state = ckpt / TRAIN_STATE
-    forge(ckpt, {**torch.load(state, weights_only=True), "ranks": [{}]})  # no random streams for rank 0
-    before = sums(out)
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == 16
-    assert refusal(out, data_dir, "--run_phases=main", "--ckpt_interval=16")[0] == (
-        f"{state}: not a train state this code wrote (KeyError: 'rng'). Restore the checkpoint from a copy, or move it "
-        "away to resume from the one before")
-    after = sums(out)
-    assert after.pop(".lock") != before.pop(".lock")  # the refusal came under the hold: its record, only
-    assert after == before
