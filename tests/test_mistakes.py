@@ -4,6 +4,7 @@ exit code (a SystemExit, no other exception), before any work, and leaves everyt
 One row per mistake: the script's command line (its main(), run in a folder holding a prepared data set), a
 fragment the message must contain, and the files to set up first. The folder is hashed before and after (sums)."""
 
+import contextlib
 import hashlib
 import json
 import lzma
@@ -45,12 +46,8 @@ def workdir(tmp_path_factory):
 
 def main(folder, command):
     """Run a script's command line in `folder` as `python SCRIPT.py ARGS` would, in this process."""
-    here = os.getcwd()
-    os.chdir(folder)
-    try:
+    with contextlib.chdir(folder):
         SCRIPTS[command[0]](command[1:])
-    finally:
-        os.chdir(here)
 
 
 SCRIPTS = {"data.py": data.main, "train.py": train.main, "eval.py": eval_py.main, "cka.py": cka.main}
