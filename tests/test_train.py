@@ -85,8 +85,7 @@ def train_cmd(out_dir, data_dir, *overrides, nproc=1, torchrun=False):
 
 def run_train(out_dir, data_dir, *overrides, check=True, env=None, nproc=1, torchrun=False):
     r = subprocess.run(train_cmd(out_dir, data_dir, *overrides, nproc=nproc, torchrun=torchrun), capture_output=True,
-                       text=True,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, cwd=ROOT)
+                       text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, cwd=ROOT)
     if check:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
