@@ -187,11 +187,9 @@ def test_rope_makes_no_float32_copy_of_q_and_k(monkeypatch):
     with Probe() as probe:
         out = apply_rope(x, cos, sin)
     assert out.dtype == torch.bfloat16 and probe.dtypes == {torch.bfloat16}
-    # and it is the rotation: float32 in, float32 out, the textbook formula
-    cos32, sin32 = float32_rope_cos_sin(positions, 16, 10000.0)
-    x32 = x.float()
-    assert (apply_rope(x32, *rope_cos_sin(positions, 16, 10000.0)) - float32_apply_rope(x32, cos32, sin32)).abs().max() \
-        <= 1e-6
+    x32, textbook = x.float(), float32_rope_cos_sin(positions, 16, 10000.0)  # and it is the rotation, in float32
+    error = apply_rope(x32, *rope_cos_sin(positions, 16, 10000.0)) - float32_apply_rope(x32, *textbook)
+    assert error.abs().max() <= 1e-6
 
 
 # -----------------------------------------------------------------------------
