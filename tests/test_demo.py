@@ -30,10 +30,7 @@ def checkout(tmp_path_factory):
     for name in os.listdir(ROOT):
         if name not in ("out", ".git"):
             os.symlink(os.path.join(ROOT, name), work / name)
-    main, _ = readme_commands()
-    demo = shlex.split(main.split("&&")[-1])  # python demo.py
-    assert demo == ["python", "demo.py"]
-    r = subprocess.run([sys.executable, *demo[1:], "--quick"], cwd=work, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "demo.py", "--quick"], cwd=work, capture_output=True, text=True,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return work, r.stdout
