@@ -22,9 +22,9 @@ import cka
 import cpu_kernels
 import eval as eval_script
 from data import prepare, read_documents
-from model import ModernBertConfig, ModernBertForMaskedLM
+from model import ModernBertConfig, ModernBertForMaskedLM, cu_seqlens_of
 from support.tokenizer import train_bpe
-from test_model import SPECIAL, padded_batch, randomize_
+from test_model import SPECIAL, padded_batch, randomize_, small_config
 from test_train import launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,9 +39,9 @@ def randomized(config, seed=0):
 
 
 def run_model(model, backend, causal, padded, lengths, seed=1, dtype=torch.bfloat16):
-    """Forward (under bf16 autocast unless dtype is float32) + backward of a weighted logit sum, on the model's
-    device (tests/test_gpu.py: CUDA) -> (float logits, {name: grad}). Not padded: the real tokens of the padded
-    batch, flat, with their cu_seqlens."""
+    """Forward (under bf16 autocast unless dtype is float32) + backward of a weighted logit sum (none under no_grad),
+    on the model's device (tests/test_gpu.py: CUDA) -> (float logits of the real tokens, {name: grad}). Not padded:
+    the real tokens of the padded batch, flat, with their cu_seqlens."""
     model.config.attn_backend = backend
     model.zero_grad()
     device = next(model.parameters()).device
@@ -50,10 +50,11 @@ def run_model(model, backend, causal, padded, lengths, seed=1, dtype=torch.bfloa
         if padded:
             logits = model(ids, mask, causal=causal)[mask.bool()]  # (T, V): real tokens only
         else:
-            cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
-            logits = model(ids[mask.bool()], causal=causal, cu_seqlens=cu, max_seqlen=max(lengths))
+            logits = model(ids[mask.bool()], causal=causal, cu_seqlens=cu_seqlens_of(lengths).to(device),
+                           max_seqlen=max(lengths))
     logits = logits.float()
-    (logits * torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed)).to(device)).sum().backward()
+    if torch.is_grad_enabled():
+        (logits * torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed)).to(device)).sum().backward()
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -83,7 +84,7 @@ def test_kernel_through_its_wrapper_matches_float64(kernel, causal, window):
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(sum(lengths), 2, 16, generator=g, dtype=torch.float64) for _ in range(4))
     left, right = window[0], 0 if causal else window[1]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    cu = cu_seqlens_of(lengths)
     qb, kb, vb = (t.bfloat16().requires_grad_() for t in (q, k, v))
     if kernel == "flash":
         out, lse, _ = cpu_kernels.flash_attn_varlen_func(qb, kb, vb, cu, cu.clone(), 13, 13, softmax_scale=scale,
@@ -111,8 +112,7 @@ def test_kernel_through_its_wrapper_matches_float64(kernel, causal, window):
 def test_model_through_each_kernel_matches_sdpa(monkeypatch, backend, causal, padded):
     """A local window (+-4) shorter than most sequences; one longer than them all: test_kernel_through_its_wrapper."""
     cpu_kernels.install(monkeypatch, backends=(backend,))
-    config = ModernBertConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                              num_attention_heads=4, local_attention=8, **SPECIAL)
+    config = small_config("long_seqs", num_hidden_layers=3)
     model = randomized(config).train()  # training mode: the backend is chosen as in a training step
     lengths = [1, 5, 37, 20] if padded else [24, 24, 24]  # packed windows all have the same length
     out, grads = run_model(model, backend, causal, padded, lengths)
@@ -130,9 +130,7 @@ def test_model_through_each_kernel_matches_sdpa(monkeypatch, backend, causal, pa
 def test_float32_forward_never_reaches_a_kernel(monkeypatch):
     """Defect 1: without autocast the kernels would get float32 q, k, v and raise on CUDA."""
     cpu_kernels.install(monkeypatch)
-    config = ModernBertConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                              num_attention_heads=4, local_attention=8, **SPECIAL)
-    model = randomized(config)
+    model = randomized(small_config("long_seqs", num_hidden_layers=2))
     ids = torch.randint(3, 256, (2, 9))
     assert str(model.model.attention_backend(ids.device)) == "sdpa"
     model(ids)  # auto: SDPA

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 
 import cpu_kernels
-from model import ModernBertConfig, Packing, attention
+from model import Packing, attention, cu_seqlens_of
 from support import kernels
-from test_gpu_path import SPECIAL, randomized, reference
-from test_model import padded_batch
+from test_gpu_path import randomized, reference, run_model
+from test_model import small_config
 
 # On CPU FlexAttention runs its eager path (a GPU compiles it), exact and quick at these sizes: no warning for that.
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -73,8 +73,8 @@ def test_forced_backends_and_their_refusals(monkeypatch):
 
 
 def flex_packing(lengths, causal, half_window):
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    return Packing(sum(lengths), cu, max(lengths), causal, half_window, kernels.Choice(BOTH("flex")))
+    return Packing(sum(lengths), cu_seqlens_of(lengths), max(lengths), causal, half_window,
+                   kernels.Choice(BOTH("flex")))
 
 
 @pytest.mark.parametrize("lengths", [[24, 24, 24], [1, 6, 30, 13, 9]])  # packed windows; documents kept apart
@@ -116,28 +116,12 @@ def test_flex_visits_only_the_blocks_a_window_reaches(monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_model_through_flex_matches_sdpa(padded, causal):
     """Forward only (FlexAttention has no CPU backward), float32, whole model: logits as SDPA's."""
-    config = ModernBertConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                              num_attention_heads=4, local_attention=8, **SPECIAL)
-    model = randomized(config).eval()
+    model = randomized(small_config("long_seqs", num_hidden_layers=3)).eval()
     lengths = [1, 5, 37, 20] if padded else [24, 24, 24]
     with torch.no_grad():
-        out, ref = (run_forward(model, backend, causal, padded, lengths) for backend in ("flex", "sdpa"))
+        out, ref = (run_model(model, backend, causal, padded, lengths, dtype=torch.float32)[0]
+                    for backend in ("flex", "sdpa"))
     assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
-
-
-def run_forward(model, backend, causal, padded, lengths, dtype=torch.float32):
-    """The logits of the real tokens of one batch (T, V), under autocast to `dtype` (float32: none)."""
-    model.config.attn_backend = backend
-    ids, mask = padded_batch(model.config.vocab_size, lengths, seed=1)
-    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-        return model(ids, mask if padded else None, causal=causal)[mask.bool()].float()
-
-
-def gradients(model, logits):
-    """Backward of a fixed random weighting of the logits -> {name: grad}."""
-    model.zero_grad()
-    (logits * torch.randn(logits.shape, generator=torch.Generator().manual_seed(2))).sum().backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -154,19 +138,15 @@ def test_cudnn_layers_attend_the_packed_view_with_no_mask(monkeypatch, causal):
         return sdpa(q, k, v, attn_mask=attn_mask, **kw)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    config = ModernBertConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                              num_attention_heads=4, local_attention=8, **SPECIAL)  # global, local, local, global
-    model = randomized(config).train()
-    out = run_forward(model, "auto", causal, False, [24, 24, 24], BF16)
-    grads = gradients(model, out)
+    model = randomized(small_config("long_seqs")).train()  # global, local, local, global
+    out, grads = run_model(model, "auto", causal, False, [24, 24, 24])
     cudnn = ((3, 4, 24, 16), True, causal, False)
     assert [c == cudnn for c in calls] == [True, False, False, True]
     assert all(c[3] and not c[1] for c in calls[1:3])
-    ref = run_forward(model, "sdpa", causal, False, [24, 24, 24])
-    ref_grads = gradients(model, ref)
+    ref, ref_grads = run_model(model, "sdpa", causal, False, [24, 24, 24], dtype=torch.float32)
     assert (out - ref).abs().max() <= 0.02 * ref.abs().max()
     for name, g in ref_grads.items():
         assert (grads[name] - g).norm() <= 0.03 * g.norm() + 1e-6, name
     calls.clear()
-    run_forward(model, "auto", causal, True, [1, 5, 37, 20], BF16)
+    run_model(model, "auto", causal, True, [1, 5, 37, 20])
     assert calls and all(c[3] for c in calls)
