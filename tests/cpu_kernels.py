@@ -1,22 +1,18 @@
-"""The two GPU attention kernels' real Python wrappers, run on CPU: what a GPU user imports, down to the
-compiled kernel, which is emulated here.
+"""The two GPU attention kernels' real Python wrappers, run on CPU down to the compiled kernel, emulated here:
 
-- flash-attn 2.8.3, the real package (tests/install_kernels.sh puts it in tests/.kernels, which only this module
-  puts on sys.path; a flash-attn of the environment's own is left alone, and the tests that need this copy skip).
-  Its compiled extension `flash_attn_2_cuda` is a module of `varlen_fwd` and `varlen_bwd` below (flash_api.cpp's
-  arguments and returns), and the package's custom ops (declared for CUDA only) get their own Python bodies as CPU
-  kernels: so `flash_attn_varlen_func`, its autograd Function, custom ops and fake registrations run as on a GPU.
-- PyTorch's `varlen_attn`: its custom ops `torch_attn::_varlen_attn` and `_varlen_attn_backward` get CPU kernels;
-  the wrapper, the op's autograd registration and its fake run as they are.
+- flash-attn 2.8.3, the real package from tests/.kernels (tests/install_kernels.sh; only this module puts it on
+  sys.path, and where the environment has a flash-attn of its own the tests that need this copy skip). Its compiled
+  extension `flash_attn_2_cuda` becomes `varlen_fwd` / `varlen_bwd` below (flash_api.cpp's arguments and returns),
+  and its custom ops (declared for CUDA only) get their own Python bodies as CPU kernels.
+- PyTorch's `varlen_attn`: CPU kernels for its custom ops `torch_attn::_varlen_attn` and `_varlen_attn_backward`.
 
-The emulated kernel does what flash-attn's documents: q, k, v (total, heads, head_dim), float16 / bfloat16, last
-dim contiguous, head_dim <= 256; cu_seqlens int32; query i sees key j of its sequence when i - left <= j <= i +
-right (-1 = unlimited, aligned bottom-right; `causal` sets right = 0; a window of max_seqlen_k or more is
-unlimited); it returns the log-sum-exp of each query's scaled scores, (heads, total_q) float32, from which the
-backward recomputes the probabilities. It computes in float32, has no dropout, and raises where the GPU would be
-silently wrong: a max_seqlen shorter than a sequence.
+The emulated kernel follows flash-attn's documentation: q, k, v (total, heads, head_dim) fp16 / bf16 with a contiguous
+last dim; cu_seqlens int32; query i sees key j of its sequence when i - left <= j <= i + right (-1 = unlimited,
+aligned bottom-right; causal sets right = 0; a window of max_seqlen_k or more is unlimited); it returns the
+log-sum-exp (heads, total_q) float32 the backward recomputes the probabilities from. It computes in float32, has no
+dropout, and raises where the GPU would be silently wrong (a max_seqlen shorter than a sequence).
 
-`install(monkeypatch, backends)` makes "cpu" the kernel device and gives support/kernels.py the real wrappers, so the
+`install(monkeypatch, backends)` gives support/kernels.py the real wrappers with "cpu" as the kernel device, so the
 model selects its backend on CPU as on CUDA; `calls` records what the kernel received.
 """
 
@@ -108,11 +104,6 @@ def backward(dout, q, k, v, out, lse, ok, scale):
     return like(q, dq), like(k, dk), like(v, dv), d
 
 
-def record(kernel, q, window, causal):
-    """What the kernel was asked: window (left, right) with causal's right = 0, before the clipping."""
-    calls[kernel].append(dict(dtype=q.dtype, window=window, causal=causal))
-
-
 # -----------------------------------------------------------------------------
 # flash-attn: the compiled extension's two functions, as flash_api.cpp declares them
 
@@ -123,7 +114,8 @@ def varlen_fwd(q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, 
     check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     assert p_dropout == 0 and softcap == 0 and alibi_slopes is None and block_table is None and out_ is None
     ok = allowed(cu_seqlens_q, cu_seqlens_k, max_seqlen_k, is_causal, window_size_left, window_size_right)
-    record("flash", q, (window_size_left, 0 if is_causal else window_size_right), is_causal)
+    calls["flash"].append(dict(dtype=q.dtype, window=(window_size_left, 0 if is_causal else window_size_right),
+                               causal=is_causal))  # what the kernel was asked, before the clipping
     out, lse = forward(q, k, v, ok, softmax_scale)
     # (out, softmax_lse, S_dmask, rng_state); S_dmask is empty without return_softmax
     return out, lse, q.new_empty(0), torch.zeros(2, dtype=torch.int64)
@@ -177,7 +169,7 @@ def _varlen_attn_cpu(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_cau
     check(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k)
     left, right = window_size or (-1, -1)
     ok = allowed(cu_seq_q, cu_seq_k, max_k, is_causal, left, right)
-    record("varlen", query, (left, 0 if is_causal else right), is_causal)
+    calls["varlen"].append(dict(dtype=query.dtype, window=(left, 0 if is_causal else right), causal=is_causal))
     out, lse = forward(query, key, value, ok, scale if scale is not None else query.shape[-1] ** -0.5)
     return out, lse, torch.zeros(2, dtype=torch.uint64)
 
