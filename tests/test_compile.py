@@ -11,14 +11,17 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch._dynamo.utils import counters
+from torch._functorch._aot_autograd.autograd_cache import check_cacheable
 from torch._inductor.utils import run_and_get_code
 
 import cpu_kernels
 import data
 import train
-from model import ModernBertConfig
+from model import ModernBertConfig, cu_seqlens_of
 from support import kernels
+from support.loss import chunked_cross_entropy
 from test_train import launcher
 from test_gpu_path import SPECIAL, needs_flash, randomized, tiny, train_losses  # noqa: F401 (tiny is a fixture)
 
@@ -152,8 +155,6 @@ def test_regional_compilation_compiles_a_graph_per_kind_of_block():
 def test_the_chunked_loss_returns_a_tensor_never_updated_in_place():
     """torch 2.11's dynamo gives a zero gradient to an autograd.Function's output that its forward updated in place
     (pytorch#180642): a GPU run would never train. Later versions pass test_inductor_step_equals_eager regardless."""
-    from support.loss import chunked_cross_entropy
-
     x, weight, bias = torch.randn(50, 16, requires_grad=True), torch.randn(64, 16, requires_grad=True), torch.zeros(64)
     loss = chunked_cross_entropy(x, weight, bias, torch.randint(0, 64, (50,)), chunk_rows=16)  # 4 chunks
     assert loss._version == 0
@@ -169,8 +170,7 @@ def test_sequences_of_different_lengths_compiled_equal_eager(causal):
     def run(m, lengths):
         model.zero_grad()
         tokens = torch.randint(3, 256, (sum(lengths),), generator=torch.Generator().manual_seed(len(lengths)))
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-        logits = m(tokens, causal=causal, cu_seqlens=cu, max_seqlen=max(lengths))
+        logits = m(tokens, causal=causal, cu_seqlens=cu_seqlens_of(lengths), max_seqlen=max(lengths))
         (logits * torch.linspace(-1, 1, logits.numel()).view_as(logits)).sum().backward()
         return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -205,8 +205,6 @@ def test_a_frozen_phase_compiles_without_breaks_and_keeps_the_frozen_weights(tin
     """Layer 0's weights stop requiring gradients at the boundary, a guard the compiled graph must see (a stale graph
     would still compute, or apply, their gradients): no graph break, a graph per (mask, frozen set) at most, and the
     frozen weights bit-identical across the frozen phase."""
-    from safetensors.torch import load_file
-
     torch._dynamo.reset()
     counters.clear()
     out = tmp_path / "frozen"
@@ -223,7 +221,6 @@ def test_a_frozen_phase_compiles_without_breaks_and_keeps_the_frozen_weights(tin
 def test_a_compiled_step_is_one_aot_autograds_cache_admits():
     """A resumed run loads its graphs from inductor's caches, but AOTAutograd's cache refuses a graph that calls an
     autograd.Function (the chunked loss) unless compile_model allows it: torch's own check on a compiled MLM step."""
-    from torch._functorch._aot_autograd.autograd_cache import check_cacheable
     graphs = []
 
     def backend(gm, example_inputs):  # what inductor's compile_fx would receive, run as traced
