@@ -1,11 +1,10 @@
 """support/kernels.py on CPU: the kernel each layer type gets ("auto" per layer type, forced, and the refusals), and
 the two views the newer backends attend through, against independent references:
 
-- FlexAttention's block mask of documents and windows: the eager kernel (forward only on CPU) against float64
-  attention with the window written out (tests/test_gpu_path.reference), on blocks small enough that every kind of
-  block (skipped, partial, full) occurs; the blocks it visits counted by hand;
-- SDPA's cuDNN kernel on the packed (B, nh, S, hd) view, with no mask: SDPA's CPU flash kernel stands in for cuDNN's
-  (SDPA restricted to it, as to cuDNN's on a GPU), against SDPA in float32.
+- FlexAttention's block mask (forward only on CPU) against float64 attention with the window written out
+  (test_gpu_path.reference), on blocks small enough that blocks skipped, partial and full all occur; the blocks it
+  visits counted by hand;
+- SDPA's cuDNN kernel on the packed (B, nh, S, hd) view, no mask (SDPA's CPU flash kernel standing in), against SDPA.
 
 tests/test_gpu.py runs both kernels themselves on a GPU, with their backward.
 """
