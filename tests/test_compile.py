@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 from torch._dynamo.utils import counters
 from torch._functorch._aot_autograd.autograd_cache import check_cacheable
+from torch._inductor.compile_fx import compile_fx
 from torch._inductor.utils import run_and_get_code
 
 import cpu_kernels
@@ -125,16 +126,26 @@ def mlm_step(model, run, causal=False, seed=0):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_inductor_step_equals_eager():
-    """One MLM forward + backward through inductor (C++ on CPU) against eager, float32; the layers' kernels read
-    RoPE's tables and compute no cos or sin (which inductor would recompute per element of q and k in every layer)."""
+def test_inductor_step_equals_eager_and_aot_autograds_cache_admits_it():
+    """One MLM forward + backward through compile_model's inductor (C++ on CPU) against eager, float32; the layers'
+    kernels read RoPE's tables and compute no cos or sin (which inductor would recompute per element of q and k in
+    every layer). A resumed run loads its graphs from inductor's caches, but AOTAutograd's cache refuses a graph that
+    calls an autograd.Function (the chunked loss) unless compile_model allows it: torch's own check on the graph."""
+    graphs = []
+
+    def backend(gm, example_inputs):  # inductor, keeping the graph it receives
+        graphs.append(gm)
+        return compile_fx(gm, example_inputs)
+
     model = small(2)
     torch._dynamo.reset()
-    (loss, grads), code = run_and_get_code(mlm_step, model, torch.compile(model))
+    (loss, grads), code = run_and_get_code(mlm_step, model, kernels.compile_model(model, backend))
     ref, ref_grads = mlm_step(model, model)
     assert abs(loss - ref) <= 1e-5 * abs(ref)
     assert not re.search(r"\b(cos|sin)\(", "\n".join(code))
     assert_grads_close(grads, ref_grads)
+    assert len(graphs) == 1 and "autograd_function_apply" in graphs[0].code
+    check_cacheable(graphs[0])  # raises BypassAOTAutogradCache where the cache would not take it
 
 
 def test_regional_compilation_compiles_a_graph_per_kind_of_block():
@@ -154,7 +165,7 @@ def test_regional_compilation_compiles_a_graph_per_kind_of_block():
 
 def test_the_chunked_loss_returns_a_tensor_never_updated_in_place():
     """torch 2.11's dynamo gives a zero gradient to an autograd.Function's output that its forward updated in place
-    (pytorch#180642): a GPU run would never train. Later versions pass test_inductor_step_equals_eager regardless."""
+    (pytorch#180642): a GPU run would never train. Later versions pass the inductor step test regardless."""
     x, weight, bias = torch.randn(50, 16, requires_grad=True), torch.randn(64, 16, requires_grad=True), torch.zeros(64)
     loss = chunked_cross_entropy(x, weight, bias, torch.randint(0, 64, (50,)), chunk_rows=16)  # 4 chunks
     assert loss._version == 0
@@ -216,19 +227,3 @@ def test_a_frozen_phase_compiles_without_breaks_and_keeps_the_frozen_weights(tin
     layer0 = [k for k in a if ".layers.0." in k]
     assert layer0 and all(torch.equal(a[k], b[k]) for k in layer0)
     assert any(not torch.equal(a[k], b[k]) for k in a if ".layers.1." in k)  # the others trained
-
-
-def test_a_compiled_step_is_one_aot_autograds_cache_admits():
-    """A resumed run loads its graphs from inductor's caches, but AOTAutograd's cache refuses a graph that calls an
-    autograd.Function (the chunked loss) unless compile_model allows it: torch's own check on a compiled MLM step."""
-    graphs = []
-
-    def backend(gm, example_inputs):  # what inductor's compile_fx would receive, run as traced
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    model = kernels.compile_model(small(3), backend)
-    mlm_step(model, model)
-    assert len(graphs) == 1 and "autograd_function_apply" in graphs[0].code
-    check_cacheable(graphs[0])  # raises BypassAOTAutogradCache where the cache would not take it
