@@ -1,11 +1,7 @@
 """The GPU path, run on CPU: what a GPU user runs, through the kernels' real wrappers (flash-attn 2.8.3's
-flash_attn_varlen_func, torch's varlen_attn) on a CPU emulation of the compiled kernels under them
-(tests/cpu_kernels.py), with the backend selected as on CUDA.
-
-0. The emulated kernels, through the wrappers, against a float64 reference: output, log-sum-exp, gradients.
-1. The model, forward and backward, under bf16 autocast: each kernel against SDPA.
-2. A float32 forward never reaches a kernel (they reject float32): SDPA, or a clear error.
-3. eval.py and cka.py, bf16 through the kernels vs SDPA; float32 runs. (train.py: tests/test_compile.py.)
+flash_attn_varlen_func, torch's varlen_attn) on a CPU emulation of the compiled kernels (tests/cpu_kernels.py), with
+the backend selected as on CUDA: 0. the kernels against float64; 1. the model under bf16 autocast, each kernel against
+SDPA; 2. float32 never reaches a kernel; 3. eval.py and cka.py through the kernels (train.py: tests/test_compile.py);
 4. eval.py under torchrun when the last batch has fewer examples than ranks (it used to hang).
 """
 
