@@ -1,6 +1,5 @@
-"""The papers' runs as written (issue 33): the freeze interventions with the paper's mechanism, a phase given in
-optimizer steps, Gisserot-Boukhlef's biphasic schedule and their MLM continued pretraining, training past a
-checkpoint's positions, the sources of the defaults, and what a run with phases shows and keeps."""
+"""The papers' runs as written (issue 33): the freeze configs, phases in optimizer steps, Gisserot-Boukhlef's
+biphasic schedule and MLM continued pretraining, seq_len past the positions, and what a run with phases keeps."""
 
 import json
 import math
@@ -12,7 +11,6 @@ import torch
 from safetensors.torch import load_file
 
 from model import ModernBertConfig, ModernBertForMaskedLM
-from support import checks
 from support.metrics import TIMINGS
 from train import Config, Schedule, parse_config
 from test_train import TINY, base_ckpt, config, data_dir, metrics, train_here  # noqa: F401 (fixtures)
@@ -64,9 +62,8 @@ def run_record(out_dir):
 
 
 def test_a_run_in_steps_is_the_run_in_tokens_and_resumes_and_splits_alike(data_dir, base_ckpt, tmp_path):  # noqa: F811
-    """test_train's tiny run (16 main + 4 decay steps of 512 tokens) with its phases written in steps: the same
-    losses, lrs, tokens and weights as in tokens; a resume in the middle of the main phase and a split into
-    run_phases=main then decay give it again; the log and the card say how each length was given."""
+    """test_train's tiny run with its phases in steps: the run in tokens, bit for bit, again on a resume mid-main and
+    split into run_phases=main then decay; the log and the card say how each length was given."""
     common = [f"--init_from={base_ckpt}", "--max_ckpts=10"]
     r = train_here(tmp_path / "tokens", data_dir, *common)
     assert "8,192 tokens -> 16 steps" in r.stdout
@@ -98,9 +95,8 @@ def test_a_run_in_steps_is_the_run_in_tokens_and_resumes_and_splits_alike(data_d
 
 @pytest.mark.parametrize("argv", [[], ["--global_batch_size=96", "--seq_len=1024"]])
 def test_biphasic_config_is_their_schedule(argv):
-    """Their largest budget, 42,000 steps, whatever the batch: CLM for the first 25% (10,500 steps), then MLM at 40%
-    to the end, no lr decay before the switch, the decay only in the final 2,000 steps (from step 40,000), here
-    1-sqrt to 0.1 lr; the warmup (our choice) is 2,000 steps."""
+    """Their largest budget, 42,000 steps whatever the batch: CLM for 25%, then MLM at 40%, the decay (1-sqrt to 0.1
+    lr) only in the final 2,000 steps; the 2,000-step warmup is our choice."""
     c = config("en_base.py", "biphasic_scratch.py", argv=argv)
     s, peak = Schedule.from_config(c), 2e-4
     assert c.init_from == "scratch" and s.starts == [0, 10_500, 40_000, 42_000] and 10_500 / 42_000 == 0.25
@@ -129,36 +125,28 @@ def test_mlm_from_clm_config_is_their_continued_pretraining():
 # 4. seq_len beyond the model's positions is refused at start-up, with the fix
 
 
-def test_seq_len_beyond_the_checkpoints_positions_is_refused(data_dir, tmp_path):  # noqa: F811
-    """A checkpoint of 32 positions at seq_len 64 (it trained without a word, and its config.json said 32): refused
-    before any work, naming --seq_len=32; at seq_len 32 it starts. From scratch, model_config's positions alike."""
-    short = tmp_path / "short"
+def test_seq_len_beyond_the_positions_is_refused_at_start_up_and_on_resume(data_dir, tmp_path):  # noqa: F811
+    """Before any work, naming the fix: a checkpoint of 32 positions at seq_len 64 (it would train without a word, its
+    config.json says 32), model_config's positions from scratch, and a run of it resumed at seq_len 64, though
+    resume_changes allows the change of key (init_from is not read on resume: the run's own checkpoints are)."""
+    short, run = tmp_path / "short", tmp_path / "run"
     ModernBertForMaskedLM(ModernBertConfig(vocab_size=320, max_position_embeddings=32, **TINY)).save_pretrained(short)
-    c = Config(data_dir=data_dir, out_dir=str(tmp_path / "run"), init_from=str(short), seq_len=64,
-               global_batch_size=8, micro_batch_size=4)
-    with pytest.raises(SystemExit, match=rf"seq_len=64 is beyond init_from={short}'s max_position_embeddings=32: "
-                                         r"use --seq_len=32 or less, or a checkpoint with 64 positions or more"):
-        checks.check_run(c, 10, 1)
-    c.seq_len = 32
-    checks.check_run(c, 10, 1)
-    assert not (tmp_path / "run").exists()  # nothing was written
+    r = train_here(run, data_dir, f"--init_from={short}", check=False)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
+        f"seq_len=64 is beyond init_from={short}'s max_position_embeddings=32: use --seq_len=32 or less, or a "
+        "checkpoint with 64 positions or more")
+    assert not run.exists()  # nothing was written
     with pytest.raises(SystemExit, match="seq_len=64 is beyond model_config's max_position_embeddings=32: use "
                                          "--seq_len=32 or less, or set model_config's max_position_embeddings to 64"):
         parse_config(["--model_config={'max_position_embeddings': 32}", "--seq_len=64", "--init_from=scratch"])
     assert parse_config(["--model_config={'max_position_embeddings': 64}", "--seq_len=64", "--init_from=scratch"])
 
-
-def test_a_resumed_run_with_a_longer_seq_len_is_refused(data_dir, tmp_path):  # noqa: F811
-    """A run from a checkpoint of 64 positions resumed at seq_len 128: resume_changes allows the change of key, not
-    the training past the model's positions (init_from is not read on resume: the run's own checkpoints are)."""
-    ModernBertForMaskedLM(ModernBertConfig(vocab_size=320, max_position_embeddings=64, **TINY)).save_pretrained(
-        tmp_path / "base")
-    args = [f"--init_from={tmp_path / 'base'}", "--run_phases=main", f"--tokens={8 * 8 * 64}"]
-    train_here(tmp_path / "run", data_dir, *args)
-    r = train_here(tmp_path / "run", data_dir, *args, "--seq_len=128", "--resume_changes=seq_len", check=False)
+    args = [f"--init_from={short}", "--seq_len=32", "--run_phases=main", f"--tokens={4 * 8 * 32}", "--warmup_tokens=0"]
+    train_here(run, data_dir, *args)  # at seq_len 32, it starts
+    r = train_here(run, data_dir, *args, "--seq_len=64", "--resume_changes=seq_len", check=False)
     assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
-        f"seq_len=128 is beyond the run in {tmp_path / 'run'}'s max_position_embeddings=64: use --seq_len=64 or "
-        "less, or a new out_dir")
+        f"seq_len=64 is beyond the run in {run}'s max_position_embeddings=32: use --seq_len=32 or less, or a new "
+        "out_dir")
 
 
 # -----------------------------------------------------------------------------
@@ -171,10 +159,8 @@ REPLACED = {"objective", "mask_prob", "tokens", "warmup_tokens", "decay_frac", "
 
 
 def test_a_run_with_phases_shows_them_keeps_their_ends_and_names_a_change(data_dir, base_ckpt, tmp_path):  # noqa: F811
-    """Three phases ending at steps 6, 12 and 16, a checkpoint every 4 steps, max_ckpts 1: ckpt-4 and ckpt-8 go, the
-    three phase ends stay whole, and the run of the last two phases from ckpt-6 (another out_dir) is the whole
-    run's from step 7 on. config.json and the start-up dump leave out the keys the phases replace. A resume with
-    one phase changed names that value and nothing else."""
+    """max_ckpts 1 keeps every phase end whole; the last two phases from ckpt-6 are the whole run's from step 7 on;
+    config.json and the start-up dump leave out the keys the phases replace; a refused resume names what changed."""
     args = [f"--init_from={base_ckpt}", f"--phases={THREE!r}", "--ckpt_interval=4", "--max_ckpts=1"]
     r = train_here(tmp_path / "run", data_dir, *args)
     dumped = json.loads(r.stdout[:r.stdout.index("\n}\n") + 2])
