@@ -1,11 +1,8 @@
-"""slurm/train.sbatch on a real SLURM: a one-node cluster on localhost (CPU only, no systemd or cgroups),
-the script submitted as a user would, with a tiny CPU run on 2 processes. Preempted twice mid-run, as
-SLURM does it: the warning signal to the batch shell (`scancel -b -s TERM`, what --signal=B:TERM@300 sends
-before the time limit), then `scontrol requeue` (SLURM's own SIGTERM to the shell and the step at once).
-Each time the job must come back by itself under the same id, resume from its checkpoint, and the run
-must end with the metrics of an uninterrupted one, bit for bit.
-
-Runs where Debian's slurm-wlm and munge are installed (.ci/run installs them); skips elsewhere."""
+"""slurm/train.sbatch on a real one-node SLURM on localhost (CPU only, no systemd or cgroups), submitted as a user
+would, a tiny run on 2 processes preempted twice as SLURM does it: the warning signal to the batch shell (`scancel -b
+-s TERM`, what --signal=B:TERM@300 sends), then `scontrol requeue` (SIGTERM to the shell and the step at once). Each
+time the job comes back by itself under the same id and resumes; the run ends with an uninterrupted one's metrics, bit
+for bit. Runs where Debian's slurm-wlm and munge are installed (.ci/run installs them); skips elsewhere."""
 
 import os
 import shutil
@@ -16,9 +13,9 @@ import time
 
 import pytest
 
-from support.metrics import TIMINGS
+from test_recipes import run_record
 from test_resilience import logged
-from test_train import ROOT, base_ckpt, data_dir, free_port, metrics, train_cmd  # noqa: F401 (fixtures)
+from test_train import ROOT, base_ckpt, data_dir, free_port, train_cmd  # noqa: F401 (fixtures)
 
 TOOLS = ("slurmctld", "slurmd", "sbatch", "munged", "munge")
 missing = [d for d in TOOLS if not shutil.which(d, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")]
@@ -70,6 +67,18 @@ def munge_works():
     return subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode == 0
 
 
+def slurm_says(env, *command):
+    return subprocess.run(command, capture_output=True, text=True, env=env).stdout.strip()
+
+
+def wait_until(condition, failure, timeout=120, every=0.2):
+    """Poll until `condition` holds; past `timeout` s (generous: a busy machine is slow), fail saying failure()."""
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, failure()
+        time.sleep(every)
+
+
 @pytest.fixture
 def slurm(tmp_path):
     """A one-node SLURM on localhost: munged (if none runs yet), slurmctld, slurmd. -> the clients' environment.
@@ -86,24 +95,19 @@ def slurm(tmp_path):
         shutil.chown("/run/munge", "munge", "munge")
         subprocess.run(["runuser", "-u", "munge", "--", f"{SBIN}/munged"], check=True)
         started.append("/run/munge/munged.pid")
-        deadline = time.time() + 120  # generous: a busy machine starts daemons slowly
-        while not munge_works():
-            assert time.time() < deadline, "munged does not answer"
-            time.sleep(0.1)
+        wait_until(munge_works, lambda: "munged does not answer")
     subprocess.run([f"{SBIN}/slurmctld", "-f", str(conf)], check=True, env=env)
     started.append(str(tmp / "slurmctld.pid"))
     subprocess.run([f"{SBIN}/slurmd", "-f", str(conf), "-N", "localhost"], check=True, env=env)
     started.append(str(tmp / "slurmd.pid"))
     try:
-        deadline = time.time() + 120
-        while "idle" not in sinfo(env):
-            assert time.time() < deadline, f"the node is not idle: {sinfo(env)}"
-            time.sleep(0.2)
+        node = lambda: slurm_says(env, "sinfo", "-h", "-o", "%T")  # noqa: E731
+        wait_until(lambda: "idle" in node(), lambda: f"the node is not idle: {node()}")
         yield env
     finally:
         subprocess.run(["scancel", "--full", "--signal=KILL", "--user=root"], env=env)  # a test that failed midway
         deadline = time.time() + 30
-        while queued(env) and time.time() < deadline:
+        while slurm_says(env, "squeue", "-h") and time.time() < deadline:
             time.sleep(0.2)
         for pid_file in reversed(started):
             try:
@@ -112,27 +116,13 @@ def slurm(tmp_path):
                 pass
 
 
-def queued(env):
-    return subprocess.run(["squeue", "-h"], capture_output=True, text=True, env=env).stdout.strip()
-
-
-def sinfo(env):
-    return subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, env=env).stdout.strip()
-
-
 def job_state(job, env):
     """(JobState, Restarts) of a job, from scontrol."""
-    out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, env=env).stdout
-    fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
+    fields = dict(f.split("=", 1) for f in slurm_says(env, "scontrol", "show", "job", "-o", job).split() if "=" in f)
     return fields.get("JobState", "?"), int(fields.get("Restarts", 0))
 
 
-def same_numbers(records):
-    """What must not change with an interruption: every logged number but the timings."""
-    return [{k: v for k, v in r.items() if k not in TIMINGS} for r in records]
-
-
-def test_slurm_job_is_preempted_requeued_and_resumes_exactly(slurm, data_dir, base_ckpt, tmp_path):
+def test_slurm_job_is_preempted_requeued_and_resumes_exactly(slurm, data_dir, base_ckpt, tmp_path):  # noqa: F811
     env = slurm
     out, log, whole = tmp_path / "slurm_run", tmp_path / "job.out", tmp_path / "whole"
     args = train_cmd(out, data_dir, f"--init_from={base_ckpt}", *ARGS)[2:]  # train.py's --key=value
@@ -150,13 +140,13 @@ def test_slurm_job_is_preempted_requeued_and_resumes_exactly(slurm, data_dir, ba
     def text():
         return log.read_text() if log.exists() else ""
 
-    def wait(what, condition, timeout=180):
-        deadline = time.time() + timeout
-        while not condition():
-            state = job_state(job, env)[0]
-            assert state not in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "BOOT_FAIL"), f"{state}: {text()}"
-            assert time.time() < deadline, f"timed out waiting for {what}: {job_state(job, env)}\n{text()}"
-            time.sleep(0.5)
+    def alive():  # -> None: not there yet
+        state = job_state(job, env)[0]
+        assert state not in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "BOOT_FAIL"), f"{state}: {text()}"
+
+    def wait(what, condition):
+        wait_until(lambda: condition() or alive(), lambda: f"timed out waiting for {what}: {job_state(job, env)}\n"
+                   f"{text()}", timeout=180, every=0.5)
         timeline.append((what, time.time() - t0))
 
     wait("running", lambda: job_state(job, env)[0] == "RUNNING")
@@ -181,4 +171,4 @@ def test_slurm_job_is_preempted_requeued_and_resumes_exactly(slurm, data_dir, ba
         assert f"resuming at step {step}" in log_text and step != "30", log_text
     assert (out / "final" / "manifest.json").exists()
     assert reference.wait(timeout=300) == 0, (tmp_path / "whole.log").read_text()[-3000:]
-    assert same_numbers(metrics(out)) == same_numbers(metrics(whole))
+    assert run_record(out) == run_record(whole)
