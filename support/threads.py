@@ -15,6 +15,7 @@ left alone; with a fixed one (OMP_NUM_THREADS=2) a CPU run is bit-for-bit repeat
 import math
 import os
 import time
+from pathlib import Path, PurePosixPath
 
 import torch
 
@@ -25,18 +26,14 @@ INTERVAL = 1.0  # seconds between counts: ~100 clock ticks per CPU, and a fracti
 def usable_cpus():
     """The CPUs this process may run on: its affinity mask (taskset, a cpuset), capped by the cgroup CPU quota of
     a container (docker --cpus), which the affinity mask does not show."""
-    n = len(os.sched_getaffinity(0))
-    for quota in cgroup_quotas():
-        n = min(n, max(1, math.floor(quota)))
-    return n
+    return min([len(os.sched_getaffinity(0))] + [max(1, math.floor(quota)) for quota in cgroup_quotas()])
 
 
 def cgroup_quotas():
     """The CPU quotas, in CPUs, of this process's cgroup and its parents: v2's cpu.max holds "quota period", v1's
     cpu.cfs_quota_us and cpu.cfs_period_us one each."""
     try:
-        with open("/proc/self/cgroup") as f:
-            entries = [line.rstrip("\n").split(":", 2) for line in f]
+        entries = [line.split(":", 2) for line in Path("/proc/self/cgroup").read_text().splitlines()]
     except OSError:
         return []
     quotas = []
@@ -45,22 +42,14 @@ def cgroup_quotas():
             continue
         root, files = (f"/sys/fs/cgroup/{controllers}", ("cpu.cfs_quota_us", "cpu.cfs_period_us")) if controllers \
             else ("/sys/fs/cgroup", ("cpu.max",))
-        while True:
+        for group in [path, *map(str, PurePosixPath(path).parents)]:  # the group, then its parents up to the root
             try:
-                quota, period = " ".join(read(root + path, name) for name in files).split()
+                quota, period = " ".join(Path(root + group, name).read_text() for name in files).split()
                 if quota not in ("max", "-1"):
                     quotas.append(int(quota) / int(period))
             except (OSError, ValueError):
                 pass
-            if path in ("/", ""):
-                break
-            path = os.path.dirname(path)
     return quotas
-
-
-def read(directory, name):
-    with open(os.path.join(directory, name)) as f:
-        return f.read().strip()
 
 
 def busy_seconds(cpus):
