@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from model import ModernBertConfig, ModernBertForMaskedLM
+from support.checkpoint import differences
 from support.metrics import TIMINGS
 from train import Config, Schedule, parse_config
 from test_train import TINY, base_ckpt, config, data_dir, metrics, train_here  # noqa: F401 (fixtures)
@@ -94,9 +95,10 @@ def test_a_run_in_steps_is_the_run_in_tokens_and_resumes_and_splits_alike(data_d
 
 
 @pytest.mark.parametrize("argv", [[], ["--global_batch_size=96", "--seq_len=1024"]])
-def test_biphasic_config_is_their_schedule(argv):
+def test_biphasic_and_mlm_from_clm_configs_are_their_schedules(argv):
     """Their largest budget, 42,000 steps whatever the batch: CLM for 25%, then MLM at 40%, the decay (1-sqrt to 0.1
-    lr) only in the final 2,000 steps; the 2,000-step warmup is our choice."""
+    lr) only in the final 2,000 steps; the 2,000-step warmup is our choice. Then their continued pretraining: 12,000
+    MLM steps at 40% from the end of that CLM phase."""
     c = config("en_base.py", "biphasic_scratch.py", argv=argv)
     s, peak = Schedule.from_config(c), 2e-4
     assert c.init_from == "scratch" and s.starts == [0, 10_500, 40_000, 42_000] and 10_500 / 42_000 == 0.25
@@ -110,15 +112,11 @@ def test_biphasic_config_is_their_schedule(argv):
         assert s.lr_at(k) == pytest.approx(peak * frac, rel=1e-12)
     assert s.lr_at(41_999) == pytest.approx(2.0045e-5, rel=1e-4)  # 0.1 lr + 0.9 lr x (1 - 0.99975)
 
-
-def test_mlm_from_clm_config_is_their_continued_pretraining():
-    """12,000 MLM steps at 40% from a CLM checkpoint: by default the end of the biphasic run's CLM phase."""
-    c = config("en_base.py", "mlm_from_clm.py")
+    c = config("en_base.py", "mlm_from_clm.py", argv=argv)
     s = Schedule.from_config(c)
     assert s.starts == [0, 10_000, 12_000] and {(p.objective, p.mask_prob) for p in s.phases} == {("mlm", 0.4)}
-    assert s.lr_at(9_999) == 2e-4 and s.lr_at(11_000) == pytest.approx(2e-4 * (0.1 + 0.9 * (1 - 0.5 ** 0.5)))
-    clm_end = Schedule.from_config(config("en_base.py", "biphasic_scratch.py")).starts[1]
-    assert c.init_from == f"out/en_base_biphasic_scratch/ckpt-{clm_end}" and c.out_dir == "out/en_base_mlm_from_clm"
+    assert s.lr_at(9_999) == peak and s.lr_at(11_000) == pytest.approx(peak * (0.1 + 0.9 * (1 - 0.5 ** 0.5)))
+    assert c.init_from == "out/en_base_biphasic_scratch/ckpt-10500" and c.out_dir == "out/en_base_mlm_from_clm"
 
 
 # -----------------------------------------------------------------------------
@@ -160,7 +158,7 @@ REPLACED = {"objective", "mask_prob", "tokens", "warmup_tokens", "decay_frac", "
 
 def test_a_run_with_phases_shows_them_keeps_their_ends_and_names_a_change(data_dir, base_ckpt, tmp_path):  # noqa: F811
     """max_ckpts 1 keeps every phase end whole; the last two phases from ckpt-6 are the whole run's from step 7 on;
-    config.json and the start-up dump leave out the keys the phases replace; a refused resume names what changed."""
+    config.json and the start-up dump leave out the keys the phases replace; a refused resume names each change."""
     args = [f"--init_from={base_ckpt}", f"--phases={THREE!r}", "--ckpt_interval=4", "--max_ckpts=1"]
     r = train_here(tmp_path / "run", data_dir, *args)
     dumped = json.loads(r.stdout[:r.stdout.index("\n}\n") + 2])
@@ -179,10 +177,6 @@ def test_a_run_with_phases_shows_them_keeps_their_ends_and_names_a_change(data_d
     assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
         f"{tmp_path / 'run'} holds a run with other settings: phases[1].steps 6 -> 8. Resuming would change what the "
         "run is: choose a new out_dir, or, if the change is deliberate, --resume_changes=phases")
-
-
-def test_a_refused_resume_names_each_value_that_changed():
-    from support.checkpoint import differences
     assert differences("phases", THREE, THREE) == []
     assert differences("phases", THREE, [THREE[0], {**THREE[1], "mask_prob": 0.3, "tokens": 9}]) == [
         "phases[1].mask_prob 0.4 -> 0.3", "phases[1].tokens (unset) -> 9", "phases: 3 entries -> 2"]
