@@ -63,8 +63,8 @@ def run_record(out_dir):
 
 
 def test_a_run_in_steps_is_the_run_in_tokens_and_resumes_and_splits_alike(data_dir, base_ckpt, tmp_path):  # noqa: F811
-    """test_train's tiny run with its phases in steps: the run in tokens, bit for bit, again on a resume mid-main and
-    split into run_phases=main then decay; the log and the card say how each length was given."""
+    """test_train's tiny run with its phases in steps: the run in tokens, bit for bit, again when resumed mid-main as
+    run_phases=main then continued by run_phases=decay; the log and the card say how each length was given."""
     common = [f"--init_from={base_ckpt}", "--max_ckpts=10"]
     r = train_here(tmp_path / "tokens", data_dir, *common)
     assert "8,192 tokens -> 16 steps" in r.stdout
@@ -81,13 +81,11 @@ def test_a_run_in_steps_is_the_run_in_tokens_and_resumes_and_splits_alike(data_d
     run = tmp_path / "steps"
     for later in [d for d in os.listdir(run) if d == "final" or d.startswith("ckpt-") and int(d[5:]) > 8]:
         shutil.rmtree(run / later)  # as if the run had died after writing ckpt-8
-    r = train_here(run, data_dir, *common, f"--phases={STEPS!r}")
-    assert "resuming at step 8" in r.stdout and run_record(run) == whole
-
-    train_here(tmp_path / "main", data_dir, *common, f"--phases={STEPS!r}", "--run_phases=main")
-    train_here(tmp_path / "decay", data_dir, f"--init_from={tmp_path / 'main' / 'final'}", f"--phases={STEPS!r}",
+    r = train_here(run, data_dir, *common, f"--phases={STEPS!r}", "--run_phases=main")
+    assert "resuming at step 8" in r.stdout
+    train_here(tmp_path / "decay", data_dir, f"--init_from={run / 'final'}", f"--phases={STEPS!r}",
                "--run_phases=decay")
-    assert run_record(tmp_path / "main") + run_record(tmp_path / "decay") == whole
+    assert run_record(run) + run_record(tmp_path / "decay") == whole
 
 
 # -----------------------------------------------------------------------------
