@@ -1,7 +1,6 @@
-"""support/threads.py: CPU threads follow the CPUs this process may use (affinity, a cgroup's quota) and the load of
-the other processes on them; a thread count the user set wins, and compiled code keeps one. The load is faked or made
-and measured by the test itself, so that what else runs on the machine changes nothing. Its speed beside other jobs:
-results/cpu-2026-11-28/README.md."""
+"""support/threads.py: CPU threads follow the CPUs this process may use (affinity, a cgroup's quota) and the others'
+load on them; a count the user set wins, compiled code keeps one. The load is faked, or made and measured by the test,
+so that what else runs changes nothing. Its speed beside other jobs: results/cpu-2026-11-28/README.md."""
 
 import os
 import re
@@ -61,14 +60,15 @@ def test_usable_cpus_follow_the_affinity_mask():
                     reason="needs root and a cgroup v1 cpu controller to make a group with a quota")
 def test_threads_follow_a_cgroup_quota():
     group = f"/sys/fs/cgroup/cpu/clm_detour_test_{os.getpid()}"
-    os.mkdir(group)
+    os.makedirs(f"{group}/job")  # the quota on its parent, as a container's group holds its processes' groups
     try:
         for name, value in (("cpu.cfs_period_us", "100000"), ("cpu.cfs_quota_us", "100000")):  # one CPU
             with open(f"{group}/{name}", "w") as f:
                 f.write(value)
-        enter = f"echo $$ > {group}/cgroup.procs && exec \"$@\""
+        enter = f"echo $$ > {group}/job/cgroup.procs && exec \"$@\""
         assert said(prefix=["sh", "-c", enter, "sh"]).startswith("1 CPU thread (1 usable")
     finally:
+        os.rmdir(f"{group}/job")
         os.rmdir(group)
 
 
