@@ -72,9 +72,8 @@ def test_a_run_in_steps_is_the_run_in_tokens_and_resumes_and_splits_alike(data_d
     assert "16 steps = 8,192 tokens" in r.stdout and "warmup over 4 steps" in r.stdout
     whole = run_record(tmp_path / "steps")
     assert whole == run_record(tmp_path / "tokens") and whole[-1]["step"] == 20
-    final = load_file(tmp_path / "steps" / "final" / "model.safetensors")
-    assert all(torch.equal(final[k], v) for k, v in load_file(tmp_path / "tokens" / "final" /
-                                                              "model.safetensors").items())
+    in_tokens, in_steps = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("tokens", "steps"))
+    assert all(torch.equal(in_steps[k], v) for k, v in in_tokens.items())
     card = (tmp_path / "steps" / "final" / "README.md").read_text()
     assert "| main | clm | causal | none (next token) | 8,192 | 16 | warmup over 4 steps, then 0.003 | done |" in card
 
@@ -89,7 +88,7 @@ def test_a_run_in_steps_is_the_run_in_tokens_and_resumes_and_splits_alike(data_d
 
 
 # -----------------------------------------------------------------------------
-# 2b. Gisserot-Boukhlef et al.'s schedules, as configs
+# 3. Gisserot-Boukhlef et al.'s schedules, as configs
 
 
 @pytest.mark.parametrize("argv", [[], ["--global_batch_size=96", "--seq_len=1024"]])
@@ -118,7 +117,7 @@ def test_biphasic_and_mlm_from_clm_configs_are_their_schedules(argv):
 
 
 # -----------------------------------------------------------------------------
-# 4. seq_len beyond the model's positions is refused at start-up, with the fix
+# 4. seq_len beyond the model's positions is refused at start-up and on resume, with the fix
 
 
 def test_seq_len_beyond_the_positions_is_refused_at_start_up_and_on_resume(data_dir, tmp_path):  # noqa: F811
@@ -146,7 +145,7 @@ def test_seq_len_beyond_the_positions_is_refused_at_start_up_and_on_resume(data_
 
 
 # -----------------------------------------------------------------------------
-# 6. A run with phases shows the phases in force, keeps every phase's end, and names what a resume changes
+# 5. A run with phases shows the phases in force, keeps every phase's end, and names what a resume changes
 
 THREE = [{"name": "clm", "objective": "clm", "steps": 6, "warmup_steps": 2},
          {"name": "mlm", "objective": "mlm", "mask_prob": 0.4, "steps": 6},
