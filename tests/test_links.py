@@ -4,6 +4,7 @@ outside the data directory is copied into a checkpoint."""
 
 import hashlib
 import os
+import shutil
 import threading
 
 import pytest
@@ -29,8 +30,7 @@ def sums(folder):
 
 
 def within(seconds, fn):
-    """fn() in a thread, so that a call that blocks fails the test after `seconds` instead of hanging the run.
-    -> {"value": what fn returned} or {"error": what it raised}."""
+    """fn() in a thread: a call that blocks fails after `seconds`, not hangs -> {"value": ...} or {"error": ...}"""
     out = {}
 
     def run():
@@ -150,14 +150,10 @@ def test_a_checkpoint_copies_only_the_data_dirs_own_tokenizer_files(tiny, tmp_pa
     no link (a link to a private file would put that file into every checkpoint, which travels)."""
     model, optimizer, c = tiny
     shared = tmp_path / "shared"  # a copy of the data dir whose tokenizer.json is a link to an identical file
-    shared.mkdir()
-    for name in os.listdir(c.data_dir):
-        os.symlink(os.path.join(c.data_dir, name), shared / name) if name.endswith(".bin") else \
-            (shared / name).write_bytes(open(os.path.join(c.data_dir, name), "rb").read())
-    tok = (shared / "tokenizer.json").read_bytes()
-    (elsewhere / "tokenizer.json").write_bytes(tok)
-    os.remove(shared / "tokenizer.json")
+    shutil.copytree(c.data_dir, shared)
+    os.rename(shared / "tokenizer.json", elsewhere / "tokenizer.json")
     os.symlink(elsewhere / "tokenizer.json", shared / "tokenizer.json")
+    tok = (elsewhere / "tokenizer.json").read_bytes()
     c.data_dir = str(shared)
     save_checkpoint(str(tmp_path / "ckpt-1"), model, optimizer, {"step": 1}, c)
     copied = tmp_path / "ckpt-1" / "tokenizer.json"
@@ -198,8 +194,7 @@ def test_suite_cka_eval_and_data_outputs_refuse_a_planted_link(tmp_path, elsewhe
     (tmp_path / "shards").mkdir()
     os.symlink(elsewhere / "secret.txt", tmp_path / "shards" / "meta.json")
     refuses(prepare, tmp_path / "shards" / "meta.json", elsewhere / "secret.txt")
-    assert sums(elsewhere) == before
-    assert not (tmp_path / "shards.prepare.tmp").exists()
+    assert sums(elsewhere) == before and not (tmp_path / "shards.prepare.tmp").exists()
 
 
 def test_train_refuses_a_link_in_out_dir_before_any_work(data_dir, tmp_path, elsewhere, capsys):
