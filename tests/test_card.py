@@ -9,9 +9,7 @@ import importlib.util
 import json
 import os
 import random
-import signal
 import subprocess
-import time
 
 import pytest
 import tokenizers
@@ -23,10 +21,10 @@ from data import prepare, read_documents
 from model import ModernBertConfig, ModernBertForMaskedLM
 from support.checkpoint import checkpoint_problem, save_checkpoint
 from support.checks import check_wandb
+from test_resilience import logged, stop, wait_for
 from test_train import ROOT, TINY, data_dir, metrics, train_cmd, train_here  # noqa: F401 (fixtures)
 from train import Config, make_optimizer
 
-SHARED = os.path.join(ROOT, "..", "shared")
 TEXT = "the patient was treated with a [MASK] dose."
 
 
@@ -63,8 +61,7 @@ def test_card_numbers_are_the_runs_and_fill_mask_runs_with_a_trained_tokenizer(d
     out = tmp_path / "run"
     train_here(out, data_dir, "--decay_frac=0.25", "--ckpt_interval=6", "--eval_interval=6", "--max_ckpts=10")
     records, meta = metrics(out), json.load(open(os.path.join(data_dir, "meta.json")))
-    with open(os.path.join(data_dir, "tokenizer.json"), "rb") as f:
-        sha = hashlib.file_digest(f, "sha256").hexdigest()
+    sha = hashlib.sha256(open(os.path.join(data_dir, "tokenizer.json"), "rb").read()).hexdigest()
     dirs = sorted(out.glob("ckpt-*"), key=lambda d: int(d.name[5:])) + [out / "final"]
     assert [d.name for d in dirs] == ["ckpt-6", "ckpt-12", "ckpt-16", "ckpt-18", "ckpt-20", "final"]
     for d in dirs:
@@ -98,7 +95,7 @@ def test_fill_mask_runs_with_a_copied_tokenizer(name, tmp_path):
     """Data prepared with a real tokenizer copied from ../shared (its own tokenizer_config.json travels with it),
     a checkpoint written from it: transformers reads it right (CamemBERTv2's "RobertaTokenizer" class would
     split words into characters), and the card names the hub model init_from came from."""
-    source = os.path.join(SHARED, "tokenizers", name)
+    source = os.path.join(ROOT, "..", "shared", "tokenizers", name)
     if not os.path.isdir(source):
         pytest.skip("../shared (the real tokenizers) is not beside the checkout")
     rng = random.Random(0)
@@ -112,7 +109,6 @@ def test_fill_mask_runs_with_a_copied_tokenizer(name, tmp_path):
     model = ModernBertForMaskedLM(ModernBertConfig(vocab_size=64 * -(-meta["vocab_size"] // 64), **ids, **TINY))
     init_from = str(tmp_path / "hub" / "models--answerdotai--ModernBERT-base" / "snapshots" / "0123abc")
     c = Config(data_dir=data, out_dir=str(tmp_path / "out"), init_from=init_from, seq_len=64, global_batch_size=8)
-    os.makedirs(c.out_dir)
     path = os.path.join(c.out_dir, "ckpt-0")
     save_checkpoint(path, model, make_optimizer(model, c, torch.device("cpu")), {"step": 0, "tokens": 0}, c)
     front = front_matter(open(os.path.join(path, "README.md")).read())
@@ -121,17 +117,13 @@ def test_fill_mask_runs_with_a_copied_tokenizer(name, tmp_path):
     print(f"\n{name}: fill-mask top 3 {[(r['token_str'], round(r['score'], 4)) for r in results]}")
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Weights & Biases, offline (no network, no account): what W&B stored is read back from its own run files
-# (.wandb: a LevelDB-style log of its protobuf records, read with wandb's protobuf classes), not from our code.
-
-
 BLOCK = 32768  # the log's block size: a record header never straddles a block
 
 
 def wandb_records(path):
-    """The protobuf Records of a .wandb file: a 7-byte file header (':W&B', magic, version), then records of
-    (crc32 4 bytes, length 2, type 1) + payload, split FIRST/MIDDLE/LAST across blocks, or FULL."""
+    """What W&B offline stored, read from its own run file, not from our code: the protobuf Records of a .wandb file
+    (a LevelDB-style log): a 7-byte file header (':W&B', magic, version), then records of (crc32 4 bytes, length 2,
+    type 1) + payload, split FIRST/MIDDLE/LAST across blocks, or FULL."""
     from wandb.proto import wandb_internal_pb2
 
     data = open(path, "rb").read()
@@ -145,9 +137,7 @@ def wandb_records(path):
         payload += data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL, LAST
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(payload)
-            yield record
+            yield wandb_internal_pb2.Record.FromString(payload)
             payload = b""
 
 
@@ -172,13 +162,9 @@ def test_wandb_offline_logs_every_record_and_a_resume_continues_the_same_run(dat
                     "--wandb_run_name=tiny")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
-    deadline = time.time() + 120
-    while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 143, stdout[-2000:] + stderr[-2000:]
+    wait_for(lambda: logged(out) >= 6, proc, "three records")  # a record every 2 steps
+    code, stdout, stderr = stop(proc)
+    assert code == 143, stdout[-2000:] + stderr[-2000:]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     assert r.returncode == 0 and "resuming at step" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
 
@@ -191,8 +177,7 @@ def test_wandb_offline_logs_every_record_and_a_resume_continues_the_same_run(dat
         config = {item.key: json.loads(item.value_json) for item in run.config.update}
         assert config["lr"] == 3e-3 and config["objective"] == "clm" and config["out_dir"] == str(out)
     assert max(logged_first) < min(logged_second)  # the resumed run continues after the stop
-    records = metrics(out)
-    assert {**logged_first, **logged_second} == {m["step"]: m for m in records}  # every record, every value
+    assert {**logged_first, **logged_second} == {m["step"]: m for m in metrics(out)}  # every record, every value
     print(f"\nW&B offline: run {run_id}, {len(logged_first)} + {len(logged_second)} records across the SIGTERM "
           f"(steps {min(logged_first)}-{max(logged_first)}, then {min(logged_second)}-{max(logged_second)})")
 
