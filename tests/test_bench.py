@@ -1,4 +1,6 @@
-"""bench.py runs at a tiny size and reports every section; a failed worker loses no other row."""
+"""bench.py runs at a tiny size and reports every section; a failed worker loses no other row. tests/gpu_check.py,
+the GPU check, runs end to end on CPU at tiny sizes: on a lent GPU the only new thing is the GPU. A part cut short by
+its time limit is recorded and the next part still runs; a pytest cut short keeps what the tests it finished printed."""
 
 import json
 import os
@@ -9,19 +11,19 @@ import time
 
 import pytest
 
+import bench
 import gpu_check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--size", "tiny", "--seq_len", "64", "--batch_size", "2", "--min_time", "0.02", "--warmup", "1"]
 
 
-def test_bench_tiny(tmp_path):
+def test_bench_tiny(tmp_path, capsys, monkeypatch):
     pytest.importorskip("transformers")
-    args = ["--size", "tiny", "--seq_len", "64", "--batch_size", "2", "--min_time", "0.02", "--warmup", "1",
-            "--out", str(tmp_path / "bench.json"), "--profile", str(tmp_path / "prof")]  # --largest: the GPU check's d
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), *args], cwd=ROOT, capture_output=True,
-                       text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert "1. Training step" in r.stdout and "2. Attention" in r.stdout and "3. The largest" not in r.stdout
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the workers' threads
+    bench.main([*TINY, "--out", str(tmp_path / "bench.json"), "--profile", str(tmp_path / "prof")])  # --largest: part d
+    out = capsys.readouterr().out
+    assert "1. Training step" in out and "2. Attention" in out and "3. The largest" not in out
     res = json.loads((tmp_path / "bench.json").read_text())
     assert {(row["case"], row["objective"], row["impl"]) for row in res["step"]} == {  # no compile on CPU by default
         (c, o, i) for c in ("variable", "packed") for o in ("mlm", "clm") for i in ("ours", "transformers")}
@@ -43,33 +45,26 @@ def test_bench_tiny(tmp_path):
         assert float(row["flex"]["err"]) <= 1e-5 and row["flex"]["note"] == "forward only: no backward on CPU"
 
 
-def test_a_failed_worker_loses_no_other_row(tmp_path):
+def test_a_failed_worker_loses_no_other_row(tmp_path, capsys, monkeypatch):
     """Two attention backends for ours in one run (--attn_backends), one of which cannot run here: its row is
-    reported failed, with the worker's reason, the other measured and written, and the exit status is 1."""
+    reported failed, with the worker's reason, the other measured and written, and the run ends in that error."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--size", "tiny", "--seq_len", "64",
-                        "--batch_size", "2", "--min_time", "0.02", "--warmup", "1", "--cases", "packed",
-                        "--objectives", "mlm", "--impls", "ours", "--attn_backends", "sdpa", "global=cudnn,local=sdpa",
-                        "--skip", "attention", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 1 and "'cudnn' (SDPA's cuDNN kernel) needs CUDA" in r.stderr
-    assert "failed (their errors above): packed mlm ours [global=cudnn,local=sdpa]" in r.stderr
+    with pytest.raises(SystemExit, match=r"workers failed \(their errors above\): packed mlm ours \[global=cudnn,"
+                                         r"local=sdpa\]$"):
+        bench.main([*TINY, "--cases", "packed", "--objectives", "mlm", "--impls", "ours", "--attn_backends", "sdpa",
+                    "global=cudnn,local=sdpa", "--skip", "attention", "--out", str(out)])
+    assert "'cudnn' (SDPA's cuDNN kernel) needs CUDA" in capsys.readouterr().err
     rows = json.loads(out.read_text())["step"]
     assert [row["impl"] for row in rows] == ["ours [sdpa]"] and rows[0]["raw"]["tokens_per_s"] > 0
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# tests/gpu_check.py, the GPU check, runs end to end on CPU at tiny sizes: on a lent GPU the only new thing is the
-# GPU. A part cut short by its time limit is recorded and the next part still runs; a pytest cut short keeps what the
-# tests it finished printed.
 
 
 def test_the_check_runs_every_part_on_cpu(tmp_path):
     out = tmp_path / "check"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "gpu_check.py"), "--tiny", "--out", str(out),
                         "--budget", "a=1", "b=600", "c=600", "d=300", "e=600"],  # generous: a busy CPU
-                       cwd=ROOT, capture_output=True, text=True, timeout=2400, env={**os.environ,
-                                                                                   "OMP_NUM_THREADS": "1"})
+                       cwd=ROOT, capture_output=True, text=True, timeout=2400,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     parts, md = json.loads((out / "report.json").read_text())["parts"], (out / "report.md").read_text()
     # a: its 1 s spent before pytest could start: recorded as cut short; b then runs with its own 600 s
@@ -86,10 +81,9 @@ def test_the_check_runs_every_part_on_cpu(tmp_path):
     assert [(p["phase"], p["steps"]) for p in c["phases"]] == [("clm", 4), ("mlm", 4), ("decay", 60)]
     assert [p["compile_s"] > 0 for p in c["phases"]] == [True, True, False] and c["said"]["compile_s"] > 0
     assert c["learning"]["ok"] and c["learning"]["fell"] > 0.002
-    said = {k: c["said"][k] for k in ("graphs", "graph_breaks", "recompiles", "recompile_reasons", "evaluations",
-                                      "checkpoints")}
-    assert said == dict(graphs=2, graph_breaks=0, recompiles=1, recompile_reasons="causal == True", evaluations=3,
-                        checkpoints=4)
+    said = dict(graphs=2, graph_breaks=0, recompiles=1, recompile_reasons="causal == True", evaluations=3,
+                checkpoints=4)
+    assert {k: c["said"][k] for k in said} == said
     assert [(x["run"], x["fx_graph hits"] + x["fx_graph misses"]) for x in c["caches"]] == [  # aot_eager: no inductor
         ("c_whole.log", 0), ("c_resume_1.log", 0), ("c_resume_2.log", 0)]
     resume = c["resume"]
@@ -103,9 +97,8 @@ def test_the_check_runs_every_part_on_cpu(tmp_path):
     # on "the GPU" (CPU here) against CPU: every comparison of CPU with CPU identical; the demo not at tiny sizes
     steps = {s["step"]: s for s in parts["e"]["steps"]}
     assert [s["ok"] for s in steps.values()] == ["yes"] * 6 + ["-"], steps
-    for name in ("one", "torchrun", "cpu"):
-        assert all(f"{task}: test macro F1" in steps[f"eval.py, {name}"]["figures"] for task in ("cls", "multilabel",
-                                                                                                 "ner"))
+    assert all(f"{task}: test macro F1" in steps[f"eval.py, {name}"]["figures"] for name in ("one", "torchrun", "cpu")
+               for task in ("cls", "multilabel", "ner")), steps
     assert steps["eval.py: under torchrun and on CPU against one process"]["figures"] == (
         "test_scores: 0.00e+00; first_losses: 0.00e+00; first_losses_against_cpu_float32: 0.00e+00")
     assert all(steps[f"cka.py --{w}: GPU against CPU"]["figures"].startswith("max_abs_diff: 0.00e+00; numbers_compared")
