@@ -80,14 +80,11 @@ def write_card(directory, c, step, tokens, model, schedule=None):
     # where the directory ends up (it is written under a temporary name, then renamed)
     path = os.path.join(c.out_dir, os.path.basename(directory).removeprefix(".tmp-"))
     per_step = c.global_batch_size * c.seq_len
-    name = os.path.basename(os.path.abspath(c.out_dir))
     hub = base_model(c.init_from)
-    objectives = sorted({p.objective for p in schedule.phases}) if schedule else []
     tags = ["modernbert", "fill-mask", "clm-detour", "continued-pretraining" if c.init_from != "scratch"
-            else "pretraining", *objectives]
+            else "pretraining", *sorted({p.objective for p in schedule.phases} if schedule else ())]
     front = ["---", "library_name: transformers", "pipeline_tag: fill-mask", *([f"base_model: {hub}"] if hub else []),
              "tags:", *(f"- {t}" for t in tags), "---"]
-    rows = recipe_rows(schedule, c, step) if schedule else []
 
     last, val = latest_records(c.out_dir, step)
     losses = ["No evaluation yet."]
@@ -103,13 +100,13 @@ def write_card(directory, c, step, tokens, model, schedule=None):
     counts = (f"{meta['train_tokens']:,} training tokens in {meta['train_docs']:,} documents; {meta['val_tokens']:,} "
               f"validation tokens in {meta['val_docs']:,} documents. " if all(k in meta for k in COUNTS) else "")
 
-    lines = [*front, "", f"# {name}", "",
+    lines = [*front, "", f"# {os.path.basename(os.path.abspath(c.out_dir))}", "",
              f"A ModernBERT encoder ({model.num_params():,} parameters, {model.config.num_hidden_layers} "
              f"layers) trained with the clm-detour codebase from `{c.init_from}`: step {step:,}"
              f"{f' of {schedule.starts[-1]:,}' if schedule else ''}, {tokens:,} tokens.", "",
              "## Recipe", "",
              "| phase | objective | attention | masking | tokens | steps | lr | status |",
-             "|---|---|---|---|---|---|---|---|", *rows, "",
+             "|---|---|---|---|---|---|---|---|", *(recipe_rows(schedule, c, step) if schedule else []), "",
              f"AdamW (decoupled weight decay {c.weight_decay:g}, betas {tuple(c.betas)}, eps {c.eps:g}); "
              f"{c.global_batch_size} sequences of {c.seq_len} tokens per step ({per_step:,} tokens){frozen}.", "",
              "## Data", "",
