@@ -362,9 +362,6 @@ def largest_batch(spec):
     return {"largest": fits, "probes": probes, "total_memory": total}
 
 
-# -----------------------------------------------------------------------------
-
-
 def largest_section(args, device, dtype):
     rows = []
     for objective in args.objectives:
