@@ -123,16 +123,20 @@ def pooled_layers(model, encoded, indices, pool, device, autocast, batch_tokens,
 
 
 def tokenizer_of(paths, override, max_len):
-    """The one tokenizer every checkpoint shares: refused if their tokenizer.json files differ, or if one is not a
-    ModernBERT checkpoint with max_len positions."""
+    """-> the checkpoints' one tokenizer and one layer count: refused, before any model runs, if their tokenizer.json
+    files or layer counts differ, or if one is not a ModernBERT checkpoint with max_len positions."""
+    n_layers = checkpoint_config(paths[0], paths[0]).num_hidden_layers
     for p in paths:
         config = checkpoint_config(p, p)
         with user_error():
             config.check_positions(max_len, "--max_len {}", f"pass --max_len {config.max_position_embeddings} "
                                    "or less", whose=f"{p}'s ")
+        if config.num_hidden_layers != n_layers:
+            raise SystemExit(f"layer count mismatch: {p} has {config.num_hidden_layers} layers, the others "
+                             f"{n_layers}; CKA compares layer i with layer i")
     if override:
         with user_error(f"--tokenizer {override}"):
-            return load_tokenizer(override)
+            return load_tokenizer(override), n_layers
     if missing := [p for p in paths if not os.path.isfile(os.path.join(p, "tokenizer.json"))]:
         raise SystemExit(f"{missing[0]} has no tokenizer.json; pass --tokenizer (the tokenizer its data was prepared "
                          "with)")
@@ -142,7 +146,7 @@ def tokenizer_of(paths, override, max_len):
                          + ", ".join(f"{p}: {h[:12]}" for p, h in hashes.items()) + "; CKA compares the same texts "
                          "token for token, so all models must use one tokenizer")
     with user_error(paths[0]):
-        return load_tokenizer(paths[0])
+        return load_tokenizer(paths[0]), n_layers
 
 
 def ratio(pair, control):
@@ -151,10 +155,9 @@ def ratio(pair, control):
 
 
 def sample_texts(args, paths, process):
-    """The texts every model sees, fixed by the texts and seeds alone: the checkpoints' one tokenizer, the sampling
-    seeds, draws (seed -> n text indices), mine (the indices this rank encodes: their union sharded across ranks) and
-    their token ids."""
-    tok = tokenizer_of(paths, args.tokenizer, args.max_len)
+    """The texts every model sees, fixed by the texts and seeds alone: tok, n_layers (see tokenizer_of), the seeds,
+    draws (seed -> n text indices), mine (the indices this rank encodes: the draws' union sharded) and their ids."""
+    tok, n_layers = tokenizer_of(paths, args.tokenizer, args.max_len)
     texts = list(read_documents([args.texts], args.text_field))
     if len(texts) < args.n:
         raise SystemExit(f"{args.texts} holds {len(texts)} texts, fewer than --n {args.n}: pass --n {len(texts)} or "
@@ -162,18 +165,15 @@ def sample_texts(args, paths, process):
     seeds = parse_seeds(args.seeds)
     draws = {s: np.random.default_rng(s).choice(len(texts), size=args.n, replace=False) for s in seeds}
     mine = sorted(set(np.concatenate(list(draws.values())).tolist()))[process.rank::process.world]
-    return SimpleNamespace(tok=tok, seeds=seeds, draws=draws, mine=mine,
+    return SimpleNamespace(tok=tok, n_layers=n_layers, seeds=seeds, draws=draws, mine=mine,
                            ids=[[tok.cls_id] + tok.encode(texts[i])[:args.max_len - 2] + [tok.sep_id] for i in mine])
 
 
-def representations(path, sample, args, process, n_layers=None):
+def representations(path, sample, args, process):
     """`path`'s pooled layer outputs for the sample, on every rank: per layer {text index: rows}."""
     autocast, dtype = distributed.autocast(process.device, args.dtype)
     with user_error(path):  # weights cut short or of another shape
         model = ModernBertForMaskedLM.from_pretrained(path).to(process.device)
-    if n_layers is not None and model.config.num_hidden_layers != n_layers:
-        raise SystemExit(f"layer count mismatch: {path} has {model.config.num_hidden_layers} layers, "
-                         f"the others {n_layers}; CKA compares layer i with layer i")
     check_vocab(sample.tok.vocab_size, model.config, "the tokenizer", path,
                 "pass the tokenizer the models were trained with (--tokenizer)")
     if process.rank == 0 and not args.runs:  # a trajectory's progress bar says where it is
@@ -211,10 +211,8 @@ def study(args, process, pairs):
     paths = list(dict.fromkeys(p for pair in pairs.values() for p in pair))
     sample = sample_texts(args, paths, process)
     hold(args.out, process)  # one run writes --out at a time
-    features, n_layers = {}, None  # path -> list over layers of {text index: rows}
-    for p in paths:
-        features[p] = representations(p, sample, args, process, n_layers)
-        n_layers = len(features[p])
+    features = {p: representations(p, sample, args, process) for p in paths}  # path -> per layer {text index: rows}
+    n_layers = sample.n_layers
     per_seed = {name: compare(features[a], features[b], sample) for name, (a, b) in pairs.items()}
     over_seeds = lambda name, layer, key: [rows[layer][key] for rows in per_seed[name].values()]  # noqa: E731
     keys = ("cka", "divergence", "cka_debiased", "cka_without_top", "top_var_share_x", "top_var_share_y")
@@ -282,15 +280,14 @@ def trajectory(args, process, comparisons):
     encode = {step: list(dict.fromkeys(p for paths in at.values() for p in paths)) for step, at in at_step.items()}
     bar = tqdm(total=sum(map(len, encode.values())), desc="checkpoints", unit="ckpt",
                disable=process.rank != 0 or None)
-    points, n_layers = [], None
+    points, n_layers = [], sample.n_layers
     for step, at in at_step.items():
         first = next(iter(at.values()))[0]  # the pair's first run, or the control's where the pair lacks the step
         point = {"step": step, **{k: progress_of(first).get(k) for k in ("tokens", "phase")},
                  **dict.fromkeys(comparisons)}
         features = {}  # checkpoint -> representations: a run in both comparisons is encoded once
         for p in encode[step]:
-            features[p] = representations(p, sample, args, process, n_layers)
-            n_layers = len(features[p])
+            features[p] = representations(p, sample, args, process)
             bar.update(1)
         for name, (a, b) in at.items():
             per_seed = compare(features[a], features[b], sample, diagnostics=False)
