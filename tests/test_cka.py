@@ -19,7 +19,7 @@ from model import ModernBertConfig, ModernBertForMaskedLM
 from support.checkpoint import latest_valid_checkpoint, step_checkpoints, weights_only
 from support.metrics import TIMINGS
 from support.tokenizer import train_bpe
-from test_train import base_ckpt, data_dir, launcher, metrics, train_cmd, train_here  # noqa: F401 (fixtures)
+from test_train import base_ckpt, data_dir, launcher, metrics, train_here  # noqa: F401 (fixtures)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,23 +27,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def gram_cka(X, Y, debiased=False):
     """The textbook in float64: HSIC ratio of the n x n Grams K = X X^T, L = Y Y^T. Biased: tr(KHLH) with the
     centring matrix H; debiased: Song et al.'s unbiased HSIC, the Grams' diagonals zeroed."""
-    X, Y = np.asarray(X, np.float64), np.asarray(Y, np.float64)
-    n = X.shape[0]
     # HKH = (HX)(HX)^T: centring the columns first changes nothing in exact arithmetic and
     # keeps the float64 reference accurate when features carry huge offsets.
-    X, Y = X - X.mean(0), Y - Y.mean(0)
+    X, Y = (Z - Z.mean(0) for Z in (np.asarray(X, np.float64), np.asarray(Y, np.float64)))
+    n, one = len(X), np.ones(len(X))
     K, L = X @ X.T, Y @ Y.T
-    if not debiased:
-        H = np.eye(n) - np.ones((n, n)) / n
-        hsic = lambda K, L: np.trace(K @ H @ L @ H)  # noqa: E731
-    else:
-        np.fill_diagonal(K, 0)
-        np.fill_diagonal(L, 0)
-        one = np.ones(n)
+    if debiased:
+        K, L = K - np.diag(np.diag(K)), L - np.diag(np.diag(L))
 
-        def hsic(K, L):
-            return (np.trace(K @ L) + (one @ K @ one) * (one @ L @ one) / ((n - 1) * (n - 2))
-                    - 2 / (n - 2) * one @ K @ L @ one) / (n * (n - 3))
+    def hsic(K, L):
+        if not debiased:
+            return np.trace(K @ (np.eye(n) - 1 / n) @ L @ (np.eye(n) - 1 / n))
+        return (np.trace(K @ L) + (one @ K @ one) * (one @ L @ one) / ((n - 1) * (n - 2))
+                - 2 / (n - 2) * one @ K @ L @ one) / (n * (n - 3))
     return hsic(K, L) / np.sqrt(hsic(K, K) * hsic(L, L))
 
 
@@ -109,14 +105,16 @@ def setup(tmp_path_factory):
     return tmp, paths
 
 
-def cka_here(texts, out, *args):
+def cka_args(texts_dir, out, *args):
+    """cka.py's arguments on texts_dir/texts.txt: 40 texts, 2 sampling seeds, 48 tokens per text."""
+    return [str(a) for a in ("--texts", texts_dir / "texts.txt", "--n", 40, "--seeds", "1,2", "--max_len", 48,
+                             "--device", "cpu", "--out", out, *args)]
+
+
+def run_cka(texts_dir, out, *args):
     """cka.py in this process: -> the results.json or trajectory.json it wrote."""
-    cka.main([str(a) for a in ("--texts", texts, "--device", "cpu", "--out", out, *args)])
+    cka.main(cka_args(texts_dir, out, *args))
     return json.loads((out / ("trajectory.json" if "--runs" in args else "results.json")).read_text())
-
-
-def run_cka(tmp, out, *args):
-    return cka_here(tmp / "texts.txt", out, "--n", "60", "--seeds", "1,2,3", *args)
 
 
 def divergences(results, name="pair"):
@@ -147,9 +145,8 @@ def test_identical_checkpoints_diverge_nowhere_and_noise_grows(setup, one_proces
 def test_torchrun_two_processes_equal_one(setup, one_process, tmp_path):
     tmp, settings = setup[0], one_process["settings"]
     # "--": else torchrun reads cka.py's --n as one of its own options
-    r = subprocess.run(launcher(2) + ["--", os.path.join(ROOT, "cka.py"), "--texts", str(tmp / "texts.txt"), "--n",
-                                      "60", "--seeds", "1,2,3", "--out", str(tmp_path), "--device", "cpu", "--pair",
-                                      *settings["pair"], "--control", *settings["control"]],
+    r = subprocess.run(launcher(2) + ["--", os.path.join(ROOT, "cka.py"), *cka_args(
+        tmp, tmp_path, "--pair", *settings["pair"], "--control", *settings["control"])],
                        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     two = json.loads((tmp_path / "results.json").read_text())
@@ -180,13 +177,11 @@ def test_bad_inputs_are_clear(setup, tmp_path):
 
 
 def test_regions_and_ratios_are_the_papers_from_the_per_seed_divergences(one_process):
-    """results.json's summaries recomputed from its per-seed CKAs: divergence = 1 - CKA; a layer's ratio is the
-    mean over seeds of pair / control divergence; a region's divergence the mean over seeds of its layers' mean
-    (sample std), its ratio that of the pair's mean to the control's. (Two processes against one cannot see a
-    ratio turned upside down.)"""
+    """results.json's summaries from its per-seed CKAs: a layer's ratio is the mean over seeds of pair / control, a
+    region's the ratio of their means (two processes against one cannot see a ratio turned upside down)."""
     assert cka.regions(22) == [(0, 8), (8, 15), (15, 22)]  # PAPER.md: layers 0-7, 8-14, 15-21 (French Base)
     assert cka.regions(28) == [(0, 10), (10, 19), (19, 28)]  # Large: thirds, the larger first
-    res, seeds = one_process, ("1", "2", "3")
+    res, seeds = one_process, ("1", "2")
     div = {name: np.array([[1 - row["cka"] for row in res["per_seed"][name][s]] for s in seeds])
            for name in ("pair", "control")}  # (seeds, layers)
     for name in div:
@@ -233,16 +228,6 @@ def steps_in(run):
     return {int(os.path.basename(p).split("-")[1]): weights_only(p) for p in step_checkpoints(str(run))}
 
 
-def test_keep_every_checkpoints_survive_max_ckpts_weights_only(runs):
-    # 8 was full, then dropped by max_ckpts (not a multiple of 6); 16 and 20 are the newest 2 full ones.
-    assert steps_in(runs / "clm") == {6: True, 12: True, 16: False, 18: True, 20: False}
-    for step in (6, 12, 18):
-        ckpt = runs / "clm" / f"ckpt-{step}"
-        assert not (ckpt / "train_state.pt").exists()
-        assert json.loads((ckpt / "progress.json").read_text()) == {
-            "step": step, "tokens": step * 8 * 64, "phase": "main" if step <= 16 else "decay"}
-
-
 def test_resume_picks_the_newest_full_checkpoint_not_a_weights_only_one(runs, data_dir, base_ckpt, tmp_path):  # noqa: F811
     # The out_dir as a kill between steps 18 and 20 leaves it: the newest checkpoint is weights-only.
     run = tmp_path / "clm"
@@ -258,37 +243,37 @@ def test_resume_picks_the_newest_full_checkpoint_not_a_weights_only_one(runs, da
         assert (run / "final" / name).read_bytes() == (runs / "clm" / "final" / name).read_bytes()
 
 
-def run_cka_on(runs, out, *args):
-    return cka_here(runs / "texts.txt", out, "--n", "40", "--seeds", "1,2", "--max_len", "48", *args)
-
-
 @pytest.fixture(scope="module")
 def trajectory(runs):
     with contextlib.redirect_stdout(io.StringIO()) as said:
-        results = run_cka_on(runs, runs / "traj", "--runs", runs / "clm", runs / "mlm", "--control", runs / "mlm",
-                             runs / "mlm_twin")
+        results = run_cka(runs, runs / "traj", "--runs", runs / "clm", runs / "mlm", "--control", runs / "mlm",
+                          runs / "mlm_twin")
     assert said.getvalue().count("divergence by region, pair") == 5  # progress: a line per step, the bar off
     return results
 
 
-def test_trajectory_has_every_common_step_and_its_place_in_the_run(runs, trajectory):
-    common = sorted(set(steps_in(runs / "clm")) & set(steps_in(runs / "mlm")))
-    assert [p["step"] for p in trajectory["steps"]] == common == [6, 12, 16, 18, 20]
-    assert [p["phase"] for p in trajectory["steps"]] == ["main", "main", "main", "decay", "decay"]
-    assert [p["tokens"] for p in trajectory["steps"]] == [s * 8 * 64 for s in common]
+def test_keep_every_steps_survive_max_ckpts_weights_only_and_the_trajectory_places_them(runs, trajectory):
+    # 8 was full, then dropped by max_ckpts (not a multiple of 6); 16 and 20 are the newest 2 full ones.
+    assert steps_in(runs / "clm") == steps_in(runs / "mlm") == {6: True, 12: True, 16: False, 18: True, 20: False}
+    places = [{"step": s, "tokens": s * 8 * 64, "phase": "main" if s <= 16 else "decay"} for s in (6, 12, 16, 18, 20)]
+    for place in places:
+        ckpt = runs / "clm" / f"ckpt-{place['step']}"
+        assert json.loads((ckpt / "progress.json").read_text()) == place
+        assert (ckpt / "train_state.pt").exists() == (place["step"] in (16, 20))
+    assert [{k: p[k] for k in place} for p in trajectory["steps"]] == places
     last = trajectory["steps"][-1]  # the final checkpoints stand for their own step
     assert last["pair"]["checkpoints"] == [str(runs / "clm" / "final"), str(runs / "mlm" / "final")]
     for p in trajectory["steps"]:
         assert len(p["pair"]["layers"]) == len(p["control"]["layers"]) == 4
         assert len(p["pair"]["regions"]) == len(p["ratio"]) == 3
     table = (runs / "traj" / "trajectory.md").read_text()
-    assert table.count("\n| ") == 1 + len(common)  # the header and one row per step
+    assert table.count("\n| ") == 1 + len(places)  # the header and one row per step
     assert (runs / "traj" / "trajectory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_step_equals_pair_on_the_same_two_checkpoints_exactly(runs, trajectory, tmp_path):
     ckpt = lambda name: str(runs / name / "ckpt-12")  # noqa: E731  (weights-only checkpoints)
-    pair = run_cka_on(runs, tmp_path, "--pair", ckpt("clm"), ckpt("mlm"), "--control", ckpt("mlm"), ckpt("mlm_twin"))
+    pair = run_cka(runs, tmp_path, "--pair", ckpt("clm"), ckpt("mlm"), "--control", ckpt("mlm"), ckpt("mlm_twin"))
     point = next(p for p in trajectory["steps"] if p["step"] == 12)
     for name in ("pair", "control"):
         for layer, value in enumerate(point[name]["layers"]):
