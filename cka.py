@@ -464,10 +464,10 @@ def main(argv=None):
     comparisons = {"pair": args.runs or args.pair, **({"control": args.control} if args.control else {})}
     results = (trajectory if args.runs else study)(args, process, comparisons)
     distributed.teardown()
-    if process.rank == 0:
-        stem, table, figure_of = ("trajectory", trajectory_markdown, trajectory_figure) if args.runs else \
-            ("results", markdown, figure)
-        write(args.out, stem, results, table(results), figure_of)
+    if process.rank == 0 and args.runs:
+        write(args.out, "trajectory", results, trajectory_markdown(results), trajectory_figure)
+    elif process.rank == 0:
+        write(args.out, "results", results, markdown(results), figure)
 
 
 if __name__ == "__main__":
