@@ -15,6 +15,8 @@ takes). Knows nothing of the model.
 
 import argparse
 import ast
+import collections
+import concurrent.futures
 import contextlib
 import functools
 import itertools
@@ -22,11 +24,9 @@ import json
 import lzma
 import math
 import os
-import queue
 import shutil
 import sysconfig
 import tempfile
-import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -163,18 +163,16 @@ def _tokenized(keyed_docs, tok, chunk_docs, n_docs, desc):
 
 def _count_documents(docs_fn, where):
     """The documents docs_fn() yields, the empty or null texts among them skipped (and counted, in a line)."""
-    n_texts = n_docs = 0
-    for doc in docs_fn():
-        n_texts, n_docs = n_texts + 1, n_docs + bool(doc)
-    if n_texts > n_docs:
-        print(f"{where}: skipped {n_texts - n_docs:,} empty or null texts of {n_texts:,}")
-    return n_docs
+    empty = collections.Counter(not doc for doc in docs_fn())
+    if empty[True]:
+        print(f"{where}: skipped {empty[True]:,} empty or null texts of {empty.total():,}")
+    return empty[False]
 
 
 @contextlib.contextmanager
 def _staged(out, tokenizer):
-    """Yields (stage, tok, dtype, meta): a staging folder beside out, the tokenizer as copied into it (tokenizer.json
-    and its companions), the shards' dtype, meta.json's tokenizer keys for the caller to complete. Then every staged
+    """Yields (stage, tok, meta): a staging folder beside out, the tokenizer as copied into it (tokenizer.json and
+    its companions), meta.json's tokenizer keys and the shards' dtype for the caller to complete. Then every staged
     file is moved into out: a failed or interrupted run leaves what out held as it was."""
     stage = fresh_dir(os.path.normpath(out) + ".prepare.tmp")  # one that a killed run left is removed
     try:
@@ -186,10 +184,9 @@ def _staged(out, tokenizer):
                 shutil.copyfile(src, os.path.join(stage, name))
         spec = os.path.join(stage, "tokenizer.json")
         tok = load_tokenizer(spec)  # the copy, which the shards are made with and travel beside
-        dtype = np.uint16 if tok.vocab_size <= 2 ** 16 else np.uint32
         meta = dict(tokenizer="tokenizer.json", tokenizer_sha256=sha256(spec), vocab_size=tok.vocab_size,
-                    dtype=np.dtype(dtype).name, **tok.special_ids)
-        yield stage, tok, dtype, meta
+                    dtype="uint16" if tok.vocab_size <= 2 ** 16 else "uint32", **tok.special_ids)
+        yield stage, tok, meta
         with open_file(os.path.join(stage, "meta.json")) as f:
             json.dump(meta, f, indent=2)
         # meta.json leaves first and comes back last: a kill in between leaves a folder train.py refuses (no
@@ -208,7 +205,7 @@ def prepare(docs_fn, tokenizer, out, val_docs=1000, sources=(), chunk_docs=512):
     """Tokenize the documents docs_fn() yields into out/{train,val}.bin and meta.json, the tokenizer copied beside
     them. docs_fn is called twice (a count, then the pass) so nothing holds the corpus in memory; the val documents
     are drawn at random (seed 0) from the whole input."""
-    with _staged(out, tokenizer) as (stage, tok, dtype, meta):
+    with _staged(out, tokenizer) as (stage, tok, meta):
         n_docs = _count_documents(docs_fn, "prepare")
         if n_docs == 0:
             raise SystemExit("prepare: the input holds no documents (empty files?)")
@@ -221,7 +218,7 @@ def prepare(docs_fn, tokenizer, out, val_docs=1000, sources=(), chunk_docs=512):
               open_file(os.path.join(stage, "val.bin"), "wb") as val,
               contextlib.closing(_tokenized(keyed, tok, chunk_docs, n_docs, "prepare")) as chunks):
             for split, ids, lengths in chunks:
-                (val if split == "val" else train).write(ids.astype(dtype).tobytes())
+                (val if split == "val" else train).write(ids.astype(meta["dtype"]).tobytes())
                 meta[f"{split}_docs"] += len(lengths)
                 meta[f"{split}_tokens"] += len(ids)
     return meta
@@ -245,7 +242,7 @@ def prepare_mixture(docs_fns, weights, tokenizer, out, tokens=None, val_docs=100
     sources = list(sources) or [f"source {i}" for i in range(len(docs_fns))]
     weights = np.asarray(weights, dtype=np.float64)
     weights = weights / weights.sum()
-    with _staged(out, tokenizer) as (stage, tok, dtype, meta):
+    with _staged(out, tokenizer) as (stage, tok, meta):
         # count: every source is checked before any tokenizing
         n_docs = [_count_documents(docs_fn, f"prepare: {name}") for name, docs_fn in zip(sources, docs_fns)]
         n_val = split_val_docs(val_docs, weights)
@@ -259,36 +256,31 @@ def prepare_mixture(docs_fns, weights, tokenizer, out, tokens=None, val_docs=100
         with (open_file(scratch, "wb") as f,
               contextlib.closing(_tokenized(keyed, tok, chunk_docs, sum(n_docs), "tokenize")) as chunks):
             for _, ids, lengths in chunks:
-                f.write(ids.astype(dtype).tobytes())
+                f.write(ids.astype(meta["dtype"]).tobytes())
                 doc_tokens.append(lengths)
         doc_tokens = np.concatenate(doc_tokens)
         offsets = np.concatenate([[0], np.cumsum(doc_tokens)])  # document d: tokens offsets[d]:offsets[d+1]
         first = np.cumsum([0, *n_docs])  # each source's first document
         val, train = [], []  # each source's documents of each split (ids into offsets, in file order)
         for i, (n, v) in enumerate(zip(n_docs, n_val)):
-            is_val = np.zeros(n, dtype=bool)
-            is_val[np.random.default_rng([seed, 0, i]).choice(n, size=v, replace=False)] = True
+            is_val = np.isin(np.arange(n), np.random.default_rng([seed, 0, i]).choice(n, size=v, replace=False))
             val.append(first[i] + np.flatnonzero(is_val))
             train.append(first[i] + np.flatnonzero(~is_val))
         plan = plan_mixture([doc_tokens[d] for d in train], weights, tokens, seed, sources)
-        token_file = np.memmap(scratch, dtype=dtype, mode="r")
+        used = [np.concatenate([np.tile(d, copies), d[sample]]) for d, (copies, sample) in zip(train, plan)]
+        token_file = np.memmap(scratch, dtype=meta["dtype"], mode="r")
         meta["train_docs"], meta["train_tokens"] = _write_interleaved(
-            os.path.join(stage, "train.bin"), token_file, offsets,
-            [(d, copies, d[sample]) for d, (copies, sample) in zip(train, plan)], np.random.default_rng([seed, 2, 0]),
-            "train")
+            os.path.join(stage, "train.bin"), token_file, offsets, used, np.random.default_rng([seed, 2, 0]), "train")
         meta["val_docs"], meta["val_tokens"] = _write_interleaved(
-            os.path.join(stage, "val.bin"), token_file, offsets, [(d, 1, d[:0]) for d in val],
-            np.random.default_rng([seed, 2, 1]), "val")
+            os.path.join(stage, "val.bin"), token_file, offsets, val, np.random.default_rng([seed, 2, 1]), "val")
         del token_file
         os.remove(scratch)
         rows = []
-        for name, w, d, v, (copies, sample) in zip(sources, weights, train, val, plan):
-            available, sampled = int(doc_tokens[d].sum()), int(doc_tokens[d[sample]].sum())
-            used = copies * available + sampled
+        for name, w, d, u, v in zip(sources, weights, train, used, val):
+            available, taken = int(doc_tokens[d].sum()), int(doc_tokens[u].sum())
             rows.append(dict(path=name, weight=round(float(w), 6), documents=len(d), tokens=available,
-                             documents_used=copies * len(d) + len(sample), tokens_used=used,
-                             share=round(used / meta["train_tokens"], 6), repeat=round(used / available, 6),
-                             val_docs=len(v), val_tokens=int(doc_tokens[v].sum())))
+                             documents_used=len(u), tokens_used=taken, share=round(taken / meta["train_tokens"], 6),
+                             repeat=round(taken / available, 6), val_docs=len(v), val_tokens=int(doc_tokens[v].sum())))
         meta.update(sources=list(sources), mixture=dict(seed=seed, tokens=tokens, sources=rows))
     return meta
 
@@ -331,15 +323,14 @@ def plan_mixture(lengths, weights, tokens=None, seed=0, names=None):
 
 
 def _write_interleaved(path, token_file, offsets, streams, rng, desc):
-    """Copy the documents of the streams from token_file into path, interleaved: the file's j-th document comes
-    from stream labels[j], a shuffle (by rng) of each stream's number repeated as often as it has documents, so
-    every source is spread over the whole file; a stream's documents keep their order. A stream (docs, copies,
-    sample): all of docs (ids into offsets) `copies` times, then the ids in sample. -> (documents, tokens) written."""
-    sizes = [copies * len(docs) + len(sample) for docs, copies, sample in streams]
-    labels = rng.permutation(np.repeat(np.arange(len(streams), dtype=np.uint16), sizes))
+    """Copy the documents of the streams (arrays of ids into offsets) from token_file into path, interleaved: the
+    file's j-th document comes from stream labels[j], a shuffle (by rng) of each stream's number repeated as often
+    as it has documents, so every source is spread over the whole file; a stream's documents keep their order.
+    -> (documents, tokens) written."""
+    labels = rng.permutation(np.repeat(np.arange(len(streams), dtype=np.uint16), [len(docs) for docs in streams]))
     order = np.empty(len(labels), dtype=np.int64)  # the file's documents, as ids into offsets
-    for i, (docs, copies, sample) in enumerate(streams):
-        order[labels == i] = np.concatenate([np.tile(docs, copies), sample])
+    for i, docs in enumerate(streams):
+        order[labels == i] = docs
     with open_file(path, "wb") as f, tqdm(total=len(order), desc=desc, unit="doc", disable=None) as bar:
         for b in range(0, len(order), 1 << 16):
             ids = order[b:b + (1 << 16)]
@@ -472,37 +463,19 @@ def mlm_batch(windows, mask_prob, special, vocab_size, seed, split_docs=False):
 
 
 def prefetch(produce, steps):
-    """Yield produce(step) for each of `steps`, built up to two steps ahead by a background thread so that a step's
-    CPU work (reading, masking, pinning) overlaps the GPU work of the steps before. produce() runs in step order in
-    one thread: the stream is the same as without it, and its exception is raised here, at its step."""
-    ready, done = queue.Queue(maxsize=2), threading.Event()
-
-    def work():
-        for step in steps:
-            try:
-                item = (produce(step), None)
-            except BaseException as e:  # noqa: BLE001 (raised again in the consumer)
-                item = (None, e)
-            while not done.is_set():  # a consumer that stopped (signal, error) reads no more
-                try:
-                    ready.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    pass
-            if item[1] is not None or done.is_set():
-                return
-
-    thread = threading.Thread(target=work, daemon=True, name="prefetch")
-    thread.start()
+    """Yield produce(step) for each of `steps`, built up to two steps ahead by one background thread so that a step's
+    CPU work (reading, masking, pinning) overlaps the GPU work of the steps before. produce() runs in step order: the
+    stream is the same as without it, and its exception is raised here, at its step."""
+    steps = iter(steps)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
+    ahead = collections.deque(pool.submit(produce, step) for step in itertools.islice(steps, 2))
     try:
-        for _ in steps:
-            item, error = ready.get()
-            if error is not None:
-                raise error
+        while ahead:
+            item = ahead.popleft().result()
+            ahead.extend(pool.submit(produce, step) for step in itertools.islice(steps, 1))
             yield item
     finally:  # on close(): the thread ends here (within a step's batches), not at the interpreter's exit
-        done.set()
-        thread.join()
+        pool.shutdown(cancel_futures=True)
 
 
 # -----------------------------------------------------------------------------
@@ -527,8 +500,8 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=token_count,
                     help="the mixture's training tokens (10B, 400M, 2500000): a source is repeated (whole "
                          "documents) or sampled to its share; default: the largest mixture that repeats nothing")
-    p.add_argument("--seed", type=int, help="the mixture's seed (default 0): its validation documents, samples "
-                                            "and order")
+    p.add_argument("--seed", type=int,
+                   help="the mixture's seed (default 0): its validation documents, samples and order")
     return p.parse_args(argv)
 
 
