@@ -300,11 +300,9 @@ def plan_mixture(lengths, weights, tokens=None, seed=0, names=None):
     documents `copies` times, then the documents `sample` (indices into lengths[i], ascending), a random set
     (fixed by seed) whose tokens come closest to the rest of the share: off by at most half a document."""
     available = np.array([int(x.sum()) for x in lengths], dtype=np.int64)
-    exact = tokens is None
-    if exact:
-        tokens = float(np.min(available / weights))  # the source that runs out first sets the size
-    targets = np.rint(np.asarray(weights) * tokens).astype(np.int64)
-    if exact:
+    size = np.min(available / weights) if tokens is None else tokens  # None: the source that runs out first sets it
+    targets = np.rint(np.asarray(weights) * size).astype(np.int64)
+    if tokens is None:
         targets = np.minimum(targets, available)  # rounding never makes a source repeat
     plan = []
     for i, (x, target) in enumerate(zip(lengths, targets)):
@@ -523,10 +521,10 @@ def main(argv=None):
 
     if args.demo:
         docs = [doc for _, doc in demo_documents(args.demo)]  # a few MB: parse the sources once
-        docs_fn = lambda: iter(docs)  # noqa: E731
+        docs_fn = functools.partial(iter, docs)
         sources = [f"demo:{args.demo}"]
     else:
-        docs_fn = lambda: read_documents(args.input, args.text_field, args.blank_line_docs)  # noqa: E731
+        docs_fn = functools.partial(read_documents, args.input, args.text_field, args.blank_line_docs)
         sources = [os.path.abspath(x) for x in args.input]
     if args.weights and abs(sum(args.weights) - 1) > 1e-6:
         print(f"--weights sum to {sum(args.weights):g}: normalized to "

@@ -52,14 +52,11 @@ def test_mlm_masking_statistics():
 
 
 def test_mlm_masking_depends_on_seed_not_data():
-    windows = torch.randint(5, 1000, (4, 64))
-    a = mlm_batch(windows, 0.3, SPECIAL, 1000, seed=[17, 3, 0, 0])
-    b = mlm_batch(windows, 0.3, SPECIAL, 1000, seed=[17, 3, 0, 0])
-    c = mlm_batch(windows, 0.3, SPECIAL, 1000, seed=[17, 3, 1, 0])
+    windows, other = torch.randint(5, 1000, (2, 4, 64))
+    a, b, c = (mlm_batch(w, 0.3, SPECIAL, 1000, seed=[17, 3, 0, 0]) for w in (windows, windows, other))
     assert torch.equal(a.rows, b.rows) and torch.equal(a.tokens, b.tokens)
-    assert not torch.equal(a.rows, c.rows)
-    other = mlm_batch(torch.randint(5, 1000, (4, 64)), 0.3, SPECIAL, 1000, seed=[17, 3, 0, 0])
-    assert torch.equal(a.rows, other.rows)  # same seed, different data: same positions
+    assert torch.equal(a.rows, c.rows)  # same seed, different data: same positions
+    assert not torch.equal(a.rows, mlm_batch(windows, 0.3, SPECIAL, 1000, seed=[17, 3, 1, 0]).rows)
 
 
 def test_clm_targets_hand_checked():
@@ -85,11 +82,6 @@ def shards(tmp_path_factory):
     ids[:1000].tofile(out / "val.bin")
     json.dump(dict(dtype="uint16", vocab_size=10_000, **SPECIAL), open(out / "meta.json", "w"))
     return str(out)
-
-
-def window_ids(batch, seq_len=20):
-    """Which windows a batch holds: the shard is 0, 1, 2, ... so a window's first id tells."""
-    return [int(row[0]) // seq_len for row in batch]
 
 
 def test_loader_resumes_exactly_and_reshards(shards):
@@ -122,8 +114,8 @@ def test_two_epochs_are_two_permutations_of_every_window(shards):
         assert loaders[0].n_windows == 333
         stream = []
         while len(stream) < 2 * 333:
-            for ld in loaders:  # a step: the ranks' micro batches, in rank order
-                stream += window_ids(ld.next(), 30)
+            for ld in loaders:  # a step: the ranks' micro batches, in rank order; the shard is 0, 1, 2, ...
+                stream += [int(row[0]) // 30 for row in ld.next()]  # so a window's first id says which it is
         first, second = stream[:333], stream[333:666]
         assert sorted(first) == sorted(second) == list(range(333)), "an epoch misses or repeats a window"
         assert first != second, "the second epoch repeats the first one's order"
@@ -200,7 +192,8 @@ def texts(letters, n, seed):
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    """Source A, 'small': 60 documents over a-h; source B, 'large': 600 over s-z; a BPE trained on both."""
+    """Source A, 'small': 60 documents over a-h; source B, 'large': 600 over s-z; a BPE trained on both; each
+    document's source ('A' or 'B': a text that is not one whole document of either is a KeyError)."""
     d = tmp_path_factory.mktemp("mixture")
     small, large = texts("abcdefgh", 60, 0), texts("stuvwxyz", 600, 1)
     (d / "small.txt").write_text("\n".join(small) + "\n")
@@ -208,7 +201,7 @@ def corpus(tmp_path_factory):
     train_bpe(iter(small + large), 400, str(d / "tok.json"))
     tok = load_tokenizer(str(d / "tok.json"))
     small_tokens = sum(len(ids) + 1 for ids in tok.encode_batch(small))  # with eos, as in the shards
-    return d, small, large, small_tokens
+    return d, small, large, {**dict.fromkeys(small, "A"), **dict.fromkeys(large, "B")}, small_tokens
 
 
 def read_docs(out, split):
@@ -221,17 +214,6 @@ def read_docs(out, split):
     return [tok.decode(d[:-1].tolist()) for d in docs], [len(d) for d in docs]
 
 
-def source_of(text, small, large):
-    """'A' or 'B', from the text's alphabet; and the text must be one whole document of that source."""
-    letters = set(text) - {" "}
-    if letters <= set("abcdefgh"):
-        assert text in small, f"not a whole document of A: {text[:60]!r}"
-        return "A"
-    assert letters <= set("stuvwxyz"), f"a document mixing both sources: {text[:60]!r}"
-    assert text in large, f"not a whole document of B: {text[:60]!r}"
-    return "B"
-
-
 def run_data(cwd, *args):
     """data.py's main in this process, run in cwd: what it prints."""
     printed = io.StringIO()
@@ -241,12 +223,12 @@ def run_data(cwd, *args):
 
 
 def test_mixture_shares_counted_in_train_bin(corpus):
-    d, small, large, small_tokens = corpus
+    d, small, large, source, small_tokens = corpus
     budget = 3 * small_tokens  # A's 70% is 2.1x all of A (more after its validation documents): A must repeat
     stdout = run_data(d, "--input", "small.txt", "large.jsonl", "--weights", "0.7", "0.3", "--tokens", str(budget),
                       "--tokenizer", "tok.json", "--out", "mix", "--val_docs", "10")
     train, lengths = read_docs(d / "mix", "train")
-    labels = [source_of(t, set(small), set(large)) for t in train]
+    labels = [source[t] for t in train]
     total = sum(lengths)
     shares = {s: sum(n for n, x in zip(lengths, labels) if x == s) / total for s in "AB"}
     print(f"\nmixture 0.7/0.3 of {budget:,} tokens: train.bin holds {total:,} tokens, "
@@ -271,7 +253,7 @@ def test_mixture_shares_counted_in_train_bin(corpus):
     assert runs > 0.7 * expected, (runs, expected)
 
     # Validation: documents of both sources, never in train, never repeated; 10 split by weight: 7 / 3.
-    val_labels = [source_of(t, set(small), set(large)) for t in val]
+    val_labels = [source[t] for t in val]
     assert (val_labels.count("A"), val_labels.count("B")) == (7, 3)
     assert not set(val) & set(train) and len(set(val)) == len(val)
 
@@ -285,14 +267,14 @@ def test_mixture_shares_counted_in_train_bin(corpus):
 
 
 def test_mixture_without_tokens_repeats_nothing_and_is_seeded(corpus):
-    d, small, large, _ = corpus
+    d, small, _, source, _ = corpus
     common = ["--input", "small.txt", "large.jsonl", "--weights", "7", "3", "--tokenizer", "tok.json",
               "--val_docs", "4"]
     stdout = run_data(d, *common, "--out", "most")
     assert "normalized to 0.7 0.3" in stdout
     train, lengths = read_docs(d / "most", "train")
     val, _ = read_docs(d / "most", "val")
-    labels = [source_of(t, set(small), set(large)) for t in train]
+    labels = [source[t] for t in train]
     assert len(set(train)) == len(train)  # nothing repeated
     assert sorted(t for t, x in zip(train, labels) if x == "A") == sorted(t for t in small if t not in val)  # all of A
     share_a = sum(n for n, x in zip(lengths, labels) if x == "A") / sum(lengths)
