@@ -321,10 +321,8 @@ def plan_mixture(lengths, weights, tokens=None, seed=0, names=None):
 
 
 def _write_interleaved(path, token_file, offsets, streams, rng, desc):
-    """Copy the documents of the streams (arrays of ids into offsets) from token_file into path, interleaved: the
-    file's j-th document comes from stream labels[j], a shuffle (by rng) of each stream's number repeated as often
-    as it has documents, so every source is spread over the whole file; a stream's documents keep their order.
-    -> (documents, tokens) written."""
+    """Copy the streams' documents (arrays of ids into offsets) from token_file into path, interleaved by a shuffle
+    (rng) of their labels: every source is spread over the whole file, in its own order. -> (documents, tokens)."""
     labels = rng.permutation(np.repeat(np.arange(len(streams), dtype=np.uint16), [len(docs) for docs in streams]))
     order = np.empty(len(labels), dtype=np.int64)  # the file's documents, as ids into offsets
     for i, docs in enumerate(streams):
@@ -409,7 +407,6 @@ class Batch:
     targets: torch.Tensor  # (N,) the target ids
 
     def map(self, fn):
-        """The same batch with fn applied to each of its tensors."""
         return Batch(fn(self.tokens), fn(self.cu_seqlens), self.max_seqlen, fn(self.rows), fn(self.targets))
 
     def to(self, device, non_blocking=False):
