@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import eval as eval_py
 from eval import classification_metrics, encode_examples, multilabel_metrics, ner_metrics
 from model import (ModernBertConfig, ModernBertForMaskedLM, ModernBertForSequenceClassification,
                    ModernBertForTokenClassification)
@@ -121,12 +122,16 @@ def separable_task(path):
     write_task(path, (160, 40, 40), row, 0)
 
 
+def fine_tune(tiny_model, tmp, task, seed, *options):
+    """eval.py --save_model on tmp/task, one seed on CPU -> (its results.json, eval_in_process's optimizer steps)."""
+    steps = eval_in_process(["--model", tiny_model, "--task", task, "--data", str(tmp / "task"), "--seeds", str(seed),
+                             "--save_model", "--out", str(tmp / "out"), "--device", "cpu", *options])
+    return json.loads((tmp / "out" / "results.json").read_text()), steps
+
+
 def test_learns_selects_the_first_best_epoch_refuses_bad_inputs(tiny_model, tmp_path, capsys):
     separable_task(tmp_path / "task")
-    eval_in_process(["--model", tiny_model, "--task", "cls", "--data", str(tmp_path / "task"), "--seeds", "7",
-                     "--epochs", "4", "--lr", "3e-3", "--select", "accuracy", "--device", "cpu",
-                     "--out", str(tmp_path / "a")])
-    results = json.loads((tmp_path / "a" / "results.json").read_text())
+    results, _ = fine_tune(tiny_model, tmp_path, "cls", 7, "--epochs", "4", "--lr", "3e-3", "--select", "accuracy")
     assert results["summary"]["macro_f1"]["mean"] > 0.95
     run = results["runs"][0]
     accuracy = [e["validation"]["accuracy"] for e in run["epochs"]]
@@ -135,13 +140,12 @@ def test_learns_selects_the_first_best_epoch_refuses_bad_inputs(tiny_model, tmp_
     settings = results["settings"]  # resolved: the model's full context, the CPU budget, no warmup
     assert (settings["max_len"], settings["max_tokens"], settings["warmup_ratio"]) == (8192, 4096, 0.0)
     with pytest.raises(SystemExit):
-        eval_in_process(["--model", tiny_model, "--task", "ner", "--data", str(tmp_path / "task"), "--select",
-                         "accuracy"])
+        eval_py.main(["--model", tiny_model, "--task", "ner", "--data", str(tmp_path / "task"), "--select", "accuracy"])
     assert "--select=accuracy: for --task ner it is one of macro_f1, micro_f1" in capsys.readouterr().err
 
     (tmp_path / "task" / "validation.jsonl").write_text("")  # (a split missing, a label unseen: test_suite.py)
     with pytest.raises(SystemExit, match="validation.jsonl: the split is empty"):
-        eval_in_process(["--model", tiny_model, "--task", "cls", "--data", str(tmp_path / "task"), "--device", "cpu"])
+        eval_py.main(["--model", tiny_model, "--task", "cls", "--data", str(tmp_path / "task"), "--device", "cpu"])
 
 
 # -----------------------------------------------------------------------------
@@ -151,8 +155,6 @@ def test_learns_selects_the_first_best_epoch_refuses_bad_inputs(tiny_model, tmp_
 def eval_in_process(argv):
     """eval.main(argv) -> per optimizer step, per param group: (lr, weight_decay, betas, eps, the params' ndim)."""
     from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-    import eval as eval_py
 
     steps = []
     hook = register_optimizer_step_pre_hook(lambda opt, args, kwargs: steps.append(
@@ -174,28 +176,33 @@ def flipped_run(tiny_model, tmp_path_factory):
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     path.write_text("".join(json.dumps({**r, "label": {"warm": "cold", "cold": "warm"}[r["label"]]}) + "\n"
                             for r in rows))
-    steps = eval_in_process(["--model", tiny_model, "--task", "cls", "--data", str(tmp / "task"), "--seeds", "7",
-                             "--epochs", "3", "--lr", "2e-5", "--warmup_ratio", "0.25", "--save_model",
-                             "--out", str(tmp / "out"), "--device", "cpu"])
-    return dict(steps=steps, task=tmp / "task", out=tmp / "out",
-                results=json.loads((tmp / "out" / "results.json").read_text()))
+    results, steps = fine_tune(tiny_model, tmp, "cls", 7, "--epochs", "3", "--lr", "2e-5", "--warmup_ratio", "0.25")
+    return dict(steps=steps, task=tmp / "task", model=tmp / "out" / "model-seed7", results=results)
 
 
-def rescore(model_dir, tokenizer_dir, examples, labels, multilabel=False):
-    """-> (predictions, logits) of a saved classifier, one [CLS] text [SEP] at a time, by HF tokenizers."""
+def rescore(model_dir, tokenizer_dir, path, labels, task="cls"):
+    """A saved model re-run on the examples of `path`, one [CLS] ... [SEP] at a time, by HF tokenizers (a word after
+    the first with its space) -> (the examples, their predictions, the logits): label ids (cls), 0/1 rows
+    (multilabel), the tag of each word's first sub-token (ner)."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
-    model = ModernBertForSequenceClassification.from_pretrained(model_dir).eval()
+    model = (ModernBertForTokenClassification if task == "ner" else ModernBertForSequenceClassification
+             ).from_pretrained(model_dir).eval()
     assert [model.config.id2label[str(i)] for i in range(len(labels))] == labels
-    logits = []
+    examples, outputs = [json.loads(line) for line in path.read_text().splitlines()], []
     with torch.no_grad():
         for ex in examples:
-            ids = [tok.token_to_id("[CLS]"), *tok.encode(ex["text"], add_special_tokens=False).ids,
-                   tok.token_to_id("[SEP]")]
-            logits.append(model(torch.tensor([ids]))[0])
-    logits = torch.stack(logits)
-    return ((logits.sigmoid() >= 0.5).int().numpy() if multilabel else logits.argmax(-1).numpy()), logits
+            ids, firsts = [tok.token_to_id("[CLS]")], []
+            for i, word in enumerate(ex["tokens"] if task == "ner" else [ex["text"]]):
+                firsts.append(len(ids))
+                ids += tok.encode(word if i == 0 else " " + word, add_special_tokens=False).ids
+            outputs.append((model(torch.tensor([ids + [tok.token_to_id("[SEP]")]]))[0], firsts))
+    if task == "ner":
+        return examples, [[labels[int(out[k].argmax())] for k in firsts] for out, firsts in outputs], None
+    logits = torch.stack([out for out, _ in outputs])
+    predicted = (logits.sigmoid() >= 0.5).int().numpy() if task == "multilabel" else logits.argmax(-1).numpy()
+    return examples, predicted, logits
 
 
 def test_test_split_is_scored_with_the_selected_epochs_weights(flipped_run, tiny_model):
@@ -204,8 +211,7 @@ def test_test_split_is_scored_with_the_selected_epochs_weights(flipped_run, tiny
     best, last = run["epochs"][run["best_epoch"] - 1]["validation"], run["epochs"][-1]["validation"]
     assert run["best_epoch"] < len(run["epochs"]) and best["macro_f1"] != last["macro_f1"]  # the case under test
     for split, reported in (("validation", best), ("test", run["test"])):
-        examples = [json.loads(line) for line in (flipped_run["task"] / f"{split}.jsonl").read_text().splitlines()]
-        y_pred, _ = rescore(flipped_run["out"] / "model-seed7", tiny_model, examples, labels)
+        examples, y_pred, _ = rescore(flipped_run["model"], tiny_model, flipped_run["task"] / f"{split}.jsonl", labels)
         y_true = [labels.index(ex["label"]) for ex in examples]
         assert sk.f1_score(y_true, y_pred, average="macro") == pytest.approx(reported["macro_f1"], abs=1e-12), split
         assert sk.accuracy_score(y_true, y_pred) == pytest.approx(reported["accuracy"], abs=1e-12), split
@@ -226,7 +232,7 @@ def test_fine_tuning_optimizer_is_the_trainers(flipped_run):
         assert betas == (0.9, 0.999) and eps == 1e-8
         assert weight_decay == (0.01 if min(ndims) >= 2 else 0.0) and (max(ndims) < 2 or min(ndims) >= 2)
     assert sum(len(g[4]) for g in steps[0]) == len(list(ModernBertForSequenceClassification.from_pretrained(
-        flipped_run["out"] / "model-seed7").parameters()))  # every parameter is trained
+        flipped_run["model"]).parameters()))  # every parameter is trained
 
 
 def test_multilabel_predicts_at_probability_one_half(tiny_model, tmp_path):
@@ -238,13 +244,10 @@ def test_multilabel_predicts_at_probability_one_half(tiny_model, tmp_path):
         words = [rng.choice(families[name]) for name in present for _ in range(rng.randint(1, 4))]
         return {"text": " ".join(rng.sample(words, len(words))) or "white", "labels": present}
     write_task(tmp_path / "task", (160, 32, 48), row, 1)
-    eval_in_process(["--model", tiny_model, "--task", "multilabel", "--data", str(tmp_path / "task"), "--seeds", "3",
-                     "--epochs", "1", "--lr", "3e-3", "--save_model", "--out", str(tmp_path / "out"),
-                     "--device", "cpu"])
-    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    results, _ = fine_tune(tiny_model, tmp_path, "multilabel", 3, "--epochs", "1", "--lr", "3e-3")
     labels, reported = results["settings"]["labels"], results["runs"][0]["test"]
-    examples = [json.loads(line) for line in (tmp_path / "task" / "test.jsonl").read_text().splitlines()]
-    y_pred, logits = rescore(tmp_path / "out" / "model-seed3", tiny_model, examples, labels, multilabel=True)
+    examples, y_pred, logits = rescore(tmp_path / "out" / "model-seed3", tiny_model, tmp_path / "task" / "test.jsonl",
+                                       labels, "multilabel")
     assert (logits < 0).any() and ((logits > 0) & (logits < 0.5)).any()
     y_true = np.array([[int(label in ex["labels"]) for label in labels] for ex in examples])
     for avg in ("macro", "micro"):
@@ -254,8 +257,6 @@ def test_multilabel_predicts_at_probability_one_half(tiny_model, tmp_path):
 
 def test_ner_scores_are_seqeval_on_the_saved_models_first_sub_tokens(tiny_model, tmp_path):
     seqeval = pytest.importorskip("seqeval.metrics")
-    from tokenizers import Tokenizer
-
     entities = {"COL": [["red"], ["dark", "red"], ["blue"], ["light", "cyan", "blue"]], "GRK": [["alpha"], ["beta"]]}
     filler = ["the", "a", "grey", "pinkish", "was", "seen", "near", "xqz"]  # "pinkish", "xqz": several sub-tokens
 
@@ -271,24 +272,12 @@ def test_ner_scores_are_seqeval_on_the_saved_models_first_sub_tokens(tiny_model,
                 tags += [f"B-{kind}"] + [f"I-{kind}"] * (len(words) - 1)
         return {"tokens": tokens, "tags": tags}
     write_task(tmp_path / "task", (160, 24, 40), row, 2)
-    eval_in_process(["--model", tiny_model, "--task", "ner", "--data", str(tmp_path / "task"), "--seeds", "5",
-                     "--epochs", "2", "--lr", "3e-3", "--save_model", "--out", str(tmp_path / "out"),
-                     "--device", "cpu"])
-    reported = json.loads((tmp_path / "out" / "results.json").read_text())["runs"][0]["test"]
-    tok = Tokenizer.from_file(os.path.join(tiny_model, "tokenizer.json"))
-    model = ModernBertForTokenClassification.from_pretrained(tmp_path / "out" / "model-seed5").eval()
-    examples = [json.loads(line) for line in (tmp_path / "task" / "test.jsonl").read_text().splitlines()]
-    predicted = []
-    with torch.no_grad():
-        for ex in examples:
-            ids, firsts = [tok.token_to_id("[CLS]")], []
-            for i, word in enumerate(ex["tokens"]):
-                firsts.append(len(ids))
-                ids += tok.encode(word if i == 0 else " " + word, add_special_tokens=False).ids
-            tags = model(torch.tensor([ids + [tok.token_to_id("[SEP]")]]))[0].argmax(-1)
-            predicted.append([model.config.id2label[str(int(tags[k]))] for k in firsts])
+    results, _ = fine_tune(tiny_model, tmp_path, "ner", 5, "--epochs", "2", "--lr", "3e-3")
+    reported = results["runs"][0]["test"]
+    examples, predicted, _ = rescore(tmp_path / "out" / "model-seed5", tiny_model, tmp_path / "task" / "test.jsonl",
+                                     results["settings"]["labels"], "ner")
     gold = [ex["tags"] for ex in examples]
-    assert any(len(tok.encode(" " + w).ids) > 1 for w in filler)
+    assert any(len(load_tokenizer(tiny_model).encode(" " + w)) > 1 for w in filler)
     assert reported["micro_f1"] > 0.3  # all-O scores 0: entities were learned
     assert seqeval.f1_score(gold, predicted, average="micro") == pytest.approx(reported["micro_f1"], abs=1e-12)
     assert seqeval.f1_score(gold, predicted, average="macro") == pytest.approx(reported["macro_f1"], abs=1e-12)
