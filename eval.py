@@ -126,13 +126,12 @@ def read_split(path, task):
                 if problem := example_problem(ex, task):
                     raise SystemExit(f"{path}:{n}: {problem}")
                 examples.append({k: ex[k] for k in FIELDS[task]})
-                for label in labels_of(ex, task):  # NER's tags are strings
-                    if not isinstance(label, str):  # 1, 1.0 and True are one value but three class names
-                        first, where = forms.setdefault(label, (str(label), n))
-                        if first != str(label):
-                            raise SystemExit(f"{path}:{n}: label {label!r} is label {first} (line {where}) written "
-                                             "another way, which would make two classes of one; write every label "
-                                             "the same way")
+                for label in labels_of(ex, task):  # 1, 1.0 and True are one value but three class names
+                    first, where = forms.setdefault(label, (str(label), n))
+                    if first != str(label):
+                        raise SystemExit(f"{path}:{n}: label {label!r} is label {first} (line {where}) written "
+                                         "another way, which would make two classes of one; write every label the "
+                                         "same way")
     if not examples:
         raise SystemExit(f"{path}: the split is empty")
     return examples
@@ -426,7 +425,7 @@ def suite_runs(args, seeds, tasks, names, device, dtype):
     """Every model and task checked before anything trains (not hours in), else one SystemExit listing every problem
     -> ({model: tokenizer}, {model: what the table records of it}, {task: (splits, labels)}, the runs in order).
     A run's options, what finetune() sees less where it runs and writes, identify its file (no stale run reused)."""
-    problems, toks, about, data, max_len = [], {}, {}, {}, {}
+    problems, toks, about, data, runs = [], {}, {}, {}, []
     for path in args.models:
         try:
             toks[path], about[path] = check_model(path, args.tokenizer, device, dtype)
@@ -435,22 +434,21 @@ def suite_runs(args, seeds, tasks, names, device, dtype):
     for t in tasks:
         try:
             data[t["name"]] = read_task(t["data"], t["task"])
-            for path in about:
-                max_len[t["name"], path] = full_context(t["max_len"], about[path]["max_len"], f"model {path}")
+            for path, name in zip(args.models, names):
+                if path not in about:  # the model's problem is listed already
+                    continue
+                max_len = full_context(t["max_len"], about[path]["max_len"], f"model {path}")
+                run_args = argparse.Namespace(**{**vars(args), **{k: t[k] for k in suite.TASK_KEYS if k != "name"},
+                                                 "model": os.path.abspath(path), "max_len": max_len,
+                                                 "max_tokens": t["max_tokens"] or suite.max_tokens(device)})
+                options = {k: v for k, v in {**vars(run_args), "dtype": str(dtype).removeprefix("torch.")}.items()
+                           if k not in ("suite", "models", "out", "seeds", "device", "save_model")}
+                runs += [dict(task=t, model=path, name=name, seed=seed, args=run_args, file=suite.run_file(
+                    args.out, t["name"], name, seed), options={**options, "seed": seed}) for seed in seeds]
         except SystemExit as e:
             problems.append(f"task {t['name']!r}: {e}")
     if problems:
         raise SystemExit(f"{args.suite}: nothing was trained; first fix:\n  " + "\n  ".join(problems))
-    runs = []
-    for t in tasks:
-        for path, name in zip(args.models, names):
-            run_args = argparse.Namespace(**{**vars(args), **{k: t[k] for k in suite.TASK_KEYS if k != "name"},
-                                             "model": os.path.abspath(path), "max_len": max_len[t["name"], path],
-                                             "max_tokens": t["max_tokens"] or suite.max_tokens(device)})
-            options = {k: v for k, v in {**vars(run_args), "dtype": str(dtype).removeprefix("torch.")}.items()
-                       if k not in ("suite", "models", "out", "seeds", "device", "save_model")}
-            runs += [dict(task=t, model=path, name=name, seed=seed, args=run_args, options={**options, "seed": seed},
-                          file=suite.run_file(args.out, t["name"], name, seed)) for seed in seeds]
     return toks, about, data, runs
 
 

@@ -203,22 +203,19 @@ def summarize(suite, seeds, tasks, models, scores):
     """models: {name: path}, the first the reference; scores[(task, model name)]: the test metrics of each seed.
     -> everything results.json holds."""
     names = list(models)
-    results = {"suite": suite, "seeds": seeds, "models": models, "metric": METRIC,
-               "tasks": {t["name"]: {**t, "upstream": UPSTREAM[t["task"]], "models": {}} for t in tasks}}
-    for t in tasks:
-        row = results["tasks"][t["name"]]["models"]
-        base = [r[METRIC] for r in scores[t["name"], names[0]]]
-        for m in names:
-            runs = scores[t["name"], m]
-            row[m] = {METRIC: mean_std([r[METRIC] for r in runs]),
-                      UPSTREAM[t["task"]]: mean_std([r[UPSTREAM[t["task"]]] for r in runs])}
-            if m != names[0]:
-                row[m]["delta_" + METRIC] = paired_delta(base, [r[METRIC] for r in runs])
+
+    def compared(metrics, runs):  # runs: {model: the metrics of each seed} -> the table's cells of each model
+        cells = {m: {k: mean_std([r[k] for r in runs[m]]) for k in metrics} for m in names}
+        for m in names[1:]:
+            cells[m]["delta_" + METRIC] = paired_delta(*([r[METRIC] for r in runs[x]] for x in (names[0], m)))
+        return cells
+
+    results = {"suite": suite, "seeds": seeds, "models": models, "metric": METRIC, "tasks": {
+        t["name"]: {**t, "upstream": UPSTREAM[t["task"]], "models": compared(
+            (METRIC, UPSTREAM[t["task"]]), {m: scores[t["name"], m] for m in names})} for t in tasks}}
     # The average over tasks: per seed first, so that its delta is paired over seeds like a task's.
     per_seed = {m: np.mean([[r[METRIC] for r in scores[t["name"], m]] for t in tasks], axis=0) for m in names}
-    results["average"] = {m: {METRIC: mean_std(per_seed[m])} for m in names}
-    for m in names[1:]:
-        results["average"][m]["delta_" + METRIC] = paired_delta(per_seed[names[0]], per_seed[m])
+    results["average"] = compared((METRIC,), {m: [{METRIC: v} for v in per_seed[m]] for m in names})
     return results
 
 
