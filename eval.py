@@ -154,8 +154,8 @@ def example_problem(ex, task):
         return f"the text is {ex['text']!r}, not a text; remove the line or give it its text"
     if task == "cls" and not isinstance(ex["label"], scalar):
         return f"label {ex['label']!r} must be one class name or number (for several, use --task multilabel)"
-    if task == "multilabel" and not (isinstance(ex["labels"], list) and all(isinstance(x, scalar)
-                                                                           for x in ex["labels"])):
+    if task == "multilabel" and not (isinstance(ex["labels"], list)
+                                     and all(isinstance(x, scalar) for x in ex["labels"])):
         return f"labels {ex['labels']!r} must be a list of class names or numbers, e.g. [\"a\", \"b\"] or []"
     return None
 
@@ -285,12 +285,14 @@ def accumulate(model, items, task, device, weight, max_tokens, autocast, padded=
 
 
 @torch.no_grad()
-def predict(model, items, task, device, batch_size, max_tokens, rank, world, autocast, padded=False):
-    """Predictions for all items: label ids (cls), 0/1 rows (multilabel), per-token tag ids (ner)."""
+def evaluate(model, split, labels, args, device, rank, world, autocast, padded):
+    """The metrics of the model's predictions on an encoded split: label ids (cls), 0/1 rows (multilabel), per-token
+    tag ids (ner); each rank predicts every world-th item."""
+    task, items = args.task, split["items"]
     model.eval()
     mine = [(items[i][0], i) for i in range(rank, len(items), world)]  # (ids, index): grouped like training items
     preds = {}
-    for group in micro_batches(mine, max_tokens, batch_size, padded):
+    for group in micro_batches(mine, args.max_tokens, args.batch_size, padded):
         idx = [i for _, i in group]
         flat, _ = flat_batch([items[i] for i in idx], task, device)
         with autocast:
@@ -306,15 +308,12 @@ def predict(model, items, task, device, batch_size, max_tokens, rank, world, aut
         dist.all_gather_object(parts, preds)
         preds = {k: v for p in parts for k, v in p.items()}
     model.train()
-    return [preds[i] for i in range(len(items))]
-
-
-def score(task, split, preds, labels):
+    preds = [preds[i] for i in range(len(items))]
     if task != "ner":
-        return (classification_metrics if task == "cls" else multilabel_metrics)([y for _, y in split["items"]], preds)
+        return (classification_metrics if task == "cls" else multilabel_metrics)([y for _, y in items], preds)
     # NER: the prediction of each word is its first sub-token's; stitch split sentences back together
     pred_tags = [["O"] * len(ex["tokens"]) for ex in split["examples"]]
-    for (_, y), p, owners in zip(split["items"], preds, split["where"]):
+    for (_, y), p, owners in zip(items, preds, split["where"]):
         firsts = [k for k, t in enumerate(y) if t != -100]
         for (e, w), k in zip(owners, firsts):
             pred_tags[e][w] = labels[p[k]]
@@ -341,8 +340,6 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
     if dist.is_initialized():
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
                                                           else None)
-    evaluate = lambda split: score(task, splits[split], predict(core, splits[split]["items"], task,  # noqa: E731
-                                   device, args.batch_size, args.max_tokens, rank, world, autocast, padded), labels)
     train = splits["train"]["items"]
     steps_per_epoch = math.ceil(len(train) / args.batch_size)
     total = steps_per_epoch * args.epochs
@@ -377,7 +374,7 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
             sched.step()
             opt.zero_grad(set_to_none=True)
             bar.set_postfix(loss=f"{loss / world:.4f}")
-        val = evaluate("validation")
+        val = evaluate(core, splits["validation"], labels, args, device, rank, world, autocast, padded)
         history.append({"epoch": epoch + 1, "validation": val, "seconds": time.time() - t0})
         if best is None or val[args.select] > best["validation"][args.select]:
             best = history[-1]
@@ -386,7 +383,8 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
             tqdm.write(f"seed {seed} epoch {epoch + 1}: validation macro F1 {val['macro_f1']:.4f} "
                        f"micro F1 {val['micro_f1']:.4f} ({time.time() - t0:.1f}s)")
     core.load_state_dict(best_state)
-    return core, {"seed": seed, "best_epoch": best["epoch"], "selected_by": args.select, "test": evaluate("test"),
+    test = evaluate(core, splits["test"], labels, args, device, rank, world, autocast, padded)
+    return core, {"seed": seed, "best_epoch": best["epoch"], "selected_by": args.select, "test": test,
                   "epochs": history, "first_losses": first_losses}
 
 
