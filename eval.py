@@ -333,7 +333,6 @@ def classifier(args, labels):
 
 
 def finetune(args, seed, splits, labels, device, rank, world, autocast):
-    task = args.task
     torch.manual_seed(seed)  # the new classifier's init, then dropout and shuffling
     model = core = classifier(args, labels).to(device)
     padded = isinstance(core, baselines.Padded)  # its micro batches count padded tokens
@@ -358,13 +357,13 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
         for s in bar:
             threads.follow()
             batch = [train[i] for i in order[s * args.batch_size:(s + 1) * args.batch_size]]
-            n = count_targets(batch, task, len(labels))  # the loss is the mean over the global batch
+            n = count_targets(batch, args.task, len(labels))  # the loss is the mean over the global batch
             mine, weight = batch[rank::world], world / max(n, 1)  # DDP averages over ranks: x world
             if not mine:
                 # A last batch with fewer examples than ranks: run one weighted 0, as DDP's all-reduce is armed by
                 # the forward, and a rank that skips it leaves the others waiting forever.
                 mine, weight = batch[:1], 0.0
-            loss = accumulate(model, mine, task, device, weight, args.max_tokens, autocast, padded)
+            loss = accumulate(model, mine, args.task, device, weight, args.max_tokens, autocast, padded)
             if len(first_losses) < 10:  # the first steps' loss (the batch's mean, over every rank) is recorded:
                 summed = torch.tensor(loss, dtype=torch.float64, device=device)  # what a check of the numerics reads
                 if dist.is_initialized():
