@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -53,7 +54,7 @@ ReturnToService=2
 KillWait=10
 MpiDefault=none
 StateSaveLocation={tmp}/state
-SlurmdSpoolDir={tmp}/spool
+SlurmdSpoolDir={spool}
 SlurmctldPidFile={tmp}/slurmctld.pid
 SlurmdPidFile={tmp}/slurmd.pid
 SlurmctldLogFile={tmp}/slurmctld.log
@@ -85,9 +86,11 @@ def slurm(tmp_path):
     The daemons it started are stopped by their pid files at the end."""
     tmp = tmp_path / "slurm"
     (tmp / "state").mkdir(parents=True)
-    (tmp / "spool").mkdir()
+    # slurmstepd's sockets live in the spool: under pytest's tmp_path their path can pass a socket's 108 bytes
+    spool = tempfile.mkdtemp(prefix="slurm-", dir="/tmp")
     conf = tmp / "slurm.conf"
-    conf.write_text(SLURM_CONF.format(tmp=tmp, ctld_port=free_port(), slurmd_port=free_port(), cpus=os.cpu_count()))
+    conf.write_text(SLURM_CONF.format(tmp=tmp, spool=spool, ctld_port=free_port(), slurmd_port=free_port(),
+                                      cpus=os.cpu_count()))
     env = {**os.environ, "SLURM_CONF": str(conf), "PATH": os.path.dirname(sys.executable) + ":" + os.environ["PATH"]}
     started = []
     if not munge_works():
@@ -114,6 +117,7 @@ def slurm(tmp_path):
                 os.kill(int(open(pid_file).read()), signal.SIGTERM)
             except (FileNotFoundError, ProcessLookupError, ValueError):
                 pass
+        shutil.rmtree(spool, ignore_errors=True)
 
 
 def job_state(job, env):
