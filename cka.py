@@ -122,7 +122,7 @@ def pooled_layers(model, encoded, indices, pool, device, autocast, batch_tokens,
 # The study
 
 
-def tokenizer_of(paths, override, max_len):
+def common_tokenizer_and_depth(paths, override, max_len):
     """-> the checkpoints' one tokenizer and one layer count: refused, before any model runs, if their tokenizer.json
     files or layer counts differ, or if one is not a ModernBERT checkpoint with max_len positions."""
     n_layers = checkpoint_config(paths[0], paths[0]).num_hidden_layers
@@ -155,9 +155,10 @@ def ratio(pair, control):
 
 
 def sample_texts(args, paths, process):
-    """The texts every model sees, fixed by the texts and seeds alone: tok, n_layers (see tokenizer_of), the seeds,
-    draws (seed -> n text indices), mine (the indices this rank encodes: the draws' union sharded) and their ids."""
-    tok, n_layers = tokenizer_of(paths, args.tokenizer, args.max_len)
+    """The texts every model sees, fixed by the texts and seeds alone: tok and n_layers (common_tokenizer_and_depth),
+    the seeds, draws (seed -> n text indices), mine (the indices this rank encodes: the draws' union sharded) and
+    their ids."""
+    tok, n_layers = common_tokenizer_and_depth(paths, args.tokenizer, args.max_len)
     texts = list(read_documents([args.texts], args.text_field))
     if len(texts) < args.n:
         raise SystemExit(f"{args.texts} holds {len(texts)} texts, fewer than --n {args.n}: pass --n {len(texts)} or "
