@@ -125,9 +125,9 @@ def pooled_layers(model, encoded, indices, pool, device, autocast, batch_tokens,
 def common_tokenizer_and_depth(paths, override, max_len):
     """-> the checkpoints' one tokenizer and one layer count: refused, before any model runs, if their tokenizer.json
     files or layer counts differ, or if one is not a ModernBERT checkpoint with max_len positions."""
-    n_layers = checkpoint_config(paths[0], paths[0]).num_hidden_layers
-    for p in paths:
-        config = checkpoint_config(p, p)
+    configs = {p: checkpoint_config(p, p) for p in paths}
+    n_layers = configs[paths[0]].num_hidden_layers
+    for p, config in configs.items():
         with user_error():
             config.check_positions(max_len, "--max_len {}", f"pass --max_len {config.max_position_embeddings} "
                                    "or less", whose=f"{p}'s ")
