@@ -206,8 +206,9 @@ def summarize(suite, seeds, tasks, models, scores):
 
     def compared(metrics, runs):  # runs: {model: the metrics of each seed} -> the table's cells of each model
         cells = {m: {k: mean_std([r[k] for r in runs[m]]) for k in metrics} for m in names}
+        base = [r[METRIC] for r in runs[names[0]]]
         for m in names[1:]:
-            cells[m]["delta_" + METRIC] = paired_delta(*([r[METRIC] for r in runs[x]] for x in (names[0], m)))
+            cells[m]["delta_" + METRIC] = paired_delta(base, [r[METRIC] for r in runs[m]])
         return cells
 
     results = {"suite": suite, "seeds": seeds, "models": models, "metric": METRIC, "tasks": {
