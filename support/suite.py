@@ -14,6 +14,7 @@ import math
 import os
 
 import numpy as np
+from scipy import optimize, stats
 
 from support.config import check_type, load_file
 from support.files import make_dirs, number, open_file, read_json, replace_file
@@ -158,21 +159,7 @@ def store_run(path, options, result, out=None):
 
 
 # -----------------------------------------------------------------------------
-# Seed statistics
-
-# The 97.5% quantile of Student's t for df = 1..30 (scipy.stats.t.ppf(0.975, df); checked in the tests).
-T975 = (12.706205, 4.302653, 3.182446, 2.776445, 2.570582, 2.446912, 2.364624, 2.306004, 2.262157, 2.228139,
-        2.200985, 2.178813, 2.160369, 2.144787, 2.131450, 2.119905, 2.109816, 2.100922, 2.093024, 2.085963,
-        2.079614, 2.073873, 2.068658, 2.063899, 2.059539, 2.055529, 2.051831, 2.048407, 2.045230, 2.042272)
-
-
-def t975(df):
-    """t_{0.975, df}: the table up to df = 30, then the Cornish-Fisher expansion (error below 2e-6)."""
-    if df <= len(T975):
-        return T975[df - 1]
-    z = 1.959963984540054
-    return (z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
-            + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3))
+# Seed statistics. Student's t and the noncentral t come from scipy.stats.
 
 
 def pct(stats):
@@ -187,16 +174,70 @@ def mean_std(values):
             "per_seed": values}
 
 
-def paired_delta(a, b):
-    """b - a where a[i] and b[i] come from the same seed: the mean difference and its 95% interval
-    mean ± t_{0.975, n-1} sd(d) / sqrt(n), none from one seed. Pairing takes out what a seed does to both
-    models alike (the order of the batches, the classifier's init), which would otherwise count as noise."""
-    d = np.asarray(b, dtype=np.float64) - np.asarray(a, dtype=np.float64)
+def t_interval(d):
+    """The mean of the differences d and its 95% interval mean ± t_{0.975, n-1} sd(d) / sqrt(n); none from one."""
+    d = np.asarray(d, dtype=np.float64)
     mean = float(d.mean())
     if len(d) < 2:
         return {"mean": mean, "low": None, "high": None, "n": len(d)}
-    half = t975(len(d) - 1) * float(d.std(ddof=1)) / math.sqrt(len(d))
+    half = float(stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / math.sqrt(len(d)))
     return {"mean": mean, "low": mean - half, "high": mean + half, "n": len(d)}
+
+
+def paired_delta(a, b):
+    """b - a where a[i] and b[i] come from the same seed, with its 95% t interval. Pairing takes out what a seed does
+    to both models alike (the order of the batches, the classifier's init), which would otherwise count as noise."""
+    return t_interval(np.subtract(b, a, dtype=np.float64))
+
+
+def power(sd, n, delta):
+    """The chance that the two-sided 95% t test over n differences of spread sd finds a true difference delta: the
+    noncentral t with n - 1 df and noncentrality delta sqrt(n) / sd beyond the critical t."""
+    df, ncp = n - 1, delta * math.sqrt(n) / sd
+    crit = stats.t.ppf(0.975, df)
+    return float(stats.nct.sf(crit, df, ncp) + np.nan_to_num(stats.nct.cdf(-crit, df, ncp)))  # NaN: far below 1e-20
+
+
+def detectable(sd, n, level=0.8):
+    """The true difference that n differences of spread sd find with probability `level` (80% power): larger than
+    the interval's half-width, which a true difference of its own size crosses about half the time."""
+    if n < 2 or sd == 0:
+        return None
+    return float(optimize.brentq(lambda delta: power(sd, n, delta) - level, 1e-12 * sd, 100 * sd))
+
+
+def nested_delta(base, arm):
+    """arm - base from scores [pretraining seed][fine-tuning seed], paired at both levels. The fine-tuning seeds are
+    nested in each pretraining seed: their mean difference D_s is one draw of the design, and the interval is over
+    the D_s (t, P - 1 df), so it holds both seeds' noise; with one pretraining seed it gives none. Beside it the
+    difference found with 80% power, the signs of the D_s and of the paired runs, and the variance components that
+    rescale the D_s's spread to another number of fine-tuning seeds (within: between fine-tuning seeds; between:
+    pretraining seeds beyond what within explains, 0 where the moments give less)."""
+    d = np.subtract(arm, base, dtype=np.float64)  # (P, F)
+    per_seed = d.mean(axis=1)
+    sd = float(per_seed.std(ddof=1)) if len(d) > 1 else None
+    within = float(d.var(axis=1, ddof=1).mean()) if d.shape[1] > 1 else None
+    return {**t_interval(per_seed), "per_pretraining_seed": per_seed.tolist(), "sd": sd,
+            "detectable": detectable(sd, len(d)) if sd else None, "finetune_seeds": d.shape[1], "within": within,
+            "between": None if sd is None or within is None else max(0.0, sd ** 2 - within / d.shape[1]),
+            "signs": {"seeds": [int((per_seed > 0).sum()), int((per_seed < 0).sum())],
+                      "runs": [int((d > 0).sum()), int((d < 0).sum())]}}
+
+
+def design_sd(delta, finetune_seeds):
+    """The spread of the D_s of a design with `finetune_seeds` fine-tuning seeds, from a nested_delta's: its own sd,
+    scaled by what the variance components say the other number of seeds changes."""
+    if delta["within"] is None or finetune_seeds == delta["finetune_seeds"]:
+        return delta["sd"]
+    ratio = (delta["between"] + delta["within"] / finetune_seeds) / (delta["between"] + delta["within"]
+                                                                      / delta["finetune_seeds"])
+    return delta["sd"] * math.sqrt(ratio)
+
+
+def seeds_needed(delta, sd, level=0.8, most=200):
+    """The fewest pretraining seeds whose D_s, of spread sd, find a true difference delta with `level` power; None
+    beyond `most`."""
+    return next((n for n in range(2, most + 1) if sd == 0 or power(sd, n, delta) >= level), None)
 
 
 def summarize(suite, seeds, tasks, models, scores):
