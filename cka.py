@@ -226,8 +226,10 @@ def study(args, process, pairs):
             entry["ratio"] = ratio(*(over_seeds(name, int(layer), "divergence") for name in ("pair", "control")))
         for region in spans:
             region["ratio"] = ratio([region["pair_divergence"]["mean"]], [region["control_divergence"]["mean"]])
-    return {"settings": {**vars(args), "seeds": sample.seeds, "n_layers": n_layers, "world_size": process.world,
-                         "regions": regions(n_layers)}, "per_seed": per_seed, "layers": layers, "regions": spans}
+    forward = str(distributed.autocast(process.device, args.dtype)[1]).removeprefix("torch.")  # "auto" resolved
+    return {"settings": {**vars(args), "forward_dtype": forward, "seeds": sample.seeds, "n_layers": n_layers,
+                         "world_size": process.world, "regions": regions(n_layers)},
+            "per_seed": per_seed, "layers": layers, "regions": spans}
 
 
 # -----------------------------------------------------------------------------
