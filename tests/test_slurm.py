@@ -4,6 +4,7 @@ would, a tiny run on 2 processes preempted twice as SLURM does it: the warning s
 time the job comes back by itself under the same id and resumes; the run ends with an uninterrupted one's metrics, bit
 for bit. Runs where Debian's slurm-wlm and munge are installed (.ci/run installs them); skips elsewhere."""
 
+import json
 import os
 import shutil
 import signal
@@ -178,3 +179,55 @@ def test_slurm_job_is_preempted_requeued_and_resumes_exactly(slurm, data_dir, ba
     assert (out / "final" / "manifest.json").exists()
     assert reference.wait(timeout=300) == 0, (tmp_path / "whole.log").read_text()[-3000:]
     assert run_record(out) == run_record(whole)
+
+
+def test_a_training_job_its_user_cancels_stays_cancelled(slurm, data_dir, base_ckpt, tmp_path):  # noqa: F811
+    """scancel JOB sends SIGTERM as the time-limit warning does: train.py checkpoints, and the job is not requeued."""
+    out, log = tmp_path / "run", tmp_path / "job.out"
+    args = train_cmd(out, data_dir, f"--init_from={base_ckpt}", "--tokens=10000000", "--ckpt_interval=1000000")[2:]
+    job = subprocess.run(["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=1", "--time=10",
+                          f"--output={log}", os.path.join(ROOT, "slurm", "train.sbatch"), *args], capture_output=True,
+                         text=True, cwd=ROOT, check=True, env={**slurm, "NPROC_PER_NODE": "1"}).stdout.strip()
+    wait_until(lambda: logged(out) >= 2, lambda: f"no training: {job_state(job, slurm)}", timeout=180)
+    subprocess.run(["scancel", job], check=True, env=slurm)
+    wait_until(lambda: not slurm_says(slurm, "squeue", "-h"), lambda: f"still queued: {job_state(job, slurm)}",
+               timeout=120)
+    text = log.read_text()
+    assert job_state(job, slurm) == ("CANCELLED", 0) and "requeue" not in text, text[-3000:]
+    assert "stopped by SIGTERM at step" in text and any(p.name.startswith("ckpt-") for p in out.iterdir()), text[-3000:]
+
+
+def test_a_study_as_jobs_cancelled_midway_and_resubmitted_reports_what_it_reports_here(slurm, tmp_path):
+    """demo.py --slurm: the quick demo plan as jobs, each after the jobs of the steps it reads; while they are queued
+    a second submission is refused; one fine-tuning cancelled while it runs takes the report out of the queue; once
+    the queue is empty the same command submits what is left, and the report equals the one the same plan makes
+    here."""
+    env = {**slurm, "OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "1"}
+    here, jobs = tmp_path / "here", tmp_path / "jobs"
+    quick = [sys.executable, "demo.py", "plans/quick.py"]
+    with open(tmp_path / "here.log", "w") as log:  # the same plan here, beside the jobs
+        reference = subprocess.Popen([*quick, f"--out={here}"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                     env=env)
+    submit = lambda: subprocess.run([*quick, f"--out={jobs}", "--slurm", "--sbatch=['--gpus-per-node=0', "  # noqa
+                                     "'--cpus-per-task=1', '--time=10']"], cwd=ROOT, capture_output=True, text=True,
+                                    env=env)
+    first, twice = submit(), submit()
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert twice.returncode == 1 and "still queued or running" in twice.stderr, twice.stdout + twice.stderr
+    record = json.loads((jobs / "slurm_jobs.json").read_text())
+    ids = {j["name"]: j["id"] for j in record}
+    assert f"--dependency=afterok:{ids['corpora']}:{ids['clm_s17']}" in \
+        next(j["command"] for j in record if j["name"] == "eval_clm_s17")
+    assert "slurm/train.sbatch" in next(j["command"] for j in record if j["name"] == "clm_s17")
+    queue = lambda: slurm_says(env, "squeue", "-h", "-o", "%i %j %T")  # noqa: E731
+    wait_until(lambda: job_state(ids["eval_mlm_s42"], env)[0] == "RUNNING", lambda: f"no fine-tuning ran:\n{queue()}",
+               timeout=600)
+    subprocess.run(["scancel", ids["eval_mlm_s42"]], check=True, env=env)
+    wait_until(lambda: not queue(), lambda: f"the queue did not empty:\n{queue()}", timeout=600)
+    assert job_state(ids["eval_mlm_s42"], env)[0] == "CANCELLED" and not (jobs / "report.md").exists()
+    again = submit()
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert [j["name"] for j in json.loads((jobs / "slurm_jobs.json").read_text())] == ["eval_mlm_s42", "report"]
+    wait_until(lambda: (jobs / "report.md").exists() and not queue(), lambda: f"no report:\n{queue()}", timeout=600)
+    assert reference.wait(timeout=600) == 0, (tmp_path / "here.log").read_text()[-3000:]
+    assert (jobs / "report.md").read_text() == (here / "report.md").read_text()
