@@ -8,15 +8,17 @@ dtype and batches, in the same run), each attention kernel alone, and the larges
     python bench.py --size base --seq_len 8192 --batch_size 4 --impls "ours compiled" "ours regional" \
         "transformers compiled" --attn_backends varlen global=cudnn,local=varlen    # today's kernels vs others
     python bench.py --size base --seq_len 8192 --batch_size 4 --largest 64 --skip step attention
+    python bench.py --size base --seq_len 8192 --batch_size 4 --cases packed --objectives mlm finetune --skip attention
 
 Each section prints a table (and bench.json has them): 1. the training step (forward, backward, AdamW), a process
 per row: ours eager, compiled (on CUDA by default) or regional, and transformers' eager or compiled, on variable-
 length (log-normal) and packed batches, MLM (transformers with sparse_prediction) and CLM (transformers has no causal
-mask: bidirectional), its MFU by support/flops.py's count and by the usual 6N + 12LHQT; 2. attention alone, forward
-and backward, each kernel on each layer type, bidirectional and causal, against SDPA in float32; 3. with --largest
-CAP, the largest micro batch up to CAP whose step fits. Times are torch.utils.benchmark's medians. One-off
-measurements (threads beside busy processes, frozen layers, fine-tuning memory, the chunked loss, data throughput)
-keep their figures in results/cpu-2026-11-28/README.md.
+mask: bidirectional), its MFU by support/flops.py's count and by the usual 6N + 12LHQT; and fine-tuning (objective
+finetune): eval.py's step, a classifier on the protocol's 16 sentences, its tokens/s against the packed training row's
+of its implementation (vs_training); 2. attention alone, forward and backward, each kernel on each layer type,
+bidirectional and causal, against SDPA in float32; 3. with --largest CAP, the largest micro batch up to CAP whose
+step fits. Times are torch.utils.benchmark's medians. One-off measurements (threads beside busy processes, frozen
+layers, fine-tuning memory, the chunked loss, data throughput) keep their figures in results/cpu-2026-11-28/README.md.
 """
 
 import argparse
@@ -36,8 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.benchmark import Timer
 
-from model import Flat, ModernBertConfig, ModernBertForMaskedLM, Packing, attention, cu_seqlens_of
-from support import kernels
+from model import Flat, ModernBertConfig, ModernBertForMaskedLM, ModernBertForSequenceClassification, Packing, \
+    attention, cu_seqlens_of
+from support import kernels, suite
 from support.flops import attention_pairs, convention_flops, peak_flops, training_flops
 
 SMALL_IDS = dict(pad_token_id=0, cls_token_id=1, sep_token_id=2, bos_token_id=1, eos_token_id=2)  # inside small vocabs
@@ -50,6 +53,7 @@ SIZES = {
     "large": ModernBertConfig.large(),  # 28 x 1024
 }
 IMPLS = ("ours", "ours compiled", "ours regional", "transformers", "transformers compiled")  # regional: block by block
+TRAINING = ("mlm", "clm")  # the objectives of a training step; "finetune" is eval.py's step (ours only)
 ATTENTION_KERNELS = ("varlen", "flash", "cudnn", "flex", "sdpa")  # model.py's, called as a layer calls them
 
 
@@ -83,9 +87,12 @@ def status_kib(key):
 
 def batch_lengths(case, batch_size, seq_len, rng):
     """Packed: batch_size sequences of seq_len. Variable: documents of log-normal lengths (median seq_len / 6), about
-    half as many tokens in all."""
+    half as many tokens in all. Task: fine-tuning's batch, the protocol's examples, of a sentence's length (log-normal,
+    median 40 tokens: NCBI-disease's and GAD's sentences), in one micro batch (eval.py's budget holds them)."""
     if case == "packed":
         return [seq_len] * batch_size
+    if case == "task":
+        return [min(max(int(rng.lognormal(np.log(40), 0.5)), 8), seq_len) for _ in range(suite.PROTOCOL["batch_size"])]
     lengths = []
     while sum(lengths) < batch_size * seq_len * 0.5:
         lengths.append(min(max(int(rng.lognormal(np.log(seq_len / 6), 0.9)), 8), seq_len))
@@ -109,8 +116,18 @@ def make_inputs(lengths, vocab, objective, device, rng):
     flat_labels = labels.flatten()[flat.keep]
     rows = (flat_labels != -100).nonzero().squeeze(1)
     x = dict(ids=ids, mask=mask, labels=labels, tokens=flat.tokens, cu=flat.cu_seqlens, rows=rows,
-             targets=flat_labels[rows])
+             targets=flat_labels[rows], classes=torch.arange(B) % 2)  # classes: fine-tuning's, one per sequence
     return {**{k: v.to(device) for k, v in x.items()}, "max_len": S, "lengths": lengths}
+
+
+def load_model(spec):
+    """The shared weights as the implementation runs them: ours (fine-tuning: with a classifier), or transformers'."""
+    if spec["impl"] == "ours":
+        ours = ModernBertForSequenceClassification if spec["objective"] == "finetune" else ModernBertForMaskedLM
+        return ours.from_pretrained(spec["ckpt"], attn_backend=spec["backend"])
+    import transformers
+    return transformers.ModernBertForMaskedLM.from_pretrained(
+        spec["ckpt"], attn_implementation=spec["backend"], sparse_prediction=spec["objective"] != "clm")
 
 
 def measure_step(spec):
@@ -119,27 +136,30 @@ def measure_step(spec):
     device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
     config = ModernBertConfig.from_pretrained(spec["ckpt"])  # ours, for the FLOPs of either implementation
     rng, ours, causal = np.random.default_rng(0), spec["impl"] == "ours", spec["objective"] == "clm"
+    # Fine-tuning: eval.py's step, the checkpoint with a classifier, its loss, its AdamW; compiled, dynamo's own dynamic
+    # sizes from the warm-up's second batch on (eval.py's DYNAMIC has them from the first): the same timed graph.
+    finetune = spec["objective"] == "finetune"
     torch.manual_seed(0)
-    if ours:
-        model = ModernBertForMaskedLM.from_pretrained(spec["ckpt"], attn_backend=spec["backend"]).to(device)
-    else:
-        import transformers
-        model = transformers.ModernBertForMaskedLM.from_pretrained(
-            spec["ckpt"], attn_implementation=spec["backend"], sparse_prediction=not causal).to(device)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **({"fused": True} if device.type == "cuda" else {}))
+    model = load_model(spec).to(device).train()
+    fused = {"fused": True} if device.type == "cuda" and not finetune else {}  # eval.py's AdamW: torch's default
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **fused)
     step_fn = kernels.compile_model(model, regional=spec["compile"] == "regional") if spec["compile"] else model
     batches = [make_inputs(batch_lengths(spec["case"], spec["batch_size"], spec["seq_len"], rng),
                            config.vocab_size, spec["objective"], device, rng) for _ in range(3)]
 
     def step(x):
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            if ours:  # as train.py: the chunked loss, through forward
+            if finetune:  # as eval.py: the batch's cross-entropies summed, over its examples (float32)
+                logits = step_fn(x["tokens"], cu_seqlens=x["cu"], max_seqlen=x["max_len"]).float()
+                loss = F.cross_entropy(logits, x["classes"], reduction="sum") / len(x["lengths"])
+            elif ours:  # as train.py: the chunked loss, through forward
                 loss = step_fn(x["tokens"], causal=causal, cu_seqlens=x["cu"], max_seqlen=x["max_len"], rows=x["rows"],
                                targets=x["targets"]) / x["targets"].numel()
             else:
                 loss = step_fn(input_ids=x["ids"], attention_mask=x["mask"], labels=x["labels"]).loss
         loss.backward()
+        if finetune:
+            loss.item()  # eval.py reads each micro batch's loss: a sync (train.py reads none)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -152,7 +172,8 @@ def measure_step(spec):
     seconds = median_seconds("step(next(xs))", spec["min_time"], step=step, xs=itertools.cycle(batches))
     peak = peak()
     # The FLOPs each implementation has to do: transformers' ModernBERT runs CLM bidirectionally.
-    flops = np.mean([training_flops(config, x["lengths"], causal and ours, x["targets"].numel()) for x in batches])
+    flops = np.mean([training_flops(config, x["lengths"], causal and ours, 0 if finetune else x["targets"].numel())
+                     for x in batches])  # fine-tuning: the classifier's head, on one row a sequence, left out
     n_params, tokens = sum(p.numel() for p in model.parameters()), np.mean([sum(x["lengths"]) for x in batches])
     if spec.get("profile"):  # one more step under the profiler: where its time goes
         with torch.profiler.profile() as prof:  # the CPU's activity, and CUDA's where there is CUDA
@@ -179,16 +200,26 @@ def run_worker(spec):
 
 def step_rows(args, config, device, dtype, impls, peak):
     """A worker per (case, objective, implementation), a line each as it finishes (a run cut at its time limit keeps
-    those), then the rows, each against transformers' of its case. -> (rows, the failed ones)."""
+    those), then the rows, each against transformers' of its case, fine-tuning's against the packed training row's of
+    its implementation. -> (rows, the failed ones)."""
     rows, failed = [], []
+    pairs = [(c, o) for c, o in itertools.product(args.cases, args.objectives) if o in TRAINING] + [
+        ("task", "finetune")] * ("finetune" in args.objectives)
+
+    def vs_training(name, r):  # against its implementation's first packed training row: the base's step, as train.py's
+        trained = next((t["raw"] for t in rows if t["impl"] == name and t["case"] == "packed"), None)
+        return f"{r['tokens_per_s'] / trained['tokens_per_s']:.2f}x" if trained else "-"
+
     with tempfile.TemporaryDirectory() as ckpt:
         torch.manual_seed(0)
         ModernBertForMaskedLM(config).save_pretrained(ckpt)  # the same weights for all
         profiled = next((name for name, who, _, mode in sorted(impls, key=lambda i: not i[3])  # compiled first
                          if who == "ours"), None)
-        for case, objective in itertools.product(args.cases, args.objectives):
+        for case, objective in pairs:
             measured = {}
             for name, who, backend, mode in impls:
+                if objective == "finetune" and who != "ours":
+                    continue
                 spec = dict(task="step", name=name, impl=who, backend=backend, ckpt=ckpt, device=str(device),
                             dtype=dtype, compile=mode, case=case, objective=objective, seq_len=args.seq_len,
                             batch_size=args.batch_size, min_time=args.min_time, warmup=args.warmup,
@@ -208,6 +239,7 @@ def step_rows(args, config, device, dtype, impls, peak):
             rows += [dict(case=case, objective=objective, impl=name, raw=r, **{
                 "pad_%": f"{100 * (1 - r['tokens'] / r['padded_tokens']):.0f}", "tok/s": f"{r['tokens_per_s']:,.0f}",
                 "vs_transformers": vs("tokens_per_s", r) + "x" * bool(hf),
+                "vs_training": vs_training(name, r) if objective == "finetune" else "-",
                 "MFU": f"{100 * r['flops_per_s'] / peak:.1f}%",
                 "MFU_6N": f"{100 * r['convention_flops_per_s'] / peak:.1f}%",
                 "mem_MiB": f"{r['peak_memory'] / 2 ** 20:,.0f}", "mem_vs_transformers": vs("peak_memory", r),
@@ -232,9 +264,10 @@ def step_section(args, config, device, dtype, hf_backend):
     rows, failed = step_rows(args, config, device, dtype, impls, peak)
     print(f"\n1. Training step (forward, backward, AdamW), median; transformers with {hf_backend}; memory: peak "
           f"{'allocated' if device.type == 'cuda' else 'RSS added'} in the timed steps; MFU: support/flops.py's "
-          f"FLOPs, MFU_6N: 6N + 12LHQT (T = seq_len), over {peak / 1e12:,.3g} TFLOP/s ({source}); warmup_s: compile")
-    print(table(rows, ["case", "objective", "impl", "pad_%", "tok/s", "vs_transformers", "MFU", "MFU_6N", "mem_MiB",
-                       "mem_vs_transformers", "warmup_s", "compiles"]))
+          f"FLOPs, MFU_6N: 6N + 12LHQT (T = seq_len), over {peak / 1e12:,.3g} TFLOP/s ({source}); warmup_s: compile; "
+          "task finetune: eval.py's step on 16 sentences, vs_training: its tok/s over its impl's packed training row's")
+    print(table(rows, ["case", "objective", "impl", "pad_%", "tok/s", "vs_transformers", "vs_training", "MFU", "MFU_6N",
+                       "mem_MiB", "mem_vs_transformers", "warmup_s", "compiles"]))
     return dict(step=rows, peak_flops={"flops": peak, "source": source}), failed
 
 
@@ -364,7 +397,7 @@ def largest_batch(spec):
 
 def largest_section(args, device, dtype):
     rows = []
-    for objective in args.objectives:
+    for objective in [o for o in args.objectives if o in TRAINING]:
         r = run_worker(dict(task="largest", size=args.size, seq_len=args.seq_len, objective=objective, cap=args.largest,
                             device=str(device), dtype=dtype))
         peak = next((p for b, p in r["probes"] if b == r["largest"]), None)
@@ -394,7 +427,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="auto: bfloat16 on GPU")
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="auto: on for CUDA")
     p.add_argument("--cases", nargs="+", default=["variable", "packed"], choices=["variable", "packed"])
-    p.add_argument("--objectives", nargs="+", default=["mlm", "clm"], choices=["mlm", "clm"])
+    p.add_argument("--objectives", nargs="+", default=[*TRAINING, "finetune"], choices=[*TRAINING, "finetune"])
     p.add_argument("--hf_backend", default="auto", help="transformers' attn_implementation (auto: sdpa or FA2)")
     p.add_argument("--peak_tflops", type=float, default=0.0, help="the GPU's dense bf16 peak, if it is not known")
     p.add_argument("--impls", nargs="+", choices=IMPLS, help="default: ours (compiled too on CUDA), transformers")

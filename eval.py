@@ -7,7 +7,8 @@ examples cut only at the model's maximum length. Each is an option here; support
 The model is a ModernBERT checkpoint, run by model.py (unpadded, our attention kernels), or any other Hugging Face
 encoder with a fast tokenizer (BERT, RoBERTa, ...: the paper's baseline rows), run by transformers with its own
 maximum length, special tokens and head (support/baselines.py; pip install transformers). A batch is cut into micro
-batches of at most --max_tokens tokens, whose summed gradients make exactly the update of the whole batch.
+batches of at most --max_tokens tokens, whose summed gradients make exactly the update of the whole batch. ModernBERT
+runs compiled where train.py does (--compile; inductor on GPU), a few graphs for micro batches of any size (DYNAMIC).
 
     python eval.py --model out/clm/final --task ner --data ../shared/data/ncbi_disease
     python eval.py --model DIR --task cls --data DIR --seeds 42,43,44,45,46 --epochs 10
@@ -40,8 +41,9 @@ from support import baselines, distributed, suite, threads
 from support.checks import checkpoint_config, user_error
 from support.config import check_out_dir
 from support.files import fresh_dir, json_lines, replace_file
-from support.kernels import pick_backend
+from support.kernels import compile_model, pick_backend
 from support.lock import hold
+from support.logger import compile_stats
 from support.tokenizer import check_vocab, load_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -255,6 +257,15 @@ def flat_batch(items, task, device):
 # -----------------------------------------------------------------------------
 # Fine-tuning one seed
 
+# Compiled (--compile), what changes from one micro batch or task to the next is dynamic from the first graph on,
+# named as dynamo sees the classifiers' forward: a micro batch's tokens, sequences and longest sequence, a task's
+# labels (the classifier's rows). Whatever the lengths and tasks: a graph for training, one for evaluation, one for a
+# micro batch of sequences of one length (packed: other kernels). Left to dynamo, each size recompiles once it changes
+# and each label count twice, eager past recompile_limit (8). Padding micro batches to a few token counts instead
+# would leave their sequences and longest varying, and compute the pad.
+DYNAMIC = ",".join(["L['input_ids']", "L['cu_seqlens']", "L['max_seqlen']",
+                    *(f"L['self']._modules['classifier']._parameters['{p}']" for p in ("weight", "bias"))])
+
 
 def task_loss_sum(model, items, task, device):
     flat, targets = flat_batch(items, task, device)
@@ -332,12 +343,15 @@ def classifier(args, labels):
                                      classifier_pooling=args.pooling, attn_out_dropout=None)
 
 
-def finetune(args, seed, splits, labels, device, rank, world, autocast):
+def finetune(args, seed, splits, labels, device, rank, world, autocast, compiled=None):
+    """One seed: train, pick the best epoch by validation, score test. compiled: check_model's torch.compile backend
+    (None: eager), whose graphs serve every seed and task (a new model passes their guards: DYNAMIC)."""
     torch.manual_seed(seed)  # the new classifier's init, then dropout and shuffling
-    model = core = classifier(args, labels).to(device)
+    core = classifier(args, labels).to(device)
     padded = isinstance(core, baselines.Padded)  # its micro batches count padded tokens
+    model = run = compile_model(core, compiled) if compiled else core  # training's forward, and evaluation's
     if dist.is_initialized():
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
+        model = torch.nn.parallel.DistributedDataParallel(run, device_ids=[device.index] if device.type == "cuda"
                                                           else None)
     train = splits["train"]["items"]
     steps_per_epoch = math.ceil(len(train) / args.batch_size)
@@ -373,7 +387,7 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
             sched.step()
             opt.zero_grad(set_to_none=True)
             bar.set_postfix(loss=f"{loss / world:.4f}")
-        val = evaluate(core, splits["validation"], labels, args, device, rank, world, autocast, padded)
+        val = evaluate(run, splits["validation"], labels, args, device, rank, world, autocast, padded)
         history.append({"epoch": epoch + 1, "validation": val, "seconds": time.time() - t0})
         if best is None or val[args.select] > best["validation"][args.select]:
             best = history[-1]
@@ -382,7 +396,7 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
             tqdm.write(f"seed {seed} epoch {epoch + 1}: validation macro F1 {val['macro_f1']:.4f} "
                        f"micro F1 {val['micro_f1']:.4f} ({time.time() - t0:.1f}s)")
     core.load_state_dict(best_state)
-    test = evaluate(core, splits["test"], labels, args, device, rank, world, autocast, padded)
+    test = evaluate(run, splits["test"], labels, args, device, rank, world, autocast, padded)
     return core, {"seed": seed, "best_epoch": best["epoch"], "selected_by": args.select, "test": test,
                   "epochs": history, "first_losses": first_losses}
 
@@ -391,11 +405,13 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
 # A suite: every (task, model, seed) of a suite file, each stored as it finishes; the table (support/suite.py)
 
 
-def check_model(path, tokenizer, device, dtype):
-    """-> (its tokenizer, what the table records of it: family, max_len, the code that runs it), once it loads and
-    the tokenizer fits its embedding: ModernBERT on model.py, any other family on transformers (baselines.py)."""
+def check_model(path, tokenizer, device, dtype, compiled=None):
+    """-> (its tokenizer, what the table records of it: family, max_len, the code that runs it and its torch.compile
+    backend), once it loads and the tokenizer fits its embedding: ModernBERT on model.py, compiled where `compiled`
+    (the process's backend) says; any other family on transformers (baselines.py), eager."""
     if not baselines.is_modernbert(path):
-        return baselines.check_encoder(path, f"--model {path}")
+        tok, about = baselines.check_encoder(path, f"--model {path}")
+        return tok, {**about, "compiled": None}  # padded batches, eager
     checkpoint_config(path, f"--model {path}")
     if not tokenizer and not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise SystemExit(f"{path} has no tokenizer.json; pass --tokenizer")
@@ -406,9 +422,9 @@ def check_model(path, tokenizer, device, dtype):
     check_vocab(tok.vocab_size, config, "the tokenizer", f"--model {path}",
                 "pass the tokenizer the model was trained with (--tokenizer)")
     backend = pick_backend(config.attn_backend, device, dtype, config.attention_dropout, packed=False)  # examples
-    return tok, {"family": "modernbert", "max_len": config.max_position_embeddings,
+    return tok, {"family": "modernbert", "max_len": config.max_position_embeddings, "compiled": compiled,
                  "code": f"model.py ModernBertForSequenceClassification / ModernBertForTokenClassification, unpadded, "
-                         f"attention {backend}"}
+                         f"attention {backend}" + (f", torch.compile {compiled}" if compiled else "")}
 
 
 def full_context(max_len, positions, where):
@@ -418,14 +434,14 @@ def full_context(max_len, positions, where):
     return max_len or positions
 
 
-def suite_runs(args, seeds, tasks, names, device, dtype):
+def suite_runs(args, seeds, tasks, names, device, dtype, compiled):
     """Every model and task checked before anything trains (not hours in), else one SystemExit listing every problem
     -> ({model: tokenizer}, {model: what the table records of it}, {task: (splits, labels)}, the runs in order).
     A run's options, what finetune() sees less where it runs and writes, identify its file (no stale run reused)."""
     problems, toks, about, data, runs = [], {}, {}, {}, []
     for path in args.models:
         try:
-            toks[path], about[path] = check_model(path, args.tokenizer, device, dtype)
+            toks[path], about[path] = check_model(path, args.tokenizer, device, dtype, compiled)
         except SystemExit as e:
             problems.append(f"model {path}: {e}")
     for t in tasks:
@@ -438,8 +454,12 @@ def suite_runs(args, seeds, tasks, names, device, dtype):
                 run_args = argparse.Namespace(**{**vars(args), **{k: t[k] for k in suite.TASK_KEYS if k != "name"},
                                                  "model": os.path.abspath(path), "max_len": max_len,
                                                  "max_tokens": t["max_tokens"] or suite.max_tokens(device)})
+                # Compiled, a run differs from an eager one in the last bits (inductor fuses and reorders sums),
+                # which epochs of training carry into the scores: its backend is part of what identifies it, so
+                # a suite never silently mixes the two. Eager, nothing is added: runs stored before --compile resume.
                 options = {k: v for k, v in {**vars(run_args), "dtype": str(dtype).removeprefix("torch.")}.items()
-                           if k not in ("suite", "models", "out", "seeds", "device", "save_model")}
+                           if k not in ("suite", "models", "out", "seeds", "device", "save_model", "compile")}
+                options.update({"compile": about[path]["compiled"]} if about[path]["compiled"] else {})
                 runs += [dict(task=t, model=path, name=name, seed=seed, args=run_args, file=suite.run_file(
                     args.out, t["name"], name, seed), options={**options, "seed": seed}) for seed in seeds]
         except SystemExit as e:
@@ -454,7 +474,7 @@ def run_suite(args, process, autocast, dtype):
     rank, world, device = process.rank, process.world, process.device
     seeds, tasks = suite.load_suite(args.suite)
     names = suite.model_names(args.models)
-    toks, about, data, runs = suite_runs(args, seeds, tasks, names, device, dtype)
+    toks, about, data, runs = suite_runs(args, seeds, tasks, names, device, dtype, process.compiled)
     hold(args.out, process)  # one suite writes --out at a time; a killed one's successor goes on where it stopped
     # Rank 0's disk says which runs are finished and the other ranks take its word: every rank must skip
     # the same runs, or the ranks that train one wait forever for those that skipped it.
@@ -477,7 +497,8 @@ def run_suite(args, process, autocast, dtype):
             if encoded != (t["name"], r["model"]):
                 encoded = (t["name"], r["model"])
                 splits = encode_splits(raw, toks[r["model"]], t["task"], labels, r["args"].max_len)
-            model, result = finetune(r["args"], r["seed"], splits, labels, device, rank, world, autocast)
+            model, result = finetune(r["args"], r["seed"], splits, labels, device, rank, world, autocast,
+                                     about[r["model"]]["compiled"])
             done[i] = result
             if rank == 0:
                 suite.store_run(r["file"], r["options"], result, args.out)
@@ -523,9 +544,10 @@ def parse_args(argv):
     p.add_argument("--tokenizer", help="when a ModernBERT checkpoint carries no tokenizer.json (another family uses "
                                        "its own directory's)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="auto: bfloat16 autocast on GPU (what the flash / varlen attention kernels need), float32 "
-                        "on CPU")
+    p.add_argument("--compile", default="auto", help="torch.compile of ModernBERT's fine-tuning, as train.py's: auto "
+                   "(inductor on GPU, eager on CPU), true, false, or a backend (aot_eager); other families run eager")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="auto: bfloat16 autocast "
+                   "on GPU (what the flash / varlen attention kernels need), float32 on CPU")
     p.add_argument("--out", default="out/eval")
     p.add_argument("--save_model", action="store_true", help="save the best model of each seed under --out")
     p.add_argument("--suite", help="a suite file (suites/en_bio.py): its tasks, with their settings, x --models x its "
@@ -551,6 +573,11 @@ def parse_args(argv):
                     "positive, max_len above 2, and seeds integers like 42,43,44")
         if args.select not in suite.SELECT[args.task]:
             p.error(f"--select={args.select}: for --task {args.task} it is one of {', '.join(suite.SELECT[args.task])}")
+    if args.compile.lower() not in ("auto", "true", "false"):
+        from torch._dynamo import list_backends  # seconds to import: only for a backend's name
+        if args.compile not in list_backends(exclude_tags=()):
+            p.error(f"--compile={args.compile}: choose auto, true, false or a backend, e.g. aot_eager (all of them: "
+                    "torch._dynamo.list_backends(exclude_tags=()))")
     check_out_dir(args.out)  # before any training: results are written there at the end
     return args
 
@@ -558,7 +585,7 @@ def parse_args(argv):
 def run_task(args, process, autocast, dtype):
     """eval.py --model --task --data: fine-tune over the seeds, then a mean ± std table of the test metrics."""
     rank, world, device = process.rank, process.world, process.device
-    tok, about = check_model(args.model, args.tokenizer, device, dtype)
+    tok, about = check_model(args.model, args.tokenizer, device, dtype, process.compiled)
     if args.tokenizer and about["family"] != "modernbert":
         raise SystemExit(f"--tokenizer {args.tokenizer}: a {about['family']} model is fine-tuned with its own "
                          f"tokenizer, from {args.model}; --tokenizer is for ModernBERT checkpoints without one")
@@ -574,7 +601,7 @@ def run_task(args, process, autocast, dtype):
               f"{args.max_len}, {args.max_tokens} tokens per micro batch" + threads.describe("; "))
     runs = []
     for seed in suite.parse_seeds(args.seeds):
-        model, result = finetune(args, seed, splits, labels, device, rank, world, autocast)
+        model, result = finetune(args, seed, splits, labels, device, rank, world, autocast, about["compiled"])
         runs.append(result)
         if rank == 0 and args.save_model:
             model.save_pretrained(fresh_dir(os.path.join(args.out, f"model-seed{seed}")))
@@ -593,9 +620,14 @@ def run_task(args, process, autocast, dtype):
 
 def main(argv=None):
     args = parse_args(argv)
-    process = distributed.setup(args.device)
+    process = distributed.setup(args.device, compile=args.compile)
     autocast, dtype = distributed.autocast(process.device, args.dtype)
-    (run_suite if args.suite else run_task)(args, process, autocast, dtype)
+    with torch.compiler.config.patch(dynamic_sources=DYNAMIC):  # compiled: few graphs
+        (run_suite if args.suite else run_task)(args, process, autocast, dtype)
+    if process.compiled and process.rank == 0:  # what compiling cost, in the epochs' seconds above
+        s = compile_stats()
+        print(f"{process.compiled}: {s['graphs']} graphs compiled in {s['seconds']:.1f} s, {s['breaks']} graph breaks; "
+              f"recompiled for {'; '.join(s['recompiles']) or 'nothing'}")
     distributed.teardown()
 
 

@@ -26,10 +26,18 @@ def test_bench_tiny(tmp_path, capsys, monkeypatch):
     assert "1. Training step" in out and "2. Attention" in out and "3. The largest" not in out
     res = json.loads((tmp_path / "bench.json").read_text())
     assert {(row["case"], row["objective"], row["impl"]) for row in res["step"]} == {  # no compile on CPU by default
-        (c, o, i) for c in ("variable", "packed") for o in ("mlm", "clm") for i in ("ours", "transformers")}
+        (c, o, i) for c in ("variable", "packed") for o in ("mlm", "clm") for i in ("ours", "transformers")} | {
+        ("task", "finetune", "ours")}  # eval.py's step: ours alone
     for row in res["step"]:
         assert row["raw"]["tokens_per_s"] > 0 and row["raw"]["flops_per_s"] > 0 and row["raw"]["peak_memory"] >= 0
         assert float(row["MFU_6N"].rstrip("%")) > 0 and row["raw"]["warmup_seconds"] > 0
+    # fine-tuning: 16 sentences of 8 to seq_len tokens a step, its tok/s over the packed MLM row's (the first packed)
+    rows = {(row["case"], row["objective"], row["impl"]): row for row in res["step"]}
+    finetune, packed = rows["task", "finetune", "ours"], rows["packed", "mlm", "ours"]["raw"]
+    assert 16 * 8 <= finetune["raw"]["tokens"] <= 16 * 64 and "task finetune: eval.py's step" in out
+    assert float(finetune["vs_training"].rstrip("x")) == pytest.approx(
+        finetune["raw"]["tokens_per_s"] / packed["tokens_per_s"], abs=0.006)
+    assert {row["vs_training"] for row in res["step"] if row is not finetune} == {"-"}
     for case, objective in [(c, o) for c in ("variable", "packed") for o in ("mlm", "clm")]:  # one step each, by op
         profile = (tmp_path / "prof" / f"profile_{case}_{objective}.txt").read_text()
         assert profile.startswith(f"ours, {case} {objective}, one step of ") and "aten::mm" in profile

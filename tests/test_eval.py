@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import eval as eval_py
 from eval import classification_metrics, encode_examples, multilabel_metrics, ner_metrics
@@ -142,6 +143,9 @@ def test_learns_selects_the_first_best_epoch_refuses_bad_inputs(tiny_model, tmp_
     with pytest.raises(SystemExit):
         eval_py.main(["--model", tiny_model, "--task", "ner", "--data", str(tmp_path / "task"), "--select", "accuracy"])
     assert "--select=accuracy: for --task ner it is one of macro_f1, micro_f1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        eval_py.main(["--model", tiny_model, "--task", "cls", "--data", str(tmp_path / "task"), "--compile", "inductr"])
+    assert "--compile=inductr: choose auto, true, false or a backend, e.g. aot_eager" in capsys.readouterr().err
 
     (tmp_path / "task" / "validation.jsonl").write_text("")  # (a split missing, a label unseen: test_suite.py)
     with pytest.raises(SystemExit, match="validation.jsonl: the split is empty"):
@@ -281,3 +285,82 @@ def test_ner_scores_are_seqeval_on_the_saved_models_first_sub_tokens(tiny_model,
     assert reported["micro_f1"] > 0.3  # all-O scores 0: entities were learned
     assert seqeval.f1_score(gold, predicted, average="micro") == pytest.approx(reported["micro_f1"], abs=1e-12)
     assert seqeval.f1_score(gold, predicted, average="macro") == pytest.approx(reported["macro_f1"], abs=1e-12)
+
+
+# -----------------------------------------------------------------------------
+# Compiled (--compile): a few graphs for micro batches of any size and tasks of any label count; eager's scores
+
+
+def noisy_task(path, task, n_train, labels=("warm", "cold")):
+    """Texts of 1 to 30 words, each word of the label's family 60% of the time: scores short of 1, lengths varied."""
+    families = [["red", "yellow", "pink"], ["blue", "cyan", "grey"], ["black", "magenta", "white"]]
+
+    def row(rng):
+        label = rng.randrange(len(labels))
+        words = [rng.choice(families[label if rng.random() < 0.6 else rng.randrange(3)]) for _ in
+                 range(rng.randint(1, 30))]
+        if task == "ner":  # the label's family words are entities
+            return {"tokens": words, "tags": ["B-X" if w in families[label] else "O" for w in words]}
+        return {"text": " ".join(words), "label": labels[label]}
+    write_task(path, (n_train, 40, 40), row, len(labels))
+
+
+@pytest.mark.parametrize("task,kernel", [("cls", "sdpa"), ("ner", "varlen"), ("cls", "flash")])
+def test_compiled_fine_tuning_runs_three_graphs_for_any_lengths_and_scores_as_eager(tiny_model, tmp_path, monkeypatch,
+                                                                                   task, kernel):
+    """--compile aot_eager (inductor's tracing, guards and autograd, without its code) on micro batches of dozens of
+    sizes: a graph for training, one for evaluation, one for the epoch's last batch, of one example (packed); no graph
+    break; the first losses and every score of the eager run. SDPA in float32 (the CPU path: equal to float noise),
+    and under bf16 autocast the real wrappers of varlen_attn and flash-attn (the GPU path, tests/cpu_kernels.py: to
+    bf16 noise), each taking the longest sequence as a symbol."""
+    noisy_task(tmp_path / "task", task, 161)  # 161 = 10 x 16 + 1
+    if kernel != "sdpa":
+        import cpu_kernels
+        if kernel == "flash" and cpu_kernels.flash_attn_varlen_func is None:
+            pytest.skip(cpu_kernels.NO_FLASH)
+        cpu_kernels.install(monkeypatch, backends=(kernel,))
+    shapes, flat_batch = set(), eval_py.flat_batch
+
+    def seen(items, *args):  # the sizes the model is called with: (tokens, sequences + 1, longest)
+        flat, targets = flat_batch(items, *args)
+        shapes.add((flat.tokens.numel(), flat.cu_seqlens.numel(), flat.max_seqlen))
+        return flat, targets
+    monkeypatch.setattr(eval_py, "flat_batch", seen)
+    run = ["--model", tiny_model, "--task", task, "--data", str(tmp_path / "task"), "--seeds", "1", "--epochs", "2",
+           "--lr", "1e-3", "--device", "cpu", *(["--dtype", "bfloat16"] if kernel != "sdpa" else [])]
+    eval_py.main([*run, "--out", str(tmp_path / "eager"), "--compile", "false"])
+    torch._dynamo.reset()
+    counters.clear()
+    eval_py.main([*run, "--out", str(tmp_path / "compiled"), "--compile", "aot_eager"])
+    assert len(shapes) > 20 and (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())) == (3, 0)
+    if kernel != "sdpa":
+        assert {c["dtype"] for c in cpu_kernels.calls[kernel]} == {torch.bfloat16}
+    (eager,), (compiled,) = (json.loads((tmp_path / k / "results.json").read_text())["runs"] for k in ("eager",
+                                                                                                       "compiled"))
+    assert compiled["first_losses"] == pytest.approx(eager["first_losses"], rel=1e-5 if kernel == "sdpa" else 1e-2)
+    assert 0.3 < eager["test"]["macro_f1"] < 0.99  # learned, not perfect: the scores depend on the numerics
+    assert [e["validation"] for e in compiled["epochs"]] == [e["validation"] for e in eager["epochs"]]
+    assert compiled["test"] == eager["test"]
+
+
+def test_a_compiled_suite_shares_its_graphs_across_label_counts_and_stores_its_backend(tiny_model, tmp_path):
+    """A suite of two tasks, of 2 and 3 labels, two seeds each, compiled: two graphs (training, evaluation) serve all
+    four runs, the label count dynamic (per new count dynamo would compile both again: past 8 graphs, eager). Each run
+    is stored with its backend, and the suite rerun eager refuses to mix those runs with its own."""
+    noisy_task(tmp_path / "two", "cls", 48)
+    noisy_task(tmp_path / "three", "cls", 48, labels=("warm", "cold", "dark"))
+    (tmp_path / "suite.py").write_text("seeds = [1, 2]\ntasks = [" + ", ".join(
+        f"dict(name={name!r}, task='cls', data={str(tmp_path / name)!r}, epochs=1, lr=1e-3)"
+        for name in ("two", "three")) + "]\n")
+    suite = ["--suite", str(tmp_path / "suite.py"), "--models", tiny_model, "--out", str(tmp_path / "out"),
+             "--device", "cpu"]
+    torch._dynamo.reset()
+    counters.clear()
+    eval_py.main([*suite, "--compile", "eager"])  # dynamo's tracing and guards, no autograd graph: the count is its
+    assert (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())) == (2, 0)
+    stored = [json.loads(p.read_text()) for p in sorted((tmp_path / "out" / "runs").rglob("seed*.json"))]
+    assert len(stored) == 4 and {s["options"]["compile"] for s in stored} == {"eager"}
+    assert sorted(len(s["result"]["epochs"]) for s in stored) == [1] * 4
+    with pytest.raises(SystemExit, match=r"4 stored run\(s\) cannot be reused(.|\n)*run with compile='eager'; now "
+                                         r"compile=None"):
+        eval_py.main([*suite, "--compile", "false"])
