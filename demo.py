@@ -260,16 +260,16 @@ def status(running):
 
 def submit(plan, steps):
     """Every step not done as a SLURM job after the jobs of the steps it reads (afterok; a job whose dependency
-    failed or was cancelled leaves the queue), its output in logs/NAME.slurm.log. The ids and commands go to
-    OUT/slurm_jobs.json; a study whose last jobs are still queued or running is not submitted twice."""
+    failed or was cancelled leaves the queue), its output in logs/NAME.slurm.log. Each job's id and command go to
+    OUT/slurm_jobs.json as it is submitted; a study whose jobs are still queued or running is not submitted twice."""
     record = os.path.join(plan.out, "slurm_jobs.json")
-    if os.path.exists(record):
-        queued = set(subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split())
-        if still := [f"{j['name']} ({j['id']})" for j in read_json(record, list) if j["id"] in queued]:
-            raise SystemExit(f"{plan.out}: its last jobs are still queued or running: {', '.join(still)}; wait for "
-                             "them or scancel them, then submit again")
-    ids, jobs = {}, []
-    for step in [s for s in steps if not os.path.exists(s.output)]:
+    jobs = read_json(record, list) if os.path.exists(record) else []  # every submission's, in order
+    queued = set(subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split())
+    if still := [f"{j['name']} ({j['id']})" for j in jobs if j["id"] in queued]:
+        raise SystemExit(f"{plan.out}: jobs of its last submission are still queued or running: {', '.join(still)}; "
+                         "wait for them or scancel them, then submit again")
+    ids, first = {}, len(jobs)
+    for step in [s for s in steps if not os.path.exists(s.output)]:  # each recorded once submitted (a refusal stops)
         after = [ids[n] for n in step.needs if n in ids]
         cmd = ["sbatch", "--parsable", f"--job-name=study-{step.name}", "--kill-on-invalid-dep=yes",
                f"--output={os.path.join(plan.out, 'logs', step.name + '.slurm.log')}",
@@ -281,9 +281,9 @@ def submit(plan, steps):
             raise SystemExit(f"sbatch refused step {step.name}: {r.stderr.strip()}\n$ {' '.join(cmd)}")
         ids[step.name] = r.stdout.strip().split(";")[0]
         jobs.append({"name": step.name, "id": ids[step.name], "command": cmd})
+        replace_file(record, json.dumps(jobs, indent=1))
         print(f"job {ids[step.name]}: {step.name}" + (f" after {', '.join(after)}" if after else ""))
-    replace_file(record, json.dumps(jobs, indent=1))
-    print(f"{len(jobs)} jobs submitted ({record}); the report will be {steps[-1].output}" if jobs else
+    print(f"{len(jobs) - first} jobs submitted ({record}); the report will be {steps[-1].output}" if ids else
           "every step is done")
 
 
@@ -295,7 +295,8 @@ def record_session(plan, argv):
     """OUT/study.json: the plan, and a line per session (the command, the code's commit, the environment), written
     before the first step. A study planned otherwise (any setting but how it runs) is refused, its differences named."""
     import torch
-    path, values = os.path.join(plan.out, "study.json"), {k: v for k, v in asdict(plan).items() if k not in HOW}
+    path = os.path.join(plan.out, "study.json")
+    values = json.loads(json.dumps({k: v for k, v in asdict(plan).items() if k not in HOW}))  # as it reads back
     study = read_json(path) if os.path.exists(path) else {"plan": values, "sessions": []}
     if changed := sorted(k for k in values.keys() | study["plan"].keys() if values.get(k) != study["plan"].get(k)):
         raise SystemExit(f"{plan.out} holds a study planned with " + "; ".join(
@@ -602,6 +603,8 @@ def main(argv=None):
         return forecast(plan, args.pilot and os.path.abspath(args.pilot), args.spread)
     if args.step:
         return build_corpora(plan) if args.step == "corpora" else print(report(plan))
+    if args.slurm and not (shutil.which("sbatch") and shutil.which("squeue")):
+        p.error("--slurm: no sbatch and squeue here: submit from a SLURM login node, or run without --slurm")
     t0 = time.time()
     record_session(plan, rest)
     steps = steps_of(plan, rest)

@@ -1,8 +1,8 @@
 # The study on real text (results/h200-2026-11-28): a small ModernBERT, its base pretrained with MLM on general
 # English (configs/study_base.py, stacked after this one), then from that base on biomedical text the CLM detour arm
-# and the MLM arm, each ending in the 10% MLM decay. Its runner (demo.py --study, in git at 7cae73f) set data_dir,
-# out_dir, init_from, objective, seed, keep_every, and tokens: the size below times the factor of its time rule (0.657
-# in the H200 run). Fixed before the GPU run; our choices unless a source is named.
+# and the MLM arm, each ending in the 10% MLM decay. plans/h200.py runs it and sets data_dir, out_dir, init_from,
+# objective, seed, keep_every, and tokens: the run's, 0.657 times the size below (the factor its time rule gave).
+# Fixed before the GPU run; our choices unless a source is named.
 model_config = {"hidden_size": 512, "intermediate_size": 768, "num_hidden_layers": 10, "num_attention_heads": 8,
                 "max_position_embeddings": 1024}  # Base's shape, narrower: heads of 64, GeGLU 1.5x, 128-token window,
 # layers 0, 3, 6, 9 global (the last one too, as in Base); 31.0M parameters with the study's 16,384-token BPE

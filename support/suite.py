@@ -6,7 +6,8 @@ Each finished run is OUT/runs/TASK/MODEL/seedN.json, stored with the options tha
 suite goes on where it stopped; one stored with other options stops the suite before any training (reusing it
 would mix two protocols in one table). The table (results.md/.json/.png): per task and model, test macro F1 (the
 paper's metric) and the metric other papers report, mean ± std over seeds; their average over tasks; each model's
-difference to the first, paired over seeds, with a 95% t interval.
+difference to the first, paired over seeds, with a 95% t interval. For a study (demo.py), the difference of two arms
+over both seed levels, pretraining and fine-tuning (nested_delta), and what a design finds with 80% power.
 """
 
 import json

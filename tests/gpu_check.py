@@ -7,7 +7,7 @@ The GPU check: what a session with a lent GPU runs first, one command that write
 It runs the project's scripts as a user does and tables what they wrote: a. tests/test_gpu.py; b. bench.py at the
 paper's shape; c. train.py compiled (Base, 4 x 8192 tokens, CLM -> MLM 30% -> MLM 15% decay), its phase-2 checkpoint
 resumed under torchrun, SIGTERM'd once it logs a step, resumed again; d. bench.py --largest; e. on c's runs, eval.py
-on a task of each type and cka.py --pair and --runs, each against the same under torchrun or on CPU; demo.py --quick.
+on a task of each type and cka.py --pair and --runs, each against the same under torchrun or on CPU; demo.py plans/quick.py.
 --tiny: every part at tiny sizes on CPU (tests/test_bench.py). A part's time limit (BUDGETS, --budget) gains what
 the parts before left; at the limit the running command gets SIGINT (pytest writes its junit file), then SIGKILL with
 its process group, and the next part runs. Writes OUT/report.md, report.json, logs/; never imports torch or downloads.
@@ -37,7 +37,7 @@ TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 # Seconds per part, from the H200 runs (results/h200-2026-11-2[67]; a Base graph compiles in 45-75 s): a's 15 tests
 # cut at 280 s; b's bench.py processes 111-251 s each; c: data 11 s, the whole run 182 s, each torchrun resume 90 s
-# (its graph compiled for 60 s again); d 42 s; e: eval.py 22-32 s x 3, cka.py 10-12 s x 4, demo.py --quick ~150 s.
+# (its graph compiled for 60 s again); d 42 s; e: eval.py 22-32 s x 3, cka.py 10-12 s x 4, demo.py plans/quick.py ~150 s.
 BUDGETS = {"a": 330, "b": 780, "c": 390, "d": 60, "e": 290}
 # c's train.py runs log what inductor's caches do, for caches() (2 s more at each start: those runs only), in these
 # words (found() takes them as patterns: they hold no regex characters)
@@ -287,8 +287,8 @@ def scripts(ctx, deadline):
         step(f"cka.py --{what}: GPU against CPU", started, worst(*results) <= 1e-5, max_abs_diff=worst(*results),
              numbers_compared=len(numbers(results[0])))
     started, code = time.time(), "not at tiny sizes: tests/test_demo.py runs it" if tiny else run(
-        [PY, "demo.py", "--quick", "--out", os.path.join(w, "e_demo")], ctx.log("e_demo.log"), deadline)[0]
-    step("demo.py --quick", started, None if tiny else code == 0, exit=code)
+        [PY, "demo.py", "plans/quick.py", f"--out={os.path.join(w, 'e_demo')}"], ctx.log("e_demo.log"), deadline)[0]
+    step("demo.py plans/quick.py", started, None if tiny else code == 0, exit=code)
     bad = [r["step"] for r in rows if r["ok"] == "NO"]
     return dict(ok=not bad, steps=rows, summary="; ".join(f"NOT ok: {b}" for b in bad) or f"none of {len(rows)} failed")
 

@@ -227,7 +227,7 @@ def test_a_study_as_jobs_cancelled_midway_and_resubmitted_reports_what_it_report
     assert job_state(ids["eval_mlm_s42"], env)[0] == "CANCELLED" and not (jobs / "report.md").exists()
     again = submit()
     assert again.returncode == 0, again.stdout + again.stderr
-    assert [j["name"] for j in json.loads((jobs / "slurm_jobs.json").read_text())] == ["eval_mlm_s42", "report"]
+    assert [j["name"] for j in json.loads((jobs / "slurm_jobs.json").read_text())] == [*ids, "eval_mlm_s42", "report"]
     wait_until(lambda: (jobs / "report.md").exists() and not queue(), lambda: f"no report:\n{queue()}", timeout=600)
     assert reference.wait(timeout=600) == 0, (tmp_path / "here.log").read_text()[-3000:]
     assert (jobs / "report.md").read_text() == (here / "report.md").read_text()

@@ -1,6 +1,7 @@
-"""support/suite.py and eval.py --suite: the paired interval against a hand-computed example and scipy, the suite
-file, and end to end on slices of two real tasks (../shared/data) with two tiny models: the table equals
-eval.py run per task, a killed suite resumes without repeating a run, a broken task fails before training,
+"""support/suite.py and eval.py --suite: the paired interval against a hand-computed example and scipy, the nested
+interval over both seed levels by hand, the power against a simulation of the design, the suite file, and end to
+end on slices of two real tasks (../shared/data) with two tiny models: the table equals eval.py run per task, a
+killed suite resumes without repeating a run, a broken task fails before training,
 torchrun equals one process. Exports conll_slice and jsonl_slice to test_baselines.py."""
 
 import json
