@@ -50,7 +50,7 @@ SIZES = {
     "large": ModernBertConfig.large(),  # 28 x 1024
 }
 IMPLS = ("ours", "ours compiled", "ours regional", "transformers", "transformers compiled")  # regional: block by block
-ATTENTION_KERNELS = ("varlen", "flash", "cudnn", "flex", "sdpa")  # model.py's, called as a layer calls them
+ATTENTION_KERNELS = ("varlen", "flash", "cudnn", "sdpa")  # model.py's, called as a layer calls them
 
 
 def median_seconds(stmt, min_time, **names):
@@ -121,7 +121,7 @@ def measure_step(spec):
     rng, ours, causal = np.random.default_rng(0), spec["impl"] == "ours", spec["objective"] == "clm"
     torch.manual_seed(0)
     if ours:
-        model = ModernBertForMaskedLM.from_pretrained(spec["ckpt"], attn_backend=spec["backend"]).to(device)
+        model = ModernBertForMaskedLM.from_pretrained(spec["ckpt"], attn_backend=spec["backend"]).place(device, dtype)
     else:
         import transformers
         model = transformers.ModernBertForMaskedLM.from_pretrained(
@@ -292,20 +292,15 @@ def attention_section(args, device, dtype):
 def attention_cell(name, qkvd, ref, flops, packing, layer_type, packed, min_time):
     """One kernel on one cell of the attention section -> its columns, or a note saying why it cannot attend there."""
     q, k, v, dout = qkvd
-    refusal = lambda: kernels.refusal(name, layer_type, q.device, q.dtype, 0.0, packed)  # noqa: E731
-    with torch.no_grad():
-        why = refusal()
+    why = kernels.refusal(name, layer_type, q.device, q.dtype, 0.0, packed)
     if why is not None:
         return {"note": why.removeprefix(f"attention backend {name!r} ")}
-    forward_only = refusal() is not None  # FlexAttention on CPU: no backward
-    x, packing = [t.detach().requires_grad_(not forward_only) for t in (q, k, v)], packing(name)
+    x, packing = [t.detach().requires_grad_() for t in (q, k, v)], packing(name)
     run = lambda: attention(*x, packing, layer_type, 0.0)  # noqa: E731
     out = run()
     forward = median_seconds("run()", min_time, run=run)
     cols = {"fwd_ms": f"{1000 * forward:.3g}", "fwd_TFLOP/s": f"{flops / forward / 1e12:.3g}",
             "err": f"{((out.float() - ref[0]).abs().max() / ref[0].abs().max()).item():.1e}"}
-    if forward_only:
-        return {**cols, "note": "forward only: no backward on CPU"}
     out.backward(dout)
     grad_err = max(((a.grad.float() - b).norm() / b.norm()).item() for a, b in zip(x, ref[1]))
     backward = median_seconds("run().backward(dout)", min_time, run=run, dout=dout) - forward

@@ -174,12 +174,11 @@ def representations(path, sample, args, process):
     """`path`'s pooled layer outputs for the sample, on every rank: per layer {text index: rows}."""
     autocast, dtype = distributed.autocast(process.device, args.dtype)
     with user_error(path):  # weights cut short or of another shape
-        model = ModernBertForMaskedLM.from_pretrained(path).to(process.device)
+        model = ModernBertForMaskedLM.from_pretrained(path).place(process.device, dtype)
     check_vocab(sample.tok.vocab_size, model.config, "the tokenizer", path,
                 "pass the tokenizer the models were trained with (--tokenizer)")
     if process.rank == 0 and not args.runs:  # a trajectory's progress bar says where it is
-        with autocast:
-            backend = model.eval().model.attention_backend(process.device, packed=False)  # texts of any length
+        backend = model.model.kernels.of(packed=False)  # texts of any length
         print(f"{path}: {process.device}, {str(dtype).removeprefix('torch.')}, attention {backend}"
               + threads.describe())
     local = pooled_layers(model, sample.ids, sample.mine, args.pool, process.device, autocast, args.batch_tokens,

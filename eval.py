@@ -40,7 +40,7 @@ from support import baselines, distributed, suite, threads
 from support.checks import checkpoint_config, user_error
 from support.config import check_out_dir
 from support.files import fresh_dir, json_lines, replace_file
-from support.kernels import pick_backend
+from support.kernels import choose
 from support.lock import hold
 from support.tokenizer import check_vocab, load_tokenizer
 
@@ -405,7 +405,7 @@ def check_model(path, tokenizer, device, dtype):
         config = ModernBertForSequenceClassification.from_pretrained(path, id2label={"0": "a", "1": "b"}).config
     check_vocab(tok.vocab_size, config, "the tokenizer", f"--model {path}",
                 "pass the tokenizer the model was trained with (--tokenizer)")
-    backend = pick_backend(config.attn_backend, device, dtype, config.attention_dropout, packed=False)  # examples
+    backend = choose(config.attn_backend, device, dtype, config.attention_dropout).of(packed=False)  # examples
     return tok, {"family": "modernbert", "max_len": config.max_position_embeddings,
                  "code": f"model.py ModernBertForSequenceClassification / ModernBertForTokenClassification, unpadded, "
                          f"attention {backend}"}

@@ -321,13 +321,12 @@ def main(argv):
     # The loop's state: from the checkpoint this run resumes (out_dir's newest, or init_from's), else fresh.
     checkpointer = Checkpointer(c, process, schedule)
     resumed = checkpointer.resume(continue_from=c.init_from if run.start > 0 else None)
-    model = build_model(c, meta, resumed or c.init_from).to(device)
+    model = build_model(c, meta, resumed or c.init_from).place(device, dtype)  # its attention kernels chosen
     freeze = Freeze(c, model, [p.name for p in schedule.phases])
     optimizer = make_optimizer(model, c, device)
     loader = Loader(c.data_dir, "train", c.seq_len, c.micro_batch_size, c.data_seed, process.rank, process.world)
     state = checkpointer.restore(resumed, optimizer, loader, first_step=run.start)
-    with autocast:  # what the run is, its attention kernel picked by the dtype that reaches it
-        announce(c, model, schedule, process, dtype, compiled, state.step if resumed else None)
+    announce(c, model, schedule, process, dtype, compiled, state.step if resumed else None)
     freeze.enter(schedule.at(state.step))  # before DDP, which all-reduces what requires a gradient when built
     raw_model, model = model, wrap(model, compiled, dist.is_initialized(), device)
     logger = Logger(c, process, checkpointer, run, state.step, compiled)

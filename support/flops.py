@@ -4,7 +4,7 @@ for figures that compare with other codebases (convention_flops).
 
 A step costs 6 x block matmul weights x tokens + 6 x (head dense + decoder) x predicted rows + attention:
 6 = 2 FLOPs per multiply-add x 3 (forward, and backward to inputs and to weights); the decoder's bias gradient, a
-matrix product in support/loss.py, adds 2 x vocab per predicted row. A (query, key) pair costs
+matrix product in support/kernels.py, adds 2 x vocab per predicted row. A (query, key) pair costs
 2 x 2 x H forward (QK^T and AV over all heads), x 3 with backward, and only the pairs the mask keeps count:
 each sequence's real length (not seq_len), the local window clipped at both ends, and under the causal mask
 only keys at or before the query: the work of the varlen kernels. SDPA with a dense mask computes every

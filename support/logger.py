@@ -128,8 +128,8 @@ def compile_stats():
 
 
 def announce(c, model, schedule, process, dtype, compiled, resumed_at):
-    """At the start, on rank 0: config.json in out_dir, and what this run is. Under the run's autocast: the attention
-    kernel named is the one the dtype that reaches it picks."""
+    """At the start, on rank 0: config.json in out_dir, and what this run is (its attention kernels: as the model was
+    placed, for the form its batches take)."""
     if process.rank != 0:
         return
     os.makedirs(c.out_dir, exist_ok=True)
@@ -143,7 +143,7 @@ def announce(c, model, schedule, process, dtype, compiled, resumed_at):
     accum = c.global_batch_size // (c.micro_batch_size * process.world)
     group = f" ({dist.get_backend()} DDP)" if dist.is_initialized() else ""  # under torchrun, a world of one too
     print(f"world {process.world}{group}, accumulation {accum}; {process.device}, {str(dtype).removeprefix('torch.')}, "
-          f"attention {model.model.attention_backend(process.device, packed=not c.split_docs)}, compile "
+          f"attention {model.model.kernels.of(packed=not c.split_docs)}, compile "
           f"{compiled or 'off'}"
           + threads.describe())
     print(f"phases ({'from the phases key' if c.phases else 'the two built from objective, tokens, decay_frac'}):")
