@@ -28,11 +28,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from support import distributed, threads
-from support.checkpoint import PROGRESS, step_checkpoints, step_of
-from support.checks import checkpoint_config, user_error
-from support.config import check_out_dir
-from support.files import open_file, read_json, replace_file, sha256, whole
+from support import processes, threads
+from support.checkpoint import PROGRESS, checkpoint_config, step_checkpoints, step_of
+from support.files import check_out_dir, open_file, read_json, replace_file, sha256, user_error, whole
 from support.lock import hold
 from data import read_documents
 from model import ModernBertForMaskedLM, cu_seqlens_of, mean_pool
@@ -172,7 +170,7 @@ def sample_texts(args, paths, process):
 
 def representations(path, sample, args, process):
     """`path`'s pooled layer outputs for the sample, on every rank: per layer {text index: rows}."""
-    autocast, dtype = distributed.autocast(process.device, args.dtype)
+    autocast, dtype = processes.autocast(process.device, args.dtype)
     with user_error(path):  # weights cut short or of another shape
         model = ModernBertForMaskedLM.from_pretrained(path).place(process.device, dtype)
     check_vocab(sample.tok.vocab_size, model.config, "the tokenizer", path,
@@ -460,10 +458,10 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    process = distributed.setup(args.device)
+    process = processes.setup(args.device)
     comparisons = {"pair": args.runs or args.pair, **({"control": args.control} if args.control else {})}
     results = (trajectory if args.runs else study)(args, process, comparisons)
-    distributed.teardown()
+    processes.teardown()
     if process.rank == 0 and args.runs:
         write(args.out, "trajectory", results, trajectory_markdown(results), trajectory_figure)
     elif process.rank == 0:

@@ -36,10 +36,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from model import Flat, ModernBertForSequenceClassification, ModernBertForTokenClassification, cu_seqlens_of
-from support import baselines, distributed, suite, threads
-from support.checks import checkpoint_config, user_error
-from support.config import check_out_dir
-from support.files import fresh_dir, json_lines, replace_file
+from support import baselines, processes, suite, threads
+from support.checkpoint import checkpoint_config
+from support.files import check_out_dir, fresh_dir, json_lines, replace_file, user_error
 from support.kernels import choose
 from support.lock import hold
 from support.tokenizer import check_vocab, load_tokenizer
@@ -458,7 +457,7 @@ def run_suite(args, process, autocast, dtype):
     hold(args.out, process)  # one suite writes --out at a time; a killed one's successor goes on where it stopped
     # Rank 0's disk says which runs are finished and the other ranks take its word: every rank must skip
     # the same runs, or the ranks that train one wait forever for those that skipped it.
-    done, stale = distributed.on_rank0(lambda: suite.finished_runs([(r["file"], r["options"]) for r in runs]), process)
+    done, stale = processes.on_rank0(lambda: suite.finished_runs([(r["file"], r["options"]) for r in runs]), process)
     if stale:
         raise SystemExit(f"{args.out}: {len(stale)} stored run(s) cannot be reused for this suite:\n  "
                          + "\n  ".join(stale) + "\nDelete them to run them again with the suite's settings, or "
@@ -593,10 +592,10 @@ def run_task(args, process, autocast, dtype):
 
 def main(argv=None):
     args = parse_args(argv)
-    process = distributed.setup(args.device)
-    autocast, dtype = distributed.autocast(process.device, args.dtype)
+    process = processes.setup(args.device)
+    autocast, dtype = processes.autocast(process.device, args.dtype)
     (run_suite if args.suite else run_task)(args, process, autocast, dtype)
-    distributed.teardown()
+    processes.teardown()
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import os
 import re
 
 from support.files import open_file, read_bytes, read_json
-from support.metrics import METRICS, records
+from support.logger import METRICS, lr_shape, records
 from support.shards import COUNTS, load_meta
 
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
@@ -49,17 +49,6 @@ def latest_records(out_dir, step):
 
 def numbers(record, *keys):
     return all(isinstance(record.get(k), (int, float)) and not isinstance(record[k], bool) for k in keys)
-
-
-def lr_shape(phase, lr):
-    """A phase's lr, in words (the card's recipe, the start-up lines): its warmup as the phase gives it."""
-    if phase.decay:
-        return f"1-sqrt decay from {lr:g} to {phase.final_lr_frac * lr:g}"
-    if phase.warmup_steps:
-        return f"warmup over {phase.warmup_steps:,} steps, then {lr:g}"
-    if phase.warmup_tokens:
-        return f"warmup over {phase.warmup_tokens:,.0f} tokens, then {lr:g}"
-    return f"constant {lr:g}"
 
 
 def recipe_rows(schedule, c, step):

@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 
-from support.distributed import on_rank0
+from support.processes import on_rank0
 from support.files import open_fd, read_json
 
 LOCK = ".lock"

@@ -6,6 +6,11 @@ MFU measure training alone; a record gives their seconds since the last one (eva
 torch.compile, which are counted in (compile_s). At the end, where this process's time outside the steps went, and what
 torch.compile did. With wandb_project set, every record also goes to Weights & Biases (imported only then), with the
 config; the run's W&B id is kept in out_dir, so a resumed run continues the same W&B run.
+
+metrics.jsonl is the run's history: one JSON object per line, each with the integer `step` it was logged at, in the
+order logged. A resume cuts it back to the step it resumes at and no further. A line that is no such record (a hand
+edit, another tool's line, a damaged disk) is skipped by its readers and kept by a cut, with a warning; a last line
+without its newline is a write that a kill cut short, and goes.
 """
 
 import json
@@ -13,6 +18,7 @@ import math
 import os
 import resource
 import secrets
+import sys
 import time
 from contextlib import contextmanager
 
@@ -21,18 +27,23 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from support import threads
-from support.card import lr_shape
-from support.checkpoint import loss_error, run_config
-from support.files import read_bytes, replace_file
+from support.config import run_config
+from support.files import open_file, read_bytes, refuse_link, replace_file
 from support.flops import peak_flops
-from support.metrics import METRICS, append
+
+METRICS = "metrics.jsonl"
+LIMIT = 1 << 30  # bytes: a million logged steps take about 300 MB
+TIMINGS = ("tokens_per_s", "mfu", "eval_s", "checkpoint_s", "compile_s")  # of a record's fields, the machine's speed
 
 
 class Logger:
     def __init__(self, c, process, checkpointer, run, step, compiled=None):
-        """`run`: the range of steps this run does; `step`: the one it starts at; `compiled`: the torch.compile
-        backend of the steps (None: eager)."""
+        """`run`: the range of steps this run does; `step`: the one it starts at, where metrics.jsonl is cut back to
+        (a killed run may have logged past its last checkpoint); `compiled`: the torch.compile backend of the steps
+        (None: eager)."""
         self.c, self.process, self.checkpointer, self.compiled = c, process, checkpointer, compiled
+        if process.rank == 0:
+            trim_metrics(os.path.join(c.out_dir, METRICS), step)
         self.evaluations = []  # the seconds of each evaluation
         self.last, self.peak = run.stop, peak_flops(process.device, c.peak_tflops)
         self.bar = tqdm(total=len(run), initial=step - run.start, desc=c.run_phases, unit="step",
@@ -69,7 +80,7 @@ class Logger:
             dist.all_reduce(flops)
         loss = loss.item() / state.loss_steps
         if not math.isfinite(loss):
-            raise loss_error(loss, state.step, self.c.out_dir)
+            raise self.checkpointer.loss_error(loss, state.step)
         saving = sum(self.checkpointer.written[self.saves:])
         dt = time.time() - self.started - self.paused - saving
         record = dict(step=state.step, phase=phase.name, objective=phase.objective, tokens=state.tokens, loss=loss,
@@ -80,7 +91,8 @@ class Logger:
         record.update({k: round(v, 3) for k, v in dict(eval_s=self.paused, checkpoint_s=saving,
                                                         compile_s=compiling).items() if v > 0})
         if self.process.rank == 0:
-            append(os.path.join(self.c.out_dir, METRICS), record)
+            with open_file(os.path.join(self.c.out_dir, METRICS), "a") as f:
+                f.write(json.dumps(record) + "\n")
             if self.wandb:
                 self.wandb.log(record, step=state.step)
             mfu = f" mfu {100 * record['mfu']:.1f}%" if "mfu" in record else ""
@@ -161,11 +173,22 @@ def phase_lines(schedule, per_step, lr):
     return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4] for row in rows]
 
 
+def lr_shape(phase, lr):
+    """A phase's lr, in words (the card's recipe, the start-up lines): its warmup as the phase gives it."""
+    if phase.decay:
+        return f"1-sqrt decay from {lr:g} to {phase.final_lr_frac * lr:g}"
+    if phase.warmup_steps:
+        return f"warmup over {phase.warmup_steps:,} steps, then {lr:g}"
+    if phase.warmup_tokens:
+        return f"warmup over {phase.warmup_tokens:,.0f} tokens, then {lr:g}"
+    return f"constant {lr:g}"
+
+
 def wandb_run(c):
     """The Weights & Biases run that mirrors metrics.jsonl, with the config. Its id is kept in out_dir/wandb_id:
     a resumed run (a requeued job) continues the same W&B run. W&B ignores the steps a resume logs again after a
     kill (it only takes a step above its last one): those records were logged before, with the same numbers."""
-    import wandb  # optional: only for runs that set wandb_project (support/checks.check_wandb said it is there)
+    import wandb  # optional: only for runs that set wandb_project (support/config.check_wandb said it is there)
     id_file = os.path.join(c.out_dir, "wandb_id")
     if not os.path.lexists(id_file):
         replace_file(id_file, secrets.token_hex(4))  # W&B's form of id: 8 lowercase letters or digits
@@ -176,3 +199,45 @@ def wandb_run(c):
     name = c.wandb_run_name or os.path.basename(os.path.abspath(c.out_dir))
     return wandb.init(project=c.wandb_project, name=name, id=run_id, resume="allow", config=run_config(c),
                       dir=c.out_dir)
+
+
+# -----------------------------------------------------------------------------
+# metrics.jsonl
+
+
+def record(line):
+    """The record on `line` (bytes), or None if it holds none."""
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) and type(value.get("step")) is int else None
+
+
+def lines(path):
+    """Each complete line of the file `path` (none if there is no file), as bytes, with its record or None."""
+    if not os.path.lexists(path):
+        return []
+    try:
+        data = read_bytes(path, LIMIT)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{e}: {path} is the run's log; move it away to start a new one") from None
+    return [(line + b"\n", record(line)) for line in data.split(b"\n")[:-1]]
+
+
+def records(path):
+    return [r for _, r in lines(path) if r]
+
+
+def trim_metrics(path, step):
+    """Keep the records of metrics.jsonl up to `step`, the resume point: a killed run may have logged past its last
+    checkpoint, or died in the middle of a line. Lines that hold no record stay where they are."""
+    if not os.path.lexists(path):
+        return
+    refuse_link(path)  # before its lines are read: they are not the run's
+    kept = [(n, line, r) for n, (line, r) in enumerate(lines(path), 1) if r is None or r["step"] <= step]
+    other = [n for n, _, r in kept if r is None]
+    if other:
+        print(f"warning: {path}: line(s) {', '.join(map(str, other[:10]))}{' ...' if len(other) > 10 else ''} hold "
+              "no record (a JSON object with an integer step): kept as they are; readers skip them", file=sys.stderr)
+    replace_file(path, b"".join(line for _, line, _ in kept))

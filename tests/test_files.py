@@ -20,7 +20,7 @@ import train
 from model import ModernBertConfig, ModernBertForMaskedLM
 from support import hf, suite
 from support.card import base_model
-from support.checks import checkpoint_config
+from support.checkpoint import checkpoint_config
 from support.files import number, read_bytes, read_json, whole
 from support.tokenizer import load_tokenizer, train_bpe
 from test_links import sums, within

@@ -81,10 +81,10 @@ STEP_VARIANTS = {
 
 def test_train_step_gradients_against_float32():
     """train.forward_backward's gradients under bf16 autocast, as each variant computes them, against one eager
-    float32 step with F.cross_entropy on the logits (support/kernels.py's chunked loss not involved). Under torch 2.11 every
-    gradient of a compiled step was zero (pytorch#180642, see support/kernels.py): the variants say whether such a
-    fault is eager's, dynamo's or AOTAutograd's (aot_eager), inductor's code, its mix-order reductions, or the
-    chunked loss's in the graph."""
+    float32 step with F.cross_entropy on the logits (the chunked loss not involved). Under torch 2.11 every gradient
+    of a compiled step was zero (pytorch#180642, see support/kernels.py): the variants say whether such a fault is
+    eager's, dynamo's or AOTAutograd's (aot_eager), inductor's code, its mix-order reductions, or the chunked
+    loss's in the graph."""
     import torch._inductor.config as inductor
     import torch.nn.functional as F
 

@@ -21,7 +21,7 @@ import data
 import eval as eval_py
 import train
 from data import prepare, read_documents
-from support.checks import check_run
+from support import checkpoint, shards
 from support.tokenizer import train_bpe
 from test_files import ROOT, TEXTS
 from test_links import sums  # every folder and file, with each file's sha256: what "nothing on disk changed" compares
@@ -239,10 +239,17 @@ def test_torchrun_says_a_mistake_once(workdir):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# support/checks.py: what a run can know at step 0 stops it at start-up, in one line naming the fix.
+# What a run can know at step 0 stops it at start-up, in one line naming the fix.
 
 
 STEPS = 20
+
+
+def check_run(c, steps, world):
+    """train.start's checks of what a run names: its data, then out_dir and init_from -> the data's meta.json."""
+    meta = shards.check_data(c.data_dir, c.seq_len, c.micro_batch_size, world, steps * c.global_batch_size)
+    checkpoint.check_start(c, meta, 0)
+    return meta
 
 
 def config(data_dir, tmp_path, **kw):

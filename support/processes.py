@@ -1,5 +1,6 @@
-"""The few lines of device set-up that train.py, cka.py and eval.py share: torch.distributed, the CPU's threads, the
-compiler and mixed precision."""
+"""This process of a run (alone, or one of torchrun's ranks), as train.py, cka.py and eval.py set it up: its rank and
+device (torch.distributed), its CPU threads and compiler, its mixed precision; what rank 0 alone does or says; its
+teardown."""
 
 import contextlib
 import os
