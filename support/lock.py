@@ -58,8 +58,8 @@ class Hold:
         self.info = dict(host=socket.gethostname()[:100], pid=os.getpid(),
                          command=command[:80] + "..." * (len(command) > 80),
                          since=time.strftime("%Y-%m-%d %H:%M:%S %Z"), state="running")
+        os.ftruncate(fd, RECORD)  # first: once written (and synced), the record is the whole file, a longer one's too
         self.write()
-        os.ftruncate(fd, RECORD)  # a lock file that was longer: the record alone
         threading.Thread(target=self.beat, daemon=True).start()
 
     def write(self):
