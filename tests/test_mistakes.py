@@ -200,11 +200,13 @@ def test_mistake(workdir, tmp_path, capsys, name, files, command, message):
 
 def test_rerun_replaces_a_data_set_whole_and_counts_the_empty_texts_it_skipped(workdir, tmp_path, capsys):
     """A successful re-run with another tokenizer leaves the new tokenizer beside the new shards, nothing of the old
-    run (a tokenizer companion file the new one lacks included), and no staging folder. Empty and null texts are
-    skipped and counted."""
+    run (a tokenizer companion file the new one lacks included), and no staging folder, the one a killed run left
+    included. Empty and null texts are skipped and counted."""
     d = tmp_path / "work"
     shutil.copytree(workdir, d, symlinks=True)
     (d / "shards" / "special_tokens_map.json").write_text("{}")  # as if the old tokenizer had one
+    (d / "shards.prepare.tmp").mkdir()  # and what a killed run left staged: a companion of its tokenizer
+    (d / "shards.prepare.tmp" / "tokenizer_config.json").write_text("{}")
     lines = [{"text": t} for t in TEXTS[:40]] + [{"text": ""}, {"text": None}, {"text": "   "}]
     (d / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     main(d, DATA + ["--input", "in.jsonl", "--tokenizer", "other_tok.json", "--out", "shards", "--val_docs", "10"])
