@@ -364,7 +364,7 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast):
                 mine, weight = batch[:1], 0.0
             loss = accumulate(model, mine, args.task, device, weight, args.max_tokens, autocast, padded)
             if len(first_losses) < 10:  # the first steps' loss (the batch's mean, over every rank) is recorded:
-                summed = torch.tensor(loss, dtype=torch.float64, device=device)  # what a check of the numerics reads
+                summed = torch.tensor(loss, dtype=torch.float64, device=device)  # runs compare across devices by it
                 if dist.is_initialized():
                     dist.all_reduce(summed)
                 first_losses.append(summed.item() / world)

@@ -1,6 +1,5 @@
 """
-Checkpoints: the directory format, and the Checkpointer that decides when to write one and where to resume, so that
-train.py's loop only says "once in a while: checkpoint".
+Checkpoints: the directory format and its lifecycle (save atomically, prune, choose what to resume, preemption).
 
 A checkpoint is out_dir/ckpt-STEP/ (and out_dir/final/): the Hugging Face files (config.json, model.safetensors,
 tokenizer) + progress.json (step, tokens, phase) + train_state.pt (optimizer, step, tokens, data position, every
@@ -12,8 +11,9 @@ Retention: the newest max_ckpts full checkpoints stay, and the one at the end of
 branch of the run, starts there exactly). An older one whose step is a multiple of keep_every stays weights-only (no
 train_state.pt with AdamW's two moments: a third of the size) for cka.py --runs; any other is removed.
 
-On a cluster the Checkpointer also answers preemption (SIGTERM, SIGINT: checkpoint at the next step boundary, then
-stop), writes one on a timer, and makes the ranks agree on all of it.
+The Checkpointer decides, for every rank, where to resume and when to write one, so that train.py's loop only says
+"once in a while: checkpoint": at its intervals, on a timer, and on preemption (SIGTERM, SIGINT: at the next step
+boundary, then stop). Before any work, what a run starts from is checked here too (check_start).
 """
 
 import dataclasses

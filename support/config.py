@@ -1,9 +1,10 @@
 """
-Configs as plain Python (train.py's, and eval.py's suites): a dataclass of defaults, overridden by config files
-(`key = value` lines, run as Python, each seeing the values set before it) and then by --key=value arguments. A key
-that the dataclass does not have is an error that lists the valid ones; a value of the wrong type is an error that
-names the key. Then train.py's config: every value in its range before any work, and a resumed run's against the run
-its out_dir holds.
+Configs as plain Python, parsed and checked: train.py's (also against the run its out_dir holds), and suites.
+
+A dataclass of defaults, overridden by config files (`key = value` lines, run as Python, each seeing the values set
+before it) and then by --key=value arguments. A key that the dataclass does not have is an error that lists the
+valid ones; a value of the wrong type is an error that names the key. train.py's config then has every value in its
+range before any work, and a resumed run's config is compared with the one its out_dir's config.json records.
 """
 
 import ast

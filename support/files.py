@@ -1,13 +1,14 @@
 """
-Reading and writing files from elsewhere. Checkpoints, data directories, tokenizers, locks and results travel between
-people and sit on shared filesystems where others can write, so every script reads and writes them by two rules, kept
-here once:
+Reading and writing files that travel between people: two rules, kept here once, and where each file is checked.
+
+Checkpoints, data directories, tokenizers, locks and results travel between people and sit on shared filesystems
+where others can write, so every script reads and writes them by these rules:
 - reading: only a regular file of a size such a file can have (a FIFO would block), and JSON only of the shape its
   reader expects; anything else is a ValueError that names the file, which the caller turns into its one line;
 - writing: nothing is written, renamed or deleted through a symbolic link that the project did not make.
 
 Where each file the project reads is checked (its reader says what); a bad or hostile one gets "one line": exit 1,
-naming the file, the field and the fix, before any work, nothing on disk changed (tests/test_files.py builds them).
+naming the file, the field and the fix, before any work, nothing on disk changed.
 - config.json, model.safetensors, pytorch_model.bin: support/hf.py (weights_only).
 - train_state.pt, manifest.json: support/checkpoint.py. A manifest that fails marks its checkpoint damaged: the one
   before it is resumed (none left: one line), and metrics.jsonl stays as it was. out_dir/config.json:

@@ -1,6 +1,5 @@
 """
-How model.py's two costly ops run fast: attention on the kernel chosen for each layer type ("global", "local"), and
-the LM loss in chunks of rows; and torch.compile's settings for both.
+How model.py's costly ops run fast: attention kernels (chosen once), torch.compile's settings, the LM loss in chunks.
 
 The attention kernels:
 - flash-attn's `flash_attn_varlen_func` (pip install flash-attn --no-build-isolation): CUDA, float16/bfloat16;

@@ -1,6 +1,9 @@
-"""This process of a run (alone, or one of torchrun's ranks), as train.py, cka.py and eval.py set it up: its rank and
-device (torch.distributed), its CPU threads and compiler, its mixed precision; what rank 0 alone does or says; its
-teardown."""
+"""
+This process of a run (alone, or one of torchrun's ranks): set up, mixed precision, what rank 0 alone does, teardown.
+
+train.py, cka.py and eval.py set it up the same way: its rank and device (torch.distributed), its CPU threads and
+compiler; rank 0 alone decides or says what every rank would (on_rank0, said_once).
+"""
 
 import contextlib
 import os
