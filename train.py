@@ -5,15 +5,13 @@ Continued pretraining of ModernBERT with the CLM detour (or its MLM twin).
     torchrun --nproc_per_node=4 train.py configs/fr_base.py       # DDP
     python train.py configs/fr_base.py configs/mlm_baseline.py --lr=1e-4
 
-Training is a list of phases. A Phase is what a stretch of training does: its objective ("clm": causal
-mask + next-token loss on every position; "mlm": bidirectional mask + masked-token loss at its masking
-rate), its length (in tokens or in optimizer steps) and its lr shape (warmup then constant, or a 1-sqrt
-decay). The model, its head and the optimizer state carry on across every boundary. The paper's recipe
-is two phases built from one flag, `objective`: "main" (the detour, or the MLM arm), then "decay" (MLM
-15%, lr 1-sqrt to 0.1 lr); any other list is a config's `phases` (configs/biphasic_scratch.py).
-
-Re-running a command resumes from out_dir's latest valid checkpoint, exactly. SIGTERM or SIGINT finish
-the step, write a checkpoint and exit with 128 + the signal number, for a scheduler to requeue.
+Training is a list of phases. A Phase is what a stretch of training does: its objective ("clm": causal mask +
+next-token loss on every position; "mlm": bidirectional mask + masked-token loss at its masking rate), its length
+(in tokens or in optimizer steps) and its lr shape (warmup then constant, or a 1-sqrt decay). The model, its head and
+the optimizer state carry on across every boundary. The paper's recipe is two phases built from one flag,
+`objective`: "main" (the detour, or the MLM arm), then "decay" (MLM 15%, lr 1-sqrt to 0.1 lr); any other list is a
+config's `phases` (configs/biphasic_scratch.py). Re-running a command resumes from out_dir's latest valid checkpoint,
+exactly. SIGTERM or SIGINT finish the step, write a checkpoint and exit with 128 + the signal number.
 """
 
 import math
@@ -36,11 +34,11 @@ from support.logger import Logger, announce
 from support.tokenizer import SPECIAL_NAMES
 
 # -----------------------------------------------------------------------------
-# Defaults. A config file (plain Python, `key = value` lines) or --key=value
-# overrides any of them; anything else is an error. Each default of the method names its source: "the paper"
-# (its text gives the budgets, batch, sequence length, warmup, decay share and shape, masking rates and seeds),
-# "ModernBERT's recipe" (its pretraining, which the paper follows where its text is silent), or "our choice".
-# The system, logging and checkpoint settings at the end are our choice and change no number the method computes.
+# Defaults. A config file (plain Python, `key = value` lines) or --key=value overrides any of them; anything else is an
+# error. Each default of the method names its source: "the paper" (its text gives the budgets, batch, sequence length,
+# warmup, decay share and shape, masking rates and seeds), "ModernBERT's recipe" (its pretraining, which the paper
+# follows where its text is silent), or "our choice". The system, logging and checkpoint settings at the end are our
+# choice and change no number the method computes.
 
 
 @dataclass
@@ -217,11 +215,9 @@ def make_optimizer(model, c, device):
 
 
 class Freeze:
-    """The layers of freeze_layers, frozen in the phases of freeze_phase (the paper's freeze experiments). Frozen, their
-    parameters require no gradient: backward still flows through them to the layers below but computes no weight
-    gradient for them, and a DDP wrapper built then has none of theirs to all-reduce. freeze_mode "exact": AdamW skips
-    them, bit-identical; "zero_grad" (the paper's words): their gradients are zeros after each backward, so decoupled
-    AdamW still decays them and its moments from earlier steps still move them."""
+    """The layers of freeze_layers, in the phases of freeze_phase, require no gradient: backward still flows through
+    them but computes no weight gradient, and a DDP wrapper built then all-reduces none of theirs. freeze_mode (the
+    Config's comment says what each answers): "exact", no update; "zero_grad", gradients of zeros."""
 
     def __init__(self, c, model, phase_names):
         layers, n_layers = config.frozen_layers(c.freeze_layers), model.config.num_hidden_layers
@@ -260,13 +256,13 @@ def make_batch(windows, phase, meta, seed, split_docs):
                      split_docs)
 
 
-def step_batches(step, phase, loader, meta, c, process, config):
+def step_batches(step, phase, loader, meta, c, process, model_config):
     """This rank's micro batches of `step`, as its phase calls for, from the loader (read by the prefetch thread
     alone) -> (the batches, the loader position a checkpoint after them resumes from, their FLOPs for MFU)."""
     accum = c.global_batch_size // (c.micro_batch_size * process.world)
     micro = [make_batch(loader.next(), phase, meta, [c.seed, step, k * process.world + process.rank], c.split_docs)
              .pinned(process.device) for k in range(accum)]
-    return micro, loader.state_dict(), batch_flops(config, micro, phase.causal)
+    return micro, loader.state_dict(), batch_flops(model_config, micro, phase.causal)
 
 
 def batch_loss(model, batch, causal):
@@ -331,8 +327,7 @@ def evaluate(model, c, meta, process, autocast):
 
 
 # -----------------------------------------------------------------------------
-# The loop's state: what it carries from step to step, and a checkpoint keeps with the optimizer and every rank's
-# random streams (support/checkpoint.py)
+# The loop's state: what it carries from step to step (a checkpoint keeps it, support/checkpoint.py)
 
 
 @dataclass

@@ -62,8 +62,8 @@ def compiler(setting, device):
 
 def compile_model(model, backend="inductor", regional=False):
     """torch.compile(model), as train.py and bench.py run it. Inductor's fusion of LayerNorm backward's reductions
-    (torch 2.10+) guards by default on the sizes it fuses, the MLM head's row count among them (a new mask rate
-    recompiled the whole model, H200, torch 2.11): non-strict, it guards on none. regional: compile each block in
+    (torch 2.10+) guards by default on the sizes it fuses, the MLM head's row count among them (a new mask rate would
+    recompile the whole model): non-strict, it guards on none. regional: compile each block in
     place, and the head with its chunked loss, the rest eager: a graph per kind of block (the first, global, local)
     whatever the depth, a shorter warm-up (on CPU, documents kept apart are attended one by one inside the blocks: a
     graph per set of lengths). AOTAutograd's cache, which a resume reads, takes the chunked loss's
