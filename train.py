@@ -30,7 +30,7 @@ from support import checkpoint, config, kernels, processes, shards
 from support.checkpoint import Checkpointer
 from support.files import user_error
 from support.flops import batch_flops
-from support.logger import Logger, announce
+from support.metrics import Logger, announce
 from support.tokenizer import SPECIAL_NAMES
 
 # -----------------------------------------------------------------------------

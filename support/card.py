@@ -10,7 +10,7 @@ import os
 import re
 
 from support.files import open_file, read_bytes, read_json
-from support.logger import METRICS, lr_shape, records
+from support.metrics import METRICS, lr_shape, records
 from support.shards import COUNTS, load_meta
 
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")

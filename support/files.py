@@ -16,7 +16,7 @@ naming the file, the field and the fix, before any work, nothing on disk changed
 - progress.json: cka.py. meta.json, train.bin, val.bin: support/shards.py, then data.Loader checks each window's ids.
 - tokenizer.json and its companions: support/tokenizer.py (then Hugging Face's own parser).
 - .lock: support/lock.py (a record of another shape names no holder).
-- metrics.jsonl: support/logger.py (a line that is no record is kept and skipped, with a warning).
+- metrics.jsonl: support/metrics.py (a line that is no record is kept and skipped, with a warning).
 - stored suite runs, task .jsonl/.tsv: support/suite.py, eval.py.
 - every file or folder the project writes, renames or deletes: the Writing section below.
 """

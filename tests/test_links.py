@@ -16,7 +16,7 @@ import train
 from model import ModernBertConfig, ModernBertForMaskedLM
 from support import files, lock, suite
 from support.checkpoint import prune, save_checkpoint, tokenizer_files
-from support.logger import trim_metrics
+from support.metrics import trim_metrics
 from test_train import TINY, data_dir, train_cmd  # noqa: F401 (data_dir is a fixture)
 from train import Config, make_optimizer
 

@@ -20,7 +20,7 @@ from model import ModernBertForMaskedLM
 from support.card import latest_records
 from support.checkpoint import (MANIFEST, TRAIN_STATE, check_init_from, checkpoint_problem, latest_valid_checkpoint,
                                 rng_state, save_checkpoint, set_rng_state, weights_only)
-from support.logger import records, trim_metrics
+from support.metrics import records, trim_metrics
 from test_links import tiny  # noqa: F401 (a fixture)
 from test_train import ROOT, base_ckpt, data_dir, metrics, train_cmd, train_here  # noqa: F401 (fixtures)
 from train import build_model
