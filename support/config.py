@@ -15,8 +15,10 @@ import json
 import os
 import re
 
+import torch
+
 from model import ModernBertConfig
-from support import hf
+from support import hf, kernels
 from support.files import read_json, user_error
 
 def parse(cls, argv):
@@ -110,6 +112,10 @@ def check_config(c, phase_names, world):
     if c.freeze_mode not in ("exact", "zero_grad"):
         raise SystemExit(f"freeze_mode={c.freeze_mode!r}: choose exact or zero_grad")
     frozen_layers(c.freeze_layers)
+    try:  # the names; whether each runs where the model is placed is said there
+        kernels.choose(c.attn_backend, torch.device("cpu"), torch.float32, 0.0)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     check_model_config(c)
     check_wandb(c)
 

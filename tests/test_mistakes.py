@@ -176,6 +176,8 @@ ROWS = [
     ("train.py an objective with a typo", {},
      NEW_RUN + ["--objective=mlmm"], "objective='mlmm': choose 'clm' or 'mlm'"),
     ("train.py a value of the wrong type", {}, NEW_RUN + ["--lr=abc"], "--lr=abc: lr must be float, got 'abc'"),
+    ("train.py an attention backend that is none", {},
+     NEW_RUN + ["--attn_backend=flex"], "unknown attention backend 'flex'; choose one of auto, flash, varlen, cudnn"),
 ]
 
 
