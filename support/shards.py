@@ -1,9 +1,10 @@
 """
 The token shards `python data.py` writes and the loader reads, with their format's checks.
 
-train.bin and val.bin (uint16 or uint32 ids, documents separated by the end-of-document id), meta.json (the tokenizer's sha256, vocab size, dtype, special ids,
-counts) and the tokenizer files; read here, with the format's checks, for train.py, the loader and the model card.
-The ids themselves are checked by the loader window by window: a scan of a large train.bin would cost minutes.
+train.bin and val.bin (uint16 or uint32 ids, documents separated by the end-of-document id), meta.json (the
+tokenizer's sha256, vocab size, dtype, special ids, counts) and the tokenizer files, read here for train.py, the loader
+and the model card. The ids themselves are checked by the loader window by window: a scan of a large train.bin would
+cost minutes.
 """
 
 import os
