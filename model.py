@@ -331,8 +331,7 @@ class PreTrained(nn.Module):
         return self.model(flat.tokens, flat.cu_seqlens, flat.max_seqlen, causal=causal)
 
     def place(self, device, dtype=torch.float32):
-        """The model on `device`, its attention kernels chosen there for q, k, v of `dtype` (autocast's, else the
-        weights'): once, as the scripts put it on its device. -> self"""
+        """The model on `device`, its attention kernels chosen once for q, k, v of `dtype` (autocast's). -> self"""
         self.model.choose_kernels(torch.device(device), dtype)
         return self.to(device)
 

@@ -400,10 +400,9 @@ def every_rank_sees(path, process):
 
 
 def check_start(c, meta, first_step):
-    """What the run `c` writes and starts from, as it can be known at step 0: out_dir, the data's tokenizer files
-    (which every checkpoint copies), init_from unless the run resumes from out_dir, whose model must then have
-    positions for seq_len. A run of later phases (at `first_step`) from weights without a train state is warned that
-    it replays the data unless skip_tokens moves it."""
+    """At step 0, what the run `c` writes and starts from: out_dir, the data's tokenizer files (each checkpoint copies
+    them), init_from, or the model of the run it resumes (its positions for seq_len); a warning where a run of later
+    phases (from `first_step`) would replay the data."""
     tokenizer_files(c.data_dir)
     check_out_dir(c.out_dir, "out_dir")
     # Resuming, init_from is not read; that this is the run out_dir holds is checked under the hold (Checkpointer).

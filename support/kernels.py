@@ -116,9 +116,8 @@ class Kernels:
 
 
 def choose(requested, device, dtype, dropout_p):
-    """-> the Kernels of a model on `device` with q, k, v of `dtype` and attention dropout `dropout_p`:
-    MODERNBERT_ATTN, else `requested`, one name for all layers or one per layer type ("global=cudnn,local=varlen");
-    "auto" takes the first of AUTO that runs here. An unknown name is a ValueError."""
+    """-> the Kernels on `device` for q, k, v of `dtype`, attention dropout `dropout_p`, as MODERNBERT_ATTN or else
+    `requested` names them (for all layers, or per layer type); "auto": the first of AUTO that runs here."""
     name = os.environ.get("MODERNBERT_ATTN") or requested
     parts = [part.partition("=") for part in name.split(",")]
     asked = {t: b for t, _, b in parts} if "=" in name else dict.fromkeys(LAYER_TYPES, name)

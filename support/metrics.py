@@ -40,9 +40,8 @@ TIMINGS = ("tokens_per_s", "mfu", "eval_s", "checkpoint_s", "compile_s")  # of a
 
 class Logger:
     def __init__(self, c, process, checkpointer, run, step, compiled=None):
-        """`run`: the range of steps this run does; `step`: the one it starts at, where metrics.jsonl is cut back to
-        (a killed run may have logged past its last checkpoint); `compiled`: the torch.compile backend of the steps
-        (None: eager)."""
+        """`run`: the steps this run does; `step`: where it starts, and metrics.jsonl is cut back to (a killed run may
+        have logged past its last checkpoint); `compiled`: the torch.compile backend of the steps, or None."""
         self.c, self.process, self.checkpointer, self.compiled = c, process, checkpointer, compiled
         if process.rank == 0:
             trim_metrics(os.path.join(c.out_dir, METRICS), step)
