@@ -54,7 +54,7 @@ SIZES = {
 }
 IMPLS = ("ours", "ours compiled", "ours regional", "transformers", "transformers compiled")  # regional: block by block
 TRAINING = ("mlm", "clm")  # the objectives of a training step; "finetune" is eval.py's step (ours only)
-ATTENTION_KERNELS = ("varlen", "flash", "cudnn", "flex", "sdpa")  # model.py's, called as a layer calls them
+ATTENTION_KERNELS = ("varlen", "flash", "cudnn", "sdpa")  # model.py's, called as a layer calls them
 
 
 def median_seconds(stmt, min_time, **names):
@@ -140,7 +140,8 @@ def measure_step(spec):
     # sizes from the warm-up's second batch on (eval.py's DYNAMIC has them from the first): the same timed graph.
     finetune = spec["objective"] == "finetune"
     torch.manual_seed(0)
-    model = load_model(spec).to(device).train()
+    model = load_model(spec)
+    model = (model.place(device, dtype) if ours else model.to(device)).train()
     fused = {"fused": True} if device.type == "cuda" and not finetune else {}  # eval.py's AdamW: torch's default
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **fused)
     step_fn = kernels.compile_model(model, regional=spec["compile"] == "regional") if spec["compile"] else model
@@ -325,20 +326,15 @@ def attention_section(args, device, dtype):
 def attention_cell(name, qkvd, ref, flops, packing, layer_type, packed, min_time):
     """One kernel on one cell of the attention section -> its columns, or a note saying why it cannot attend there."""
     q, k, v, dout = qkvd
-    refusal = lambda: kernels.refusal(name, layer_type, q.device, q.dtype, 0.0, packed)  # noqa: E731
-    with torch.no_grad():
-        why = refusal()
+    why = kernels.refusal(name, layer_type, q.device, q.dtype, 0.0, packed)
     if why is not None:
         return {"note": why.removeprefix(f"attention backend {name!r} ")}
-    forward_only = refusal() is not None  # FlexAttention on CPU: no backward
-    x, packing = [t.detach().requires_grad_(not forward_only) for t in (q, k, v)], packing(name)
+    x, packing = [t.detach().requires_grad_() for t in (q, k, v)], packing(name)
     run = lambda: attention(*x, packing, layer_type, 0.0)  # noqa: E731
     out = run()
     forward = median_seconds("run()", min_time, run=run)
     cols = {"fwd_ms": f"{1000 * forward:.3g}", "fwd_TFLOP/s": f"{flops / forward / 1e12:.3g}",
             "err": f"{((out.float() - ref[0]).abs().max() / ref[0].abs().max()).item():.1e}"}
-    if forward_only:
-        return {**cols, "note": "forward only: no backward on CPU"}
     out.backward(dout)
     grad_err = max(((a.grad.float() - b).norm() / b.norm()).item() for a, b in zip(x, ref[1]))
     backward = median_seconds("run().backward(dout)", min_time, run=run, dout=dout) - forward

@@ -28,11 +28,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from support import distributed, threads
-from support.checkpoint import PROGRESS, step_checkpoints, step_of
-from support.checks import checkpoint_config, user_error
-from support.config import check_out_dir
-from support.files import open_file, read_json, replace_file, sha256, whole
+from support import processes, threads
+from support.checkpoint import PROGRESS, checkpoint_config, step_checkpoints, step_of
+from support.files import check_out_dir, open_file, read_json, replace_file, sha256, user_error, whole
 from support.lock import hold
 from data import read_documents
 from model import ModernBertForMaskedLM, cu_seqlens_of, mean_pool
@@ -172,14 +170,13 @@ def sample_texts(args, paths, process):
 
 def representations(path, sample, args, process):
     """`path`'s pooled layer outputs for the sample, on every rank: per layer {text index: rows}."""
-    autocast, dtype = distributed.autocast(process.device, args.dtype)
+    autocast, dtype = processes.autocast(process.device, args.dtype)
     with user_error(path):  # weights cut short or of another shape
-        model = ModernBertForMaskedLM.from_pretrained(path).to(process.device)
+        model = ModernBertForMaskedLM.from_pretrained(path).place(process.device, dtype)
     check_vocab(sample.tok.vocab_size, model.config, "the tokenizer", path,
                 "pass the tokenizer the models were trained with (--tokenizer)")
     if process.rank == 0 and not args.runs:  # a trajectory's progress bar says where it is
-        with autocast:
-            backend = model.eval().model.attention_backend(process.device, packed=False)  # texts of any length
+        backend = model.model.kernels.of(packed=False)  # texts of any length
         print(f"{path}: {process.device}, {str(dtype).removeprefix('torch.')}, attention {backend}"
               + threads.describe())
     local = pooled_layers(model, sample.ids, sample.mine, args.pool, process.device, autocast, args.batch_tokens,
@@ -226,7 +223,7 @@ def study(args, process, pairs):
             entry["ratio"] = ratio(*(over_seeds(name, int(layer), "divergence") for name in ("pair", "control")))
         for region in spans:
             region["ratio"] = ratio([region["pair_divergence"]["mean"]], [region["control_divergence"]["mean"]])
-    forward = str(distributed.autocast(process.device, args.dtype)[1]).removeprefix("torch.")  # "auto" resolved
+    forward = str(processes.autocast(process.device, args.dtype)[1]).removeprefix("torch.")  # "auto" resolved
     return {"settings": {**vars(args), "forward_dtype": forward, "seeds": sample.seeds, "n_layers": n_layers,
                          "world_size": process.world, "regions": regions(n_layers)},
             "per_seed": per_seed, "layers": layers, "regions": spans}
@@ -463,10 +460,10 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    process = distributed.setup(args.device)
+    process = processes.setup(args.device)
     comparisons = {"pair": args.runs or args.pair, **({"control": args.control} if args.control else {})}
     results = (trajectory if args.runs else study)(args, process, comparisons)
-    distributed.teardown()
+    processes.teardown()
     if process.rank == 0 and args.runs:
         write(args.out, "trajectory", results, trajectory_markdown(results), trajectory_figure)
     elif process.rank == 0:

@@ -33,8 +33,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from support.config import check_out_dir
-from support.files import fresh_dir, json_lines, open_file, remove, sha256
+from support.files import check_out_dir, fresh_dir, json_lines, open_file, remove, sha256
 from support.shards import load_meta, split_tokens
 from support.tokenizer import SPECIAL_NAMES, TOKENIZER_FILES, load_tokenizer, tokenizer_file, train_bpe
 
@@ -383,6 +382,13 @@ class Loader:
                              f"vocabulary of its meta.json (vocab_size={self.meta['vocab_size']}): the file is not "
                              "what data.py wrote; prepare the data again (the checkpoints written so far are intact)")
         return torch.from_numpy(windows.astype(np.int64))
+
+    def skip(self, tokens):
+        """Move past the first `tokens` tokens of the stream, in whole windows: where an uninterrupted run that had
+        trained on them stands. -> the tokens skipped."""
+        windows = tokens // self.seq_len
+        self.consumed += windows
+        return windows * self.seq_len
 
     def state_dict(self):
         return {"consumed": self.consumed, "data_seed": self.data_seed, "seq_len": self.seq_len}

@@ -37,13 +37,12 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from model import Flat, ModernBertForSequenceClassification, ModernBertForTokenClassification, cu_seqlens_of
-from support import baselines, distributed, suite, threads
-from support.checks import checkpoint_config, user_error
-from support.config import check_out_dir
-from support.files import fresh_dir, json_lines, replace_file
-from support.kernels import compile_model, pick_backend
+from support import baselines, processes, suite, threads
+from support.checkpoint import checkpoint_config
+from support.files import check_out_dir, fresh_dir, json_lines, replace_file, user_error
+from support.kernels import choose, compile_model
 from support.lock import hold
-from support.logger import compile_stats
+from support.metrics import compile_stats
 from support.tokenizer import check_vocab, load_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -343,12 +342,13 @@ def classifier(args, labels):
                                      classifier_pooling=args.pooling, attn_out_dropout=None)
 
 
-def finetune(args, seed, splits, labels, device, rank, world, autocast, compiled=None):
+def finetune(args, seed, splits, labels, device, rank, world, autocast, dtype, compiled=None):
     """One seed: train, pick the best epoch by validation, score test. compiled: check_model's torch.compile backend
     (None: eager), whose graphs serve every seed and task (a new model passes their guards: DYNAMIC)."""
     torch.manual_seed(seed)  # the new classifier's init, then dropout and shuffling
-    core = classifier(args, labels).to(device)
+    core = classifier(args, labels)
     padded = isinstance(core, baselines.Padded)  # its micro batches count padded tokens
+    core = core.to(device) if padded else core.place(device, dtype)  # ours: its kernels chosen before any graph
     model = run = compile_model(core, compiled) if compiled else core  # training's forward, and evaluation's
     if dist.is_initialized():
         model = torch.nn.parallel.DistributedDataParallel(run, device_ids=[device.index] if device.type == "cuda"
@@ -379,7 +379,7 @@ def finetune(args, seed, splits, labels, device, rank, world, autocast, compiled
                 mine, weight = batch[:1], 0.0
             loss = accumulate(model, mine, args.task, device, weight, args.max_tokens, autocast, padded)
             if len(first_losses) < 10:  # the first steps' loss (the batch's mean, over every rank) is recorded:
-                summed = torch.tensor(loss, dtype=torch.float64, device=device)  # what a check of the numerics reads
+                summed = torch.tensor(loss, dtype=torch.float64, device=device)  # runs compare across devices by it
                 if dist.is_initialized():
                     dist.all_reduce(summed)
                 first_losses.append(summed.item() / world)
@@ -421,7 +421,7 @@ def check_model(path, tokenizer, device, dtype, compiled=None):
         config = ModernBertForSequenceClassification.from_pretrained(path, id2label={"0": "a", "1": "b"}).config
     check_vocab(tok.vocab_size, config, "the tokenizer", f"--model {path}",
                 "pass the tokenizer the model was trained with (--tokenizer)")
-    backend = pick_backend(config.attn_backend, device, dtype, config.attention_dropout, packed=False)  # examples
+    backend = choose(config.attn_backend, device, dtype, config.attention_dropout).of(packed=False)  # examples
     return tok, {"family": "modernbert", "max_len": config.max_position_embeddings, "compiled": compiled,
                  "code": f"model.py ModernBertForSequenceClassification / ModernBertForTokenClassification, unpadded, "
                          f"attention {backend}" + (f", torch.compile {compiled}" if compiled else "")}
@@ -478,7 +478,7 @@ def run_suite(args, process, autocast, dtype):
     hold(args.out, process)  # one suite writes --out at a time; a killed one's successor goes on where it stopped
     # Rank 0's disk says which runs are finished and the other ranks take its word: every rank must skip
     # the same runs, or the ranks that train one wait forever for those that skipped it.
-    done, stale = distributed.on_rank0(lambda: suite.finished_runs([(r["file"], r["options"]) for r in runs]), process)
+    done, stale = processes.on_rank0(lambda: suite.finished_runs([(r["file"], r["options"]) for r in runs]), process)
     if stale:
         raise SystemExit(f"{args.out}: {len(stale)} stored run(s) cannot be reused for this suite:\n  "
                          + "\n  ".join(stale) + "\nDelete them to run them again with the suite's settings, or "
@@ -497,7 +497,7 @@ def run_suite(args, process, autocast, dtype):
             if encoded != (t["name"], r["model"]):
                 encoded = (t["name"], r["model"])
                 splits = encode_splits(raw, toks[r["model"]], t["task"], labels, r["args"].max_len)
-            model, result = finetune(r["args"], r["seed"], splits, labels, device, rank, world, autocast,
+            model, result = finetune(r["args"], r["seed"], splits, labels, device, rank, world, autocast, dtype,
                                      about[r["model"]]["compiled"])
             done[i] = result
             if rank == 0:
@@ -601,7 +601,7 @@ def run_task(args, process, autocast, dtype):
               f"{args.max_len}, {args.max_tokens} tokens per micro batch" + threads.describe("; "))
     runs = []
     for seed in suite.parse_seeds(args.seeds):
-        model, result = finetune(args, seed, splits, labels, device, rank, world, autocast, about["compiled"])
+        model, result = finetune(args, seed, splits, labels, device, rank, world, autocast, dtype, about["compiled"])
         runs.append(result)
         if rank == 0 and args.save_model:
             model.save_pretrained(fresh_dir(os.path.join(args.out, f"model-seed{seed}")))
@@ -620,15 +620,15 @@ def run_task(args, process, autocast, dtype):
 
 def main(argv=None):
     args = parse_args(argv)
-    process = distributed.setup(args.device, compile=args.compile)
-    autocast, dtype = distributed.autocast(process.device, args.dtype)
+    process = processes.setup(args.device, compile=args.compile)
+    autocast, dtype = processes.autocast(process.device, args.dtype)
     with torch.compiler.config.patch(dynamic_sources=DYNAMIC):  # compiled: few graphs
         (run_suite if args.suite else run_task)(args, process, autocast, dtype)
     if process.compiled and process.rank == 0:  # what compiling cost, in the epochs' seconds above
         s = compile_stats()
         print(f"{process.compiled}: {s['graphs']} graphs compiled in {s['seconds']:.1f} s, {s['breaks']} graph breaks; "
               f"recompiled for {'; '.join(s['recompiles']) or 'nothing'}")
-    distributed.teardown()
+    processes.teardown()
 
 
 if __name__ == "__main__":

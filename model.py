@@ -6,8 +6,8 @@ The whole model runs on *unpadded* tokens: a flat (T,) tensor of token ids from 
 turns the bidirectional encoder into a causal language model: every layer gets a causal mask and local layers see
 (64 left, 0 right) tokens instead of (64, 64). Nothing else changes, which is what makes the CLM detour possible.
 
-Behind it, in support/: the attention kernels and which one runs (kernels.py), the chunked LM loss (loss.py),
-Hugging Face config.json and weights (hf.py), FLOPs for MFU (flops.py).
+Behind it, in support/: the attention kernels and which one runs, and the chunked LM loss (kernels.py); Hugging Face
+config.json and weights (hf.py); FLOPs for MFU (flops.py).
 """
 
 import math
@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from support import hf, kernels
-from support.loss import CHUNK_ROWS, chunked_cross_entropy
+from support.kernels import CHUNK_ROWS, chunked_cross_entropy
 
 
 # -----------------------------------------------------------------------------
@@ -134,7 +134,6 @@ class Packing:
         # The keys' own cu_seqlens: one tensor as both would break the compiled graph at flash-attn's autograd.Function.
         self.cu_seqlens_k = cu_seqlens.clone() if {"flash", "varlen"} & set(backend.values()) else None
         self.sdpa = kernels.SDPAView(self) if {"sdpa", "cudnn"} & set(backend.values()) else None
-        self.flex = kernels.FlexView(self) if "flex" in backend.values() else None
 
 
 def attention(q, k, v, packing, layer_type, dropout_p):
@@ -147,8 +146,6 @@ def attention(q, k, v, packing, layer_type, dropout_p):
                                               window_size=window)
     if backend == "varlen":
         return kernels.varlen_attn(q, k, v, cu, cu_k, S, S, window_size=window)
-    if backend == "flex":
-        return packing.flex(q, k, v, layer_type)  # a block mask of documents and windows
     return packing.sdpa(q, k, v, layer_type, dropout_p)  # SDPA or its cuDNN kernel, per sequence or on a (B, S) view
 
 
@@ -251,26 +248,32 @@ class ModernBertModel(nn.Module):
         positions = torch.arange(config.max_position_embeddings)
         for kind, theta in (("global", config.global_rope_theta), ("local", config.local_rope_theta)):
             self.register_buffer(f"rope_{kind}", rope_cos_sin(positions, config.head_dim, theta), persistent=False)
+        self.kernels, self.kernels_for = None, None  # the attention kernels, and the (device type, dtype) they are for
 
     def compute_dtype(self, device):
         """The dtype of matmul outputs (q, k, v) on `device` now: autocast's when it is on, else the weights'."""
         on = torch.is_autocast_enabled(device.type)
         return torch.get_autocast_dtype(device.type) if on else self.embeddings.tok_embeddings.weight.dtype
 
-    def attention_backend(self, device, packed=True):
-        """Each layer type's kernel in a forward on `device` now: by the dtype it gets, and if the batch is packed."""
-        c, dropout_p = self.config, self.config.attention_dropout if self.training else 0
-        return kernels.pick_backend(c.attn_backend, device, self.compute_dtype(device), dropout_p, packed)
+    def choose_kernels(self, device, dtype):
+        """Each layer type's attention kernel on `device` for q, k, v of `dtype`, for packed batches and the others
+        (support/kernels.py): decided here, once per device and dtype, and held for the forward to read."""
+        c = self.config
+        self.kernels = kernels.choose(c.attn_backend, device, dtype, c.attention_dropout)
+        self.kernels_for = (device.type, dtype)
 
     def forward(self, tokens, cu_seqlens, max_seqlen, causal=False, return_layers=False):
         """tokens (T,) -> hidden states (T, H) after the final norm; with return_layers, also the L layer outputs,
         each (T, H), before the final norm (what cka.py compares)."""
         c = self.config
         c.check_positions(max_seqlen, "a sequence of {} tokens", "cut sequences to that length")
-        backend = self.attention_backend(tokens.device, packed=tokens.shape[0] == max_seqlen * (len(cu_seqlens) - 1))
-        packing = Packing(tokens.shape[0], cu_seqlens, max_seqlen, causal, c.local_attention // 2, backend)
-        # The rows of this batch's positions, cast once to q and k's dtype: no float32 copy of q and k in any layer.
         dtype = self.compute_dtype(tokens.device)
+        if self.kernels_for != (tokens.device.type, dtype):  # a model no script placed there (PreTrained.place)
+            self.choose_kernels(tokens.device, dtype)
+        packed = tokens.shape[0] == max_seqlen * (len(cu_seqlens) - 1)  # every sequence max_seqlen long
+        packing = Packing(tokens.shape[0], cu_seqlens, max_seqlen, causal, c.local_attention // 2,
+                          self.kernels.of(packed))
+        # The rows of this batch's positions, cast once to q and k's dtype: no float32 copy of q and k in any layer.
         rope = {kind: tuple(getattr(self, f"rope_{kind}")[:, packing.positions].to(dtype))  # cos, sin: (T, hd) each
                 for kind in ("global", "local")}
         x = self.embeddings(tokens)
@@ -327,6 +330,11 @@ class PreTrained(nn.Module):
     def encode(self, flat, causal=False):  # Flat -> final hidden states (T, H), whatever form the input came in
         return self.model(flat.tokens, flat.cu_seqlens, flat.max_seqlen, causal=causal)
 
+    def place(self, device, dtype=torch.float32):
+        """The model on `device`, its attention kernels chosen once for q, k, v of `dtype` (autocast's). -> self"""
+        self.model.choose_kernels(torch.device(device), dtype)
+        return self.to(device)
+
     def num_params(self):  # the tied decoder weight once, as transformers counts
         return sum(p.numel() for p in self.parameters())
 
@@ -382,7 +390,7 @@ class ModernBertForMaskedLM(PreTrained):
 
     def cross_entropy_sum(self, hidden, targets, chunk_rows=CHUNK_ROWS, max_rows=None):
         """(N, H) final hidden states of the predicted rows, (N,) targets -> the float32 sum of their cross-entropies,
-        the decoder and the softmax in chunks of rows (support/loss.py): the (N, V) logits are never held."""
+        the decoder and the softmax in chunks of rows (support/kernels.py): the (N, V) logits are never held."""
         return chunked_cross_entropy(self.head(hidden), self.decoder.weight, self.decoder.bias, targets, chunk_rows,
                                      max_rows)
 

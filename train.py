@@ -5,15 +5,13 @@ Continued pretraining of ModernBERT with the CLM detour (or its MLM twin).
     torchrun --nproc_per_node=4 train.py configs/fr_base.py       # DDP
     python train.py configs/fr_base.py configs/mlm_baseline.py --lr=1e-4
 
-Training is a list of phases. A Phase is what a stretch of training does: its objective ("clm": causal
-mask + next-token loss on every position; "mlm": bidirectional mask + masked-token loss at its masking
-rate), its length (in tokens or in optimizer steps) and its lr shape (warmup then constant, or a 1-sqrt
-decay). The model, its head and the optimizer state carry on across every boundary. The paper's recipe
-is two phases built from one flag, `objective`: "main" (the detour, or the MLM arm), then "decay" (MLM
-15%, lr 1-sqrt to 0.1 lr); any other list is a config's `phases` (configs/biphasic_scratch.py).
-
-Re-running a command resumes from out_dir's latest valid checkpoint, exactly. SIGTERM or SIGINT finish
-the step, write a checkpoint and exit with 128 + the signal number, for a scheduler to requeue.
+Training is a list of phases. A Phase is what a stretch of training does: its objective ("clm": causal mask +
+next-token loss on every position; "mlm": bidirectional mask + masked-token loss at its masking rate), its length
+(in tokens or in optimizer steps) and its lr shape (warmup then constant, or a 1-sqrt decay). The model, its head and
+the optimizer state carry on across every boundary. The paper's recipe is two phases built from one flag,
+`objective`: "main" (the detour, or the MLM arm), then "decay" (MLM 15%, lr 1-sqrt to 0.1 lr); any other list is a
+config's `phases` (configs/biphasic_scratch.py). Re-running a command resumes from out_dir's latest valid checkpoint,
+exactly. SIGTERM or SIGINT finish the step, write a checkpoint and exit with 128 + the signal number.
 """
 
 import math
@@ -28,19 +26,19 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data import Loader, clm_batch, mlm_batch, prefetch
 from model import ModernBertConfig, ModernBertForMaskedLM
-from support import checks, config, distributed, kernels
+from support import checkpoint, config, kernels, processes, shards
 from support.checkpoint import Checkpointer
+from support.files import user_error
 from support.flops import batch_flops
-from support.freeze import Freeze
-from support.logger import Logger, announce
+from support.metrics import Logger, announce
 from support.tokenizer import SPECIAL_NAMES
 
 # -----------------------------------------------------------------------------
-# Defaults. A config file (plain Python, `key = value` lines) or --key=value
-# overrides any of them; anything else is an error. Each default of the method names its source: "the paper"
-# (its text gives the budgets, batch, sequence length, warmup, decay share and shape, masking rates and seeds),
-# "ModernBERT's recipe" (its pretraining, which the paper follows where its text is silent), or "our choice".
-# The system, logging and checkpoint settings at the end are our choice and change no number the method computes.
+# Defaults. A config file (plain Python, `key = value` lines) or --key=value overrides any of them; anything else is an
+# error. Each default of the method names its source: "the paper" (its text gives the budgets, batch, sequence length,
+# warmup, decay share and shape, masking rates and seeds), "ModernBERT's recipe" (its pretraining, which the paper
+# follows where its text is silent), or "our choice". The system, logging and checkpoint settings at the end are our
+# choice and change no number the method computes.
 
 
 @dataclass
@@ -135,7 +133,7 @@ class Phase:
 def phases_of(c):
     """The config's phases: `phases` as written, or the paper's two, built from the one flag `objective`."""
     if c.phases:
-        phases = checks.check_phases(c.phases, Phase)
+        phases = config.check_phases(c.phases, Phase)
     else:
         phases = [Phase("main", c.objective, c.tokens, mask_prob=c.mask_prob if c.objective == "mlm" else 0.0,
                         warmup_tokens=c.warmup_tokens)]
@@ -143,14 +141,14 @@ def phases_of(c):
             phases.append(Phase("decay", "mlm", c.decay_frac * c.tokens, mask_prob=c.decay_mask_prob, decay=True,
                                 final_lr_frac=c.final_lr_frac))
     for phase in phases:
-        checks.check_phase(phase)
+        config.check_phase(phase)
     return phases
 
 
 def parse_config(argv):
-    """Config files then --key=value (support/config.py); then every value in its range (support/checks.py)."""
+    """Config files then --key=value, then every value in its range (support/config.py)."""
     c = config.parse(Config, argv)
-    checks.check_config(c, [p.name for p in phases_of(c)], int(os.environ.get("WORLD_SIZE", 1)))
+    config.check_config(c, [p.name for p in phases_of(c)], int(os.environ.get("WORLD_SIZE", 1)))
     return c
 
 
@@ -199,13 +197,13 @@ def build_model(c, meta, path):
     dropout = dict(embedding_dropout=c.embedding_dropout, attention_dropout=c.attention_dropout,
                    attn_out_dropout=c.attn_out_dropout, mlp_dropout=c.mlp_dropout, attn_backend=c.attn_backend)
     if path == "scratch":
-        size = ModernBertConfig.large if c.model_size == "large" else ModernBertConfig  # "base" (checks.py)
+        size = ModernBertConfig.large if c.model_size == "large" else ModernBertConfig  # or "base" (config.py)
         vocab = 64 * math.ceil(meta["vocab_size"] / 64)  # a multiple of 64 for fast matmuls
         ids = dict(pad_token_id=meta["pad_id"], cls_token_id=meta["cls_id"], sep_token_id=meta["sep_id"],
                    bos_token_id=meta["cls_id"], eos_token_id=meta["sep_id"])
         torch.manual_seed(c.seed)
         return ModernBertForMaskedLM(size(**{"vocab_size": vocab, **ids, **c.model_config, **dropout}))
-    with checks.user_error(f"init_from={path}"):  # a weights file cut short is named
+    with user_error(f"init_from={path}"):  # a weights file cut short is named
         return ModernBertForMaskedLM.from_pretrained(path, **dropout)
 
 
@@ -214,6 +212,35 @@ def make_optimizer(model, c, device):
     p <- p * (1 - weight_decay * lr_t / lr), the ModernBERT/Composer form. No decay on biases and norm weights."""
     fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
     return torch.optim.AdamW(model.param_groups(c.weight_decay / c.lr), lr=c.lr, betas=c.betas, eps=c.eps, **fast)
+
+
+class Freeze:
+    """The layers of freeze_layers, in the phases of freeze_phase, require no gradient: backward still flows through
+    them but computes no weight gradient, and a DDP wrapper built then all-reduces none of theirs. freeze_mode (the
+    Config's comment says what each answers): "exact", no update; "zero_grad", gradients of zeros."""
+
+    def __init__(self, c, model, phase_names):
+        layers, n_layers = config.frozen_layers(c.freeze_layers), model.config.num_hidden_layers
+        if layers and max(layers) >= n_layers:
+            raise SystemExit(f"freeze_layers={c.freeze_layers!r}: the model has layers 0-{n_layers - 1}")
+        self.params = [p for i in sorted(layers) for p in model.model.layers[i].parameters()]
+        self.phases = set(phase_names if c.freeze_phase == "all" else c.freeze_phase.split(","))
+        self.zero_grad, self.frozen = c.freeze_mode == "zero_grad", False
+
+    def enter(self, phase):
+        """Set which parameters train in `phase`; True when that changed (a DDP wrapper must then be rebuilt)."""
+        frozen = bool(self.params) and phase.name in self.phases
+        if frozen == self.frozen:
+            return False
+        for p in self.params:
+            p.requires_grad_(not frozen)
+        self.frozen = frozen
+        return True
+
+    def after_backward(self):
+        if self.frozen and self.zero_grad:
+            for p in self.params:
+                p.grad = torch.zeros_like(p)
 
 
 # -----------------------------------------------------------------------------
@@ -229,13 +256,13 @@ def make_batch(windows, phase, meta, seed, split_docs):
                      split_docs)
 
 
-def step_batches(step, phase, loader, meta, c, process, config):
+def step_batches(step, phase, loader, meta, c, process, model_config):
     """This rank's micro batches of `step`, as its phase calls for, from the loader (read by the prefetch thread
     alone) -> (the batches, the loader position a checkpoint after them resumes from, their FLOPs for MFU)."""
     accum = c.global_batch_size // (c.micro_batch_size * process.world)
     micro = [make_batch(loader.next(), phase, meta, [c.seed, step, k * process.world + process.rank], c.split_docs)
              .pinned(process.device) for k in range(accum)]
-    return micro, loader.state_dict(), batch_flops(config, micro, phase.causal)
+    return micro, loader.state_dict(), batch_flops(model_config, micro, phase.causal)
 
 
 def batch_loss(model, batch, causal):
@@ -300,34 +327,65 @@ def evaluate(model, c, meta, process, autocast):
 
 
 # -----------------------------------------------------------------------------
+# The loop's state: what it carries from step to step (a checkpoint keeps it, support/checkpoint.py)
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps done
+    tokens: int = 0  # tokens trained on
+    loader: dict = None  # the data position after `step` (data.Loader.state_dict())
+    loss: torch.Tensor = None  # this rank's loss sum since the last log (a 0-d tensor on the device)
+    loss_steps: int = 0  # the steps in that sum
+
+
+def restore(c, process, resumed, optimizer, loader, first_step):
+    """The state the loop starts from: the checkpoint `resumed`'s, the optimizer, the loader and this rank's random
+    streams set to it; else (None) a fresh one at `first_step`, the data skip_tokens in."""
+    torch.manual_seed(c.seed + process.rank)  # this rank's dropout stream, unless the checkpoint continues it
+    if resumed is None:
+        skipped = loader.skip(c.skip_tokens)  # where the phases before this run left the data
+        if skipped and process.rank == 0:
+            print(f"data: starting {skipped:,} tokens into the stream ({skipped // c.seq_len:,} windows; "
+                  f"skip_tokens={c.skip_tokens:,})")
+        return TrainState(step=first_step, loader=loader.state_dict(), loss=torch.zeros((), device=process.device))
+    state = TrainState(**checkpoint.load_train_state(resumed, optimizer, loader, process))
+    if state.step < first_step:
+        raise SystemExit(f"run_phases={c.run_phases!r} starts at step {first_step}, the end of the phases before it, "
+                         f"but the checkpoint {resumed} is at step {state.step}")
+    return state
+
+
+# -----------------------------------------------------------------------------
 # Training
 
 
 def start(argv):
     """The config and everything it names, checked (a mistake is one line, said once under torchrun); then this
-    process set up: its rank and device, its CPU threads, its compiler (support/distributed.py)."""
-    with distributed.said_once():
+    process set up: its rank and device, its CPU threads, its compiler (support/processes.py)."""
+    with processes.said_once():
         c = parse_config(argv)
         schedule = Schedule.from_config(c)
         run = schedule.span(c.run_phases)  # the steps this run does
-        meta = checks.check_run(c, len(run), int(os.environ.get("WORLD_SIZE", 1)))  # data, out_dir, init_from
-    return c, schedule, run, meta, distributed.setup(c.device, c.dist_timeout_minutes, c.compile)
+        meta = shards.check_data(c.data_dir, c.seq_len, c.micro_batch_size, int(os.environ.get("WORLD_SIZE", 1)),
+                                 len(run) * c.global_batch_size)
+        checkpoint.check_start(c, meta, run.start)  # out_dir, init_from
+    return c, schedule, run, meta, processes.setup(c.device, c.dist_timeout_minutes, c.compile)
 
 
 def main(argv):
     c, schedule, run, meta, process = start(argv)
     device, compiled = process.device, process.compiled  # compiled: the torch.compile backend, or None (eager)
-    autocast, dtype = distributed.autocast(device, c.dtype)
+    autocast, dtype = processes.autocast(device, c.dtype)
     # The loop's state: from the checkpoint this run resumes (out_dir's newest, or init_from's), else fresh.
     checkpointer = Checkpointer(c, process, schedule)
     resumed = checkpointer.resume(continue_from=c.init_from if run.start > 0 else None)
-    model = build_model(c, meta, resumed or c.init_from).to(device)
+    model = build_model(c, meta, resumed or c.init_from).place(device, dtype)  # its attention kernels chosen
     freeze = Freeze(c, model, [p.name for p in schedule.phases])
     optimizer = make_optimizer(model, c, device)
     loader = Loader(c.data_dir, "train", c.seq_len, c.micro_batch_size, c.data_seed, process.rank, process.world)
-    state = checkpointer.restore(resumed, optimizer, loader, first_step=run.start)
-    with autocast:  # what the run is, its attention kernel picked by the dtype that reaches it
-        announce(c, model, schedule, process, dtype, compiled, state.step if resumed else None)
+    state = restore(c, process, resumed, optimizer, loader, first_step=run.start)
+    announce(c, model, schedule, process, dtype, compiled, state.step if resumed else None)
     freeze.enter(schedule.at(state.step))  # before DDP, which all-reduces what requires a gradient when built
     raw_model, model = model, wrap(model, compiled, dist.is_initialized(), device)
     logger = Logger(c, process, checkpointer, run, state.step, compiled)
@@ -368,10 +426,10 @@ def main(argv):
         if finished:
             checkpointer.save(os.path.join(c.out_dir, "final"), raw_model, optimizer, state)
         logger.close(state, finished)
-    finally:  # also when an error stops the run: leave in order (see distributed.teardown)
+    finally:  # also when an error stops the run: leave in order (see processes.teardown)
         stream.close()  # the prefetch thread stops and is joined
         del model  # the DDP model, before its process group
-        distributed.teardown()
+        processes.teardown()
     if not finished:
         sys.exit(checkpointer.exit_code)
 

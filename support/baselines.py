@@ -1,10 +1,12 @@
 """
-The paper's baseline rows: any other Hugging Face encoder (BERT, RoBERTa / CamemBERT, ELECTRA, DeBERTa, ...),
-fine-tuned by eval.py under the same protocol through transformers' AutoModelFor{Sequence,Token}Classification and
-the directory's own fast tokenizer. eval.py keeps one training loop: `Padded` takes model.py's flat tokens with
-cu_seqlens and runs the (B, S) padded batch transformers takes. What differs between families is kept here: the
-maximum length (512 for the BERTs), the special tokens, NER labels on each word's first sub-token (through the
-tokenizer's word ids), the classification head, the pad id. transformers is imported only for such a model.
+The baseline rows of eval.py's table: other Hugging Face encoders, fine-tuned through transformers.
+
+Any encoder (BERT, RoBERTa / CamemBERT, ELECTRA, DeBERTa, ...) is fine-tuned by eval.py under the same protocol
+through transformers' AutoModelFor{Sequence,Token}Classification and the directory's own fast tokenizer. eval.py keeps
+one training loop: `Padded` takes model.py's flat tokens with cu_seqlens and runs the (B, S) padded batch
+transformers takes. What differs between families is kept here: the maximum length (512 for the BERTs), the special
+tokens, NER labels on each word's first sub-token (through the tokenizer's word ids), the classification head, the
+pad id. transformers is imported only for such a model.
 """
 
 import contextlib

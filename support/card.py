@@ -1,5 +1,6 @@
 """
 The model card: README.md in every checkpoint directory (ckpt-STEP/ and final/), as the Hugging Face hub renders it.
+
 Front matter (library_name, pipeline_tag, base_model where init_from names a hub model, tags), then the recipe (each
 phase's objective, masking, tokens and lr), the data (sources, token counts, the tokenizer's sha256), the seeds, the
 latest validation losses from metrics.jsonl, and how to load it.
@@ -9,7 +10,7 @@ import os
 import re
 
 from support.files import open_file, read_bytes, read_json
-from support.metrics import METRICS, records
+from support.metrics import METRICS, lr_shape, records
 from support.shards import COUNTS, load_meta
 
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
@@ -49,17 +50,6 @@ def latest_records(out_dir, step):
 
 def numbers(record, *keys):
     return all(isinstance(record.get(k), (int, float)) and not isinstance(record[k], bool) for k in keys)
-
-
-def lr_shape(phase, lr):
-    """A phase's lr, in words (the card's recipe, the start-up lines): its warmup as the phase gives it."""
-    if phase.decay:
-        return f"1-sqrt decay from {lr:g} to {phase.final_lr_frac * lr:g}"
-    if phase.warmup_steps:
-        return f"warmup over {phase.warmup_steps:,} steps, then {lr:g}"
-    if phase.warmup_tokens:
-        return f"warmup over {phase.warmup_tokens:,.0f} tokens, then {lr:g}"
-    return f"constant {lr:g}"
 
 
 def recipe_rows(schedule, c, step):

@@ -1,6 +1,5 @@
 """
-Checkpoints: the directory format, and the Checkpointer that decides when to write one and where to resume, so that
-train.py's loop only says "once in a while: checkpoint".
+Checkpoints: the directory format and its lifecycle (save atomically, prune, choose what to resume, preemption).
 
 A checkpoint is out_dir/ckpt-STEP/ (and out_dir/final/): the Hugging Face files (config.json, model.safetensors,
 tokenizer) + progress.json (step, tokens, phase) + train_state.pt (optimizer, step, tokens, data position, every
@@ -12,8 +11,9 @@ Retention: the newest max_ckpts full checkpoints stay, and the one at the end of
 branch of the run, starts there exactly). An older one whose step is a multiple of keep_every stays weights-only (no
 train_state.pt with AdamW's two moments: a third of the size) for cka.py --runs; any other is removed.
 
-On a cluster the Checkpointer also answers preemption (SIGTERM, SIGINT: checkpoint at the next step boundary, then
-stop), writes one on a timer, and makes the ranks agree on all of it.
+The Checkpointer decides, for every rank, where to resume and when to write one, so that train.py's loop only says
+"once in a while: checkpoint": at its intervals, on a timer, and on preemption (SIGTERM, SIGINT: at the next step
+boundary, then stop). Before any work, what a run starts from is checked here too (check_start).
 """
 
 import dataclasses
@@ -29,19 +29,20 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 
+from model import ModernBertConfig
+from support import hf
 from support.card import write_card
-from support.distributed import on_rank0
-from support.files import (MAX_JSON, fresh_dir, open_file, read_bytes, read_json, refuse, refuse_link, remove,
-                           replace_file, sha256)
+from support.config import check_same_run, check_seq_len
+from support.processes import on_rank0
+from support.files import (MAX_JSON, check_out_dir, fresh_dir, open_file, read_bytes, read_json, refuse, refuse_link,
+                           remove, replace_file, sha256, user_error)
 from support.lock import hold
-from support.metrics import METRICS, trim_metrics
-from support.tokenizer import TOKENIZER_FILES, write_hf_config
+from support.tokenizer import TOKENIZER_FILES, check_vocab, write_hf_config
 
 MANIFEST = "manifest.json"
 TRAIN_STATE = "train_state.pt"
@@ -222,14 +223,34 @@ def drop_train_state(path):
     fsync(path)
 
 
-def load_train_state(path):
-    """train_state.pt as tensors and plain data only: a pickle that would build other objects (run code): refused."""
+def load_train_state(path, optimizer, loader, process):
+    """Set the optimizer, the loader and this rank's random streams to the train state of the checkpoint `path` ->
+    the loop's state there (step, tokens, loader, loss: this rank's loss sum, loss_steps). A pickle that would build
+    other objects (run code) is refused; a file of another shape fails here, before anything is written."""
+    file = os.path.join(path, TRAIN_STATE)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        saved = torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
-        raise SystemExit(f"{path}: refused: it holds objects other than tensors and plain data, and loading them would "
-                         "run code (train.py never writes such a file). Take the checkpoint from a source you trust, or "
-                         "delete this file to keep only its weights (then it is no resume point)") from None
+        raise SystemExit(f"{file}: refused: it holds objects other than tensors and plain data, and loading them "
+                         "would run code (train.py never writes such a file). Take the checkpoint from a source you "
+                         "trust, or delete this file to keep only its weights (then it is no resume point)") from None
+    try:
+        optimizer.load_state_dict(saved["optimizer"])
+        loader.load_state_dict(saved["loader"])  # a global position: any world size continues from it
+        ranks = saved["ranks"]  # one entry per rank of the run that wrote it
+        if len(ranks) == process.world:  # the same world: every rank's streams and loss sum continue
+            set_rng_state(ranks[process.rank]["rng"], process.device)
+            loss = ranks[process.rank]["loss_acc"]
+        else:  # rank r now gets other micro batches than the old rank r: its streams stay the seed's,
+            loss = sum(r["loss_acc"] for r in ranks) if process.rank == 0 else 0.0  # rank 0 carries the loss total
+        state = dict(step=saved["step"], tokens=saved["tokens"], loader=saved["loader"],
+                     loss=torch.tensor(loss, device=process.device), loss_steps=saved["loss_steps"])
+        if not all(type(state[k]) is int for k in ("step", "tokens", "loss_steps")):
+            raise TypeError("step, tokens and loss_steps must be integers")
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        raise SystemExit(f"{file}: not a train state this code wrote ({type(e).__name__}: {e}). Restore the "
+                         "checkpoint from a copy, or move it away to resume from the one before") from None
+    return state
 
 
 # Random streams: every rank has its own (dropout; the CPU's, and on CUDA the GPU's, which is what
@@ -251,16 +272,6 @@ def set_rng_state(state, device):
 # -----------------------------------------------------------------------------
 
 
-@dataclass
-class TrainState:
-    """What the training loop carries from step to step, and a checkpoint keeps."""
-    step: int = 0  # optimizer steps done
-    tokens: int = 0  # tokens trained on
-    loader: dict = None  # the data position after `step` (data.Loader.state_dict())
-    loss: torch.Tensor = None  # this rank's loss sum since the last log (a 0-d tensor on the device)
-    loss_steps: int = 0  # the steps in that sum
-
-
 class Checkpointer:
     """Resume, and "once in a while: checkpoint", for every rank of a run: rank 0 decides and writes, every rank
     gets the outcome (errors included) and checks that it sees it. `schedule` names the phase each checkpoint is in.
@@ -277,9 +288,10 @@ class Checkpointer:
         self.exit_code = None  # set when a signal stopped the run
 
     def watch_signals(self):
-        """From now on a signal only raises a flag: the ranks agree on it at the next step boundary, write a
-        checkpoint there (or use the one just written) and stop. A second signal changes nothing. Meanwhile out_dir's
-        lock says "stopping": a requeued job that finds it held waits for this run's checkpoint."""
+        """As the training starts (and ckpt_every_minutes' clock): from now on a signal only raises a flag, the ranks
+        agree on it at the next step boundary, write a checkpoint there (or use the one just written) and stop. A
+        second signal changes nothing. Meanwhile out_dir's lock says "stopping": a requeued job that finds it held
+        waits for this run's checkpoint."""
         def caught(signum, frame):
             if not self.caught and self.hold:
                 self.hold.stopping()
@@ -287,12 +299,13 @@ class Checkpointer:
 
         for s in (signal.SIGTERM, signal.SIGINT):
             signal.signal(s, caught)
+        self.saved_at = time.monotonic()
 
     def resume(self, continue_from=None):
         """The newest valid checkpoint in out_dir, else `continue_from` if it has a train state (a phase-1
         checkpoint for a run of the later phases), else None (init_from)."""
         def choose():
-            for tmp in glob.glob(os.path.join(self.c.out_dir, ".tmp-*")):  # a save that a kill interrupted
+            for tmp in glob.glob(os.path.join(self.c.out_dir, ".tmp-*")):  # a save that a kill cut short
                 remove(tmp)
             latest = latest_valid_checkpoint(self.c.out_dir)
             return os.path.basename(latest) if latest else None
@@ -304,53 +317,6 @@ class Checkpointer:
         elif continue_from and os.path.isfile(os.path.join(continue_from, "train_state.pt")):
             self.saved = continue_from
         return self.saved
-
-    def restore(self, path, optimizer, loader, first_step=0):
-        """The TrainState at checkpoint `path` (None: a fresh start), with the optimizer, the loader and this
-        rank's random streams (dropout's; fresh: from seed + rank) set to it; metrics.jsonl is cut back to its step. A
-        run of later phases starts at `first_step`, from a checkpoint of the phases before it."""
-        device, rank = self.process.device, self.process.rank
-        torch.manual_seed(self.c.seed + rank)
-        if path is None and self.c.skip_tokens:
-            skipped = skip_data(loader, self.c.skip_tokens)
-            if rank == 0:
-                print(f"data: starting {skipped:,} tokens into the stream ({skipped // loader.seq_len:,} windows; "
-                      f"skip_tokens={self.c.skip_tokens:,})")
-        elif path is None and first_step > 0 and rank == 0:
-            print(f"warning: {self.c.init_from} has no train state, so the data position restarts at the stream's "
-                  f"beginning and run_phases={self.c.run_phases!r} replays the data of the phases before it. If those "
-                  f"phases trained on this data_dir with this data_seed, pass --skip_tokens="
-                  f"{first_step * self.c.global_batch_size * self.c.seq_len} (where the uninterrupted run stands at "
-                  f"step {first_step})", file=sys.stderr)
-        state = TrainState(loader=loader.state_dict(), loss=torch.zeros((), device=device))
-        if path is not None:
-            file = os.path.join(path, TRAIN_STATE)
-            saved = load_train_state(file)
-            try:  # a file of another shape (another code's, hand-made) fails here, before anything is written
-                optimizer.load_state_dict(saved["optimizer"])
-                loader.load_state_dict(saved["loader"])  # a global position: any world size continues from it
-                ranks = saved["ranks"]  # one entry per rank of the run that wrote it
-                if len(ranks) == self.process.world:  # the same world: every rank's streams and loss sum continue
-                    set_rng_state(ranks[rank]["rng"], device)
-                    loss = ranks[rank]["loss_acc"]
-                else:  # rank r now gets other micro batches than the old rank r: its streams restart from the seed,
-                    loss = sum(r["loss_acc"] for r in ranks) if rank == 0 else 0.0  # rank 0 carries the loss total
-                state = TrainState(step=saved["step"], tokens=saved["tokens"], loader=saved["loader"],
-                                   loss=torch.tensor(loss, device=device), loss_steps=saved["loss_steps"])
-                if not all(type(n) is int for n in (state.step, state.tokens, state.loss_steps)):
-                    raise TypeError("step, tokens and loss_steps must be integers")
-            except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
-                raise SystemExit(f"{file}: not a train state this code wrote ({type(e).__name__}: {e}). Restore the "
-                                 "checkpoint from a copy, or move it away to resume from the one before") from None
-        if state.step < first_step:
-            if state.step > 0:
-                raise SystemExit(f"run_phases={self.c.run_phases!r} starts at step {first_step}, the end of the phases "
-                                 f"before it, but the checkpoint {path} is at step {state.step}")
-            state.step = first_step  # weights without a train state (a Hugging Face model): start the phase fresh
-        if rank == 0:
-            trim_metrics(os.path.join(self.c.out_dir, METRICS), state.step)
-        self.saved_at = time.monotonic()  # the timer for ckpt_every_minutes starts with the training
-        return state
 
     def after_step(self, model, optimizer, state, due, last=False):
         """At the step boundary `state.step`: write ckpt-STEP if `due` (the loop's interval, a phase's end), or if a
@@ -375,6 +341,11 @@ class Checkpointer:
                   f"(exit code {self.exit_code})", flush=True)
         return True
 
+    def loss_error(self, loss, step):
+        """The one line a run stops with when its loss is not finite."""
+        return SystemExit(f"step {step}: loss is {loss}; stopping. The last good checkpoint is "
+                          f"{(full_checkpoints(self.c.out_dir) or ['(none)'])[-1]}; lower lr or check the data.")
+
     def agree(self):
         """(a signal reached some rank, ckpt_every_minutes passed on some rank's clock), the same on every rank."""
         late = self.c.ckpt_every_minutes > 0 and time.monotonic() - self.saved_at >= 60 * self.c.ckpt_every_minutes
@@ -398,7 +369,7 @@ class Checkpointer:
                 dist.all_gather_object(ranks, mine)
             bad = [r["loss_acc"] for r in ranks if not math.isfinite(r["loss_acc"])]
             if bad:  # a checkpoint between two logs: its loss was not checked yet
-                raise loss_error(bad[0], state.step, self.c.out_dir)
+                raise self.loss_error(bad[0], state.step)
             saved.update(loader=state.loader, loss_steps=state.loss_steps, ranks=ranks)
 
         def write():
@@ -412,75 +383,6 @@ class Checkpointer:
         self.written.append(time.time() - started)
 
 
-def loss_error(loss, step, out_dir):
-    return SystemExit(f"step {step}: loss is {loss}; stopping. The last good checkpoint is "
-                      f"{(full_checkpoints(out_dir) or ['(none)'])[-1]}; lower lr or check the data.")
-
-
-def skip_data(loader, tokens):
-    """Move a fresh data.Loader past the first `tokens` tokens of the stream, in whole windows: where an
-    uninterrupted run that had trained on those tokens would stand. -> the tokens skipped."""
-    windows = tokens // loader.seq_len
-    loader.load_state_dict({**loader.state_dict(), "consumed": loader.state_dict()["consumed"] + windows})
-    return windows * loader.seq_len
-
-
-# The keys train.py builds the paper's two phases from: a `phases` list replaces them, so the config a run with
-# phases shows (config.json, the start-up dump, W&B) leaves them out.
-PAPER_PHASE_KEYS = ("objective", "mask_prob", "tokens", "warmup_tokens", "decay_frac", "decay_mask_prob",
-                    "final_lr_frac")
-
-
-def run_config(c):
-    """The config `c` as the run uses it, as JSON has it (tuples as lists): without the keys its phases replace."""
-    return {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(c))).items()
-            if not (c.phases and k in PAPER_PHASE_KEYS)}
-
-
-# Settings that do not change what a run computes, which a resumed run may change. Every other key (the objective
-# and phases, seq_len, the data, the model, the seeds, ...) must stay as it was, unless resume_changes names it.
-RUN_SETTINGS = {"out_dir", "run_phases", "resume_changes", "skip_tokens", "device", "dtype", "compile", "attn_backend",
-                "peak_tflops", "micro_batch_size", "log_interval", "eval_interval", "eval_windows",
-                "ckpt_interval", "ckpt_every_minutes", "max_ckpts", "keep_every", "dist_timeout_minutes",
-                "wandb_project", "wandb_run_name"}
-
-
-def check_same_run(c):
-    """A run resumed from out_dir (one with checkpoints) is the run its config.json describes: refuse a config that
-    changes it. Under the hold on out_dir (Checkpointer), so that the checkpoints it sees are those the run resumes."""
-    path = os.path.join(c.out_dir, "config.json")
-    if not step_checkpoints(c.out_dir) or not os.path.lexists(path):
-        return
-    try:
-        old = read_json(path)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"{e}: it says which run {c.out_dir} holds. Put it back (each checkpoint's train_state.pt "
-                         "holds the run's config), or choose a new out_dir") from None
-    new = run_config(c)
-    keep = RUN_SETTINGS | {k.strip() for k in c.resume_changes.split(",")}
-    changed = [k for k in new if k in old and k not in keep and old[k] != new[k]]
-    if changed:
-        raise SystemExit(f"{c.out_dir} holds a run with other settings: "
-                         f"{'; '.join(d for k in changed for d in differences(k, old[k], new[k]))}. Resuming would "
-                         f"change what the run is: choose a new out_dir, or, if the change is deliberate, "
-                         f"--resume_changes={','.join(changed)}")
-
-
-class Unset:
-    def __repr__(self):
-        return "(unset)"
-
-
-def differences(key, old, new):
-    """Where two values of a config key differ, down to the entry: ["phases[1].steps 29500 -> 30000"]."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        return [d for k in {**old, **new} for d in differences(f"{key}.{k}", old.get(k, Unset()), new.get(k, Unset()))]
-    if isinstance(old, list) and isinstance(new, list):
-        inner = [d for i, (a, b) in enumerate(zip(old, new)) for d in differences(f"{key}[{i}]", a, b)]
-        return inner + ([f"{key}: {len(old)} entries -> {len(new)}"] if len(old) != len(new) else [])
-    return [] if old == new else [f"{key} {old!r} -> {new!r}"]
-
-
 def every_rank_sees(path, process):
     """Each rank checks (sizes only) `path`, which rank 0 wrote: a node that cannot see it would resume elsewhere."""
     if not dist.is_initialized():
@@ -491,3 +393,64 @@ def every_rank_sees(path, process):
     if blind:
         raise SystemExit(f"not every rank can read checkpoint {path}: {', '.join(blind)}. out_dir must be on a "
                          "filesystem shared by all nodes: rank 0 writes the checkpoints, every rank resumes from them.")
+
+
+# -----------------------------------------------------------------------------
+# Before any work: what a run starts from, and a checkpoint given to cka.py or eval.py
+
+
+def check_start(c, meta, first_step):
+    """At step 0, what the run `c` writes and starts from: out_dir, the data's tokenizer files (each checkpoint copies
+    them), init_from, or the model of the run it resumes (its positions for seq_len); a warning where a run of later
+    phases (from `first_step`) would replay the data."""
+    tokenizer_files(c.data_dir)
+    check_out_dir(c.out_dir, "out_dir")
+    # Resuming, init_from is not read; that this is the run out_dir holds is checked under the hold (Checkpointer).
+    resuming = glob.glob(os.path.join(c.out_dir, "ckpt-*"))
+    if c.init_from != "scratch" and not resuming:
+        check_init_from(c.init_from, meta, c.data_dir, c.seq_len)
+    if (first_step and not resuming and not c.skip_tokens and int(os.environ.get("RANK", 0)) == 0
+            and not os.path.isfile(os.path.join(c.init_from, TRAIN_STATE))):
+        print(f"warning: {c.init_from} has no train state, so the data position restarts at the stream's beginning "
+              f"and run_phases={c.run_phases!r} replays the data of the phases before it. If those phases trained on "
+              f"this data_dir with this data_seed, pass --skip_tokens={first_step * c.global_batch_size * c.seq_len} "
+              f"(where the uninterrupted run stands at step {first_step})", file=sys.stderr)
+    for path in resuming:  # the run's model (any checkpoint of it): a seq_len changed on resume must fit it too
+        try:
+            config = ModernBertConfig.from_pretrained(path)
+        except (OSError, ValueError):
+            continue  # a damaged checkpoint: resume warns and skips it
+        check_seq_len(config, c.seq_len, "a new out_dir", f"the run in {c.out_dir}'s ")
+        break
+
+
+def check_init_from(path, meta=None, data_dir=None, seq_len=None):
+    """init_from is a checkpoint directory this process can read, intact (one of ours has a manifest), with the
+    data's tokenizer (given the data's meta.json) and positions for seq_len (given it)."""
+    if not os.path.isdir(path):
+        raise SystemExit(f"init_from={path!r} is neither 'scratch' nor a checkpoint directory "
+                         "(edit the path at the top of the config)")
+    problem = checkpoint_problem(path, train_state=False) if os.path.isfile(os.path.join(path, MANIFEST)) else None
+    if problem:
+        raise SystemExit(f"init_from={path} is damaged: {problem}. Copy it again, or use another checkpoint.")
+    config = checkpoint_config(path, f"init_from={path}")
+    with user_error(f"init_from={path}"):
+        open(hf.weights_file(path), "rb").close()
+    if seq_len:
+        check_seq_len(config, seq_len, f"a checkpoint with {seq_len} positions or more", f"init_from={path}'s ")
+    if meta is None:
+        return
+    fix = f"prepare the data with the checkpoint's tokenizer: python data.py --tokenizer {path}"
+    check_vocab(meta["vocab_size"], config, f"the tokenizer of {data_dir}", path, fix)
+    tok = os.path.join(path, "tokenizer.json")
+    if os.path.isfile(tok) and meta.get("tokenizer_sha256") and sha256(tok) != meta["tokenizer_sha256"]:
+        raise SystemExit(f"tokenizer mismatch: {tok} differs from the one {data_dir} was prepared with; {fix}")
+
+
+def checkpoint_config(path, where):
+    """-> the ModernBertConfig of the checkpoint `path`, or one line, beginning with `where`, that says why not."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise SystemExit(f"{where}: not a checkpoint directory (no config.json); give a run's final/ or ckpt-STEP/, "
+                         "or a Hugging Face ModernBERT directory")
+    with user_error(where):
+        return ModernBertConfig.from_pretrained(path)

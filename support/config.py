@@ -1,17 +1,25 @@
 """
-Configs as plain Python: a dataclass of defaults, overridden by config files (`key = value` lines,
-run as Python, each seeing the values set before it) and then by --key=value arguments. A key that
-the dataclass does not have is an error that lists the valid ones; a value of the wrong type is an
-error that names the key.
+Configs as plain Python, parsed and checked: train.py's (also against the run its out_dir holds), and suites.
+
+A dataclass of defaults, overridden by config files (`key = value` lines, run as Python, each seeing the values set
+before it) and then by --key=value arguments. A key that the dataclass does not have is an error that lists the
+valid ones; a value of the wrong type is an error that names the key. train.py's config then has every value in its
+range before any work, and a resumed run's config is compared with the one its out_dir's config.json records.
 """
 
 import ast
 import dataclasses
+import glob
+import importlib.util
+import json
 import os
-import uuid
+import re
 
-from support.files import open_fd, refuse_link
+import torch
 
+from model import ModernBertConfig
+from support import hf, kernels
+from support.files import read_json, user_error
 
 def parse(cls, argv):
     """An instance of the dataclass `cls` from config files and --key=value arguments, in order."""
@@ -65,23 +73,195 @@ def check_type(key, value, typ, where):
     return value
 
 
-def check_out_dir(path, name="--out"):
-    """The output location is a directory, or can be made one, that this user may write (a probe file is written
-    and removed), and holds no link: checked before any work, so no result is lost at the end to a wrong path."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise SystemExit(f"{name}={path}: is a file, not a directory; give a directory path")
-    parent = os.path.abspath(path)
-    while not os.path.exists(parent):  # where the directory will be made
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise SystemExit(f"{name}={path}: {parent} is a file, not a directory; choose another path")
-    probe = os.path.join(parent, f".write-test-{uuid.uuid4().hex}")
+# -----------------------------------------------------------------------------
+# train.py's config: each value in its range, each name it gives known
+
+POSITIVE = ("seq_len", "global_batch_size", "micro_batch_size", "lr", "eps", "log_interval", "eval_interval",
+            "eval_windows", "ckpt_interval", "max_ckpts", "dist_timeout_minutes")
+NOT_NEGATIVE = ("weight_decay", "ckpt_every_minutes", "keep_every", "peak_tflops", "skip_tokens")
+PROBABILITIES = ("embedding_dropout", "attention_dropout", "attn_out_dropout", "mlp_dropout")  # in [0, 1)
+
+
+def check_config(c, phase_names, world):
+    """Every value of the config in its range, and the names it gives (phases, layers to freeze) exist."""
+    bad = ([f"{k}={getattr(c, k)} must be positive" for k in POSITIVE if not getattr(c, k) > 0]
+           + [f"{k}={getattr(c, k)} must be 0 or more" for k in NOT_NEGATIVE if getattr(c, k) < 0]
+           + [f"{k}={getattr(c, k)} must be in [0, 1)" for k in PROBABILITIES if not 0 <= getattr(c, k) < 1])
+    if len(c.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in c.betas):
+        bad.append(f"betas={c.betas} must be two numbers in [0, 1), e.g. (0.9, 0.98)")
+    if bad:
+        raise SystemExit(f"{'; '.join(bad)}: fix the config or the --key=value")
+    if c.compile.lower() not in ("auto", "true", "false"):
+        from torch._dynamo import list_backends  # seconds to import: only for a backend's name
+        if c.compile not in list_backends(exclude_tags=()):
+            raise SystemExit(f"compile={c.compile!r}: choose auto, True, False or a torch.compile backend, e.g. "
+                             "inductor or aot_eager (all: torch._dynamo.list_backends(exclude_tags=()))")
+    if c.global_batch_size % (c.micro_batch_size * world):
+        fits = [m for m in range(c.micro_batch_size, 0, -1) if c.global_batch_size % (m * world) == 0]
+        fix = f"e.g. --micro_batch_size={fits[0]}" if fits else f"a global_batch_size that {world} ranks share"
+        raise SystemExit(f"global_batch_size={c.global_batch_size} is not a multiple of micro_batch_size="
+                         f"{c.micro_batch_size} x world size {world}: each step must give every rank whole micro "
+                         f"batches; {fix}")
+    run, frozen = c.run_phases.split(","), c.freeze_phase.split(",")
+    if run != ["all"] and not any(phase_names[i:i + len(run)] == run for i in range(len(phase_names))):
+        raise SystemExit(f"run_phases={c.run_phases!r}: write 'all' or consecutive phase names in order, "
+                         f"comma-separated, from {', '.join(phase_names)}")
+    if c.freeze_layers and frozen != ["all"] and not set(frozen) <= set(phase_names):
+        raise SystemExit(f"freeze_phase={c.freeze_phase!r}: write 'all' or phase names, comma-separated, from "
+                         f"{', '.join(phase_names)}")
+    if c.freeze_mode not in ("exact", "zero_grad"):
+        raise SystemExit(f"freeze_mode={c.freeze_mode!r}: choose exact or zero_grad")
+    frozen_layers(c.freeze_layers)
+    try:  # the names; whether each runs where the model is placed is said there
+        kernels.choose(c.attn_backend, torch.device("cpu"), torch.float32, 0.0)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    check_model_config(c)
+    check_wandb(c)
+
+
+def frozen_layers(spec):
+    """freeze_layers ("0-7,10") -> the layer numbers; a spec of another form is one line."""
+    layers = set()
+    for part in filter(None, spec.replace(" ", "").split(",")):
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not m:
+            raise SystemExit(f"freeze_layers={spec!r}: write layer ranges like '0-7' or '8-14,20'")
+        layers.update(range(int(m[1]), int(m[2] or m[1]) + 1))
+    return layers
+
+
+def check_phases(specs, phase):
+    """The `phases` key: dicts of `phase`'s fields (the Phase class), a length each, unique names. -> the phases."""
+    allowed = [f.name for f in dataclasses.fields(phase)]
+    for spec in specs:
+        if (not isinstance(spec, dict) or not {"name", "objective"} <= set(spec) <= set(allowed)
+                or len({"tokens", "steps"} & set(spec)) != 1):
+            optional = [a for a in allowed[2:] if a not in ("tokens", "steps")]
+            raise SystemExit(f"phases: {spec!r} must be a dict with name, objective and tokens (or steps: one of "
+                             f"the two), and any of {', '.join(optional)}")
+    names = [spec["name"] for spec in specs]
+    if len(set(names)) < len(names) or any(not isinstance(n, str) or "," in n or n == "all" for n in names):
+        raise SystemExit(f"phases: names must be unique, without commas, and not 'all': {names}")
+    return [phase(**spec) for spec in specs]
+
+
+def check_phase(p):
+    """A phase that means something, or one line saying what does not."""
+    numbers = [p.tokens, p.mask_prob, p.warmup_tokens, p.final_lr_frac]
+    if (not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers) or p.decay not in (0, 1)
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in (p.steps, p.warmup_steps))):
+        raise SystemExit(f"phase {p.name!r}: tokens, mask_prob, warmup_tokens and final_lr_frac are numbers, "
+                         f"steps and warmup_steps whole numbers, decay is True or False")
+    given = ", ".join(f"{k}={getattr(p, k)}" for k in ("tokens", "steps", "warmup_tokens", "warmup_steps")
+                      if getattr(p, k) or k == "tokens" and not p.steps)  # the phase's length and warmup as given
+    problems = [(p.objective not in ("clm", "mlm"), f"objective={p.objective!r}: choose 'clm' or 'mlm'"),
+                (not (p.tokens > 0 or p.steps > 0) or min(p.tokens, p.steps, p.warmup_tokens, p.warmup_steps) < 0,
+                 f"{given}: a phase needs a positive length, a warmup of 0 or more"),
+                (p.warmup_tokens > 0 and p.warmup_steps > 0, f"{given}: give the warmup in tokens or in steps, "
+                 "not both"),
+                (p.objective == "mlm" and not 0 < p.mask_prob < 1, f"mask_prob={p.mask_prob}: choose it in (0, 1)"),
+                (p.objective == "clm" and p.mask_prob != 0,
+                 "mask_prob is for mlm phases: a CLM phase predicts every next token"),
+                (p.decay and (p.warmup_tokens or p.warmup_steps), "a decay phase has no warmup: set warmup_tokens "
+                 "(or warmup_steps) to 0"),
+                (not 0 <= p.final_lr_frac <= 1, f"final_lr_frac={p.final_lr_frac}: choose a fraction in [0, 1]")]
+    for bad, message in problems:
+        if bad:
+            raise SystemExit(f"phase {p.name!r}: {message}")
+
+
+def check_model_config(c):
+    """model_config names ModernBertConfig fields, and from scratch makes a model that hf.check_config passes."""
+    keys = [f.name for f in dataclasses.fields(ModernBertConfig)]
+    unknown = sorted(set(c.model_config) - set(keys))
+    if unknown:
+        raise SystemExit(f"model_config: unknown key(s) {', '.join(unknown)}; ModernBertConfig has {', '.join(keys)}")
+    defaults = ModernBertConfig()
+    numbers = [k for k, v in c.model_config.items() if isinstance(getattr(defaults, k), (int, float))
+               and (isinstance(v, bool) or not isinstance(v, (int, float)))]
+    if numbers:
+        raise SystemExit(f"model_config: {', '.join(f'{k}={c.model_config[k]!r}' for k in numbers)} must be numbers")
+    if c.init_from != "scratch":
+        return  # the checkpoint brings its own
+    if c.model_size not in ("base", "large"):
+        raise SystemExit(f"model_size={c.model_size!r}: choose 'base' or 'large' (or set model_config)")
+    ids = dict.fromkeys(hf.TOKEN_IDS, 0)  # the data's (build_model), checked with its meta.json
+    m = (ModernBertConfig.large if c.model_size == "large" else ModernBertConfig)(**{**ids, **c.model_config})
+    with user_error():
+        hf.check_config(m, "model_config", "fix the config or the --model_config")
+    check_seq_len(m, c.seq_len, f"set model_config's max_position_embeddings to {c.seq_len}", "model_config's ")
+
+
+def check_wandb(c):
+    """wandb (an optional dependency) is installed when the run asks for it, so it is known before any compute."""
+    if c.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise SystemExit(f"wandb_project={c.wandb_project!r} but wandb is not installed: pip install wandb "
+                         "(or leave wandb_project empty)")
+
+
+def check_seq_len(config, seq_len, fix, whose):
+    """The model `config` (`whose`, e.g. "init_from=X's ") has positions for seq_len, or one line ending in `fix`."""
+    with user_error():
+        config.check_positions(seq_len, "seq_len={}", f"use --seq_len={config.max_position_embeddings} or less, or "
+                               f"{fix}", whose=whose)
+
+
+# -----------------------------------------------------------------------------
+# The run's config, and a resumed run's against it
+
+# The keys train.py builds the paper's two phases from: a `phases` list replaces them, so the config a run with
+# phases shows (config.json, the start-up dump, W&B) leaves them out.
+PAPER_PHASE_KEYS = ("objective", "mask_prob", "tokens", "warmup_tokens", "decay_frac", "decay_mask_prob",
+                    "final_lr_frac")
+
+
+def run_config(c):
+    """The config `c` as the run uses it, as JSON has it (tuples as lists): without the keys its phases replace."""
+    return {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(c))).items()
+            if not (c.phases and k in PAPER_PHASE_KEYS)}
+
+
+# Settings that do not change what a run computes, which a resumed run may change. Every other key (the objective
+# and phases, seq_len, the data, the model, the seeds, ...) must stay as it was, unless resume_changes names it.
+RUN_SETTINGS = {"out_dir", "run_phases", "resume_changes", "skip_tokens", "device", "dtype", "compile", "attn_backend",
+                "peak_tflops", "micro_batch_size", "log_interval", "eval_interval", "eval_windows",
+                "ckpt_interval", "ckpt_every_minutes", "max_ckpts", "keep_every", "dist_timeout_minutes",
+                "wandb_project", "wandb_run_name"}
+
+
+def check_same_run(c):
+    """A run resumed from out_dir (one with checkpoints) is the run its config.json describes: refuse a config that
+    changes it. Under the hold on out_dir (support/checkpoint.py), so that the checkpoints it sees are those the run
+    resumes."""
+    path = os.path.join(c.out_dir, "config.json")
+    if not glob.glob(os.path.join(c.out_dir, "ckpt-*")) or not os.path.lexists(path):
+        return
     try:
-        os.close(open_fd(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
-        os.remove(probe)
-    except OSError as e:
-        raise SystemExit(f"{name}={path} is not writable ({e.strerror}): choose a directory this user can write"
-                         f"{', on a filesystem every node shares' if name == 'out_dir' else ''}") from None
-    if os.path.isdir(path):  # a link in it is said now, not at the write that would meet it, hours in
-        for entry in os.scandir(path):
-            refuse_link(entry.path)
+        old = read_json(path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{e}: it says which run {c.out_dir} holds. Put it back (each checkpoint's train_state.pt "
+                         "holds the run's config), or choose a new out_dir") from None
+    new = run_config(c)
+    keep = RUN_SETTINGS | {k.strip() for k in c.resume_changes.split(",")}
+    changed = [k for k in new if k in old and k not in keep and old[k] != new[k]]
+    if changed:
+        raise SystemExit(f"{c.out_dir} holds a run with other settings: "
+                         f"{'; '.join(d for k in changed for d in differences(k, old[k], new[k]))}. Resuming would "
+                         f"change what the run is: choose a new out_dir, or, if the change is deliberate, "
+                         f"--resume_changes={','.join(changed)}")
+
+
+class Unset:
+    def __repr__(self):
+        return "(unset)"
+
+
+def differences(key, old, new):
+    """Where two values of a config key differ, down to the entry: ["phases[1].steps 29500 -> 30000"]."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [d for k in {**old, **new} for d in differences(f"{key}.{k}", old.get(k, Unset()), new.get(k, Unset()))]
+    if isinstance(old, list) and isinstance(new, list):
+        inner = [d for i, (a, b) in enumerate(zip(old, new)) for d in differences(f"{key}[{i}]", a, b)]
+        return inner + ([f"{key}: {len(old)} entries -> {len(new)}"] if len(old) != len(new) else [])
+    return [] if old == new else [f"{key} {old!r} -> {new!r}"]

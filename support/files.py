@@ -1,15 +1,18 @@
 """
-Files from elsewhere. Checkpoints, data directories, tokenizers, locks and results travel between people and sit on
-shared filesystems where others can write, so every script reads and writes them by two rules, kept here once:
+Reading and writing files that travel between people: two rules, kept here once, and where each file is checked.
+
+Checkpoints, data directories, tokenizers, locks and results travel between people and sit on shared filesystems
+where others can write, so every script reads and writes them by these rules:
 - reading: only a regular file of a size such a file can have (a FIFO would block), and JSON only of the shape its
   reader expects; anything else is a ValueError that names the file, which the caller turns into its one line;
 - writing: nothing is written, renamed or deleted through a symbolic link that the project did not make.
 
 Where each file the project reads is checked (its reader says what); a bad or hostile one gets "one line": exit 1,
-naming the file, the field and the fix, before any work, nothing on disk changed (tests/test_files.py builds them).
+naming the file, the field and the fix, before any work, nothing on disk changed.
 - config.json, model.safetensors, pytorch_model.bin: support/hf.py (weights_only).
-- train_state.pt, manifest.json, out_dir/config.json: support/checkpoint.py. A manifest that fails marks its
-  checkpoint damaged: the one before it is resumed (none left: one line), and metrics.jsonl stays as it was.
+- train_state.pt, manifest.json: support/checkpoint.py. A manifest that fails marks its checkpoint damaged: the one
+  before it is resumed (none left: one line), and metrics.jsonl stays as it was. out_dir/config.json:
+  support/config.py.
 - progress.json: cka.py. meta.json, train.bin, val.bin: support/shards.py, then data.Loader checks each window's ids.
 - tokenizer.json and its companions: support/tokenizer.py (then Hugging Face's own parser).
 - .lock: support/lock.py (a record of another shape names no holder).
@@ -25,6 +28,8 @@ import math
 import os
 import shutil
 import stat
+import uuid
+from contextlib import contextmanager
 
 MAX_JSON = 1 << 28  # bytes: a tokenizer.json of a 250k vocabulary is about 20 MB; no JSON file of ours comes near
 JSON_TYPES = {bool: "boolean", dict: "object", list: "array", str: "string", int: "number", float: "number"}
@@ -89,6 +94,16 @@ def whole(value, lo=0, hi=1 << 63):
 def number(value, lo=-math.inf, hi=math.inf):
     """value is a finite JSON number in [lo, hi], not a boolean."""
     return (type(value) is int or type(value) is float and math.isfinite(value)) and lo <= value <= hi
+
+
+@contextmanager
+def user_error(where=""):
+    """What a library call raises for a bad input (a file that is missing, unreadable or of another format)
+    becomes the one line a user reads: `where: the problem`."""
+    try:
+        yield
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{where}: {e}" if where else str(e)) from None
 
 
 # -----------------------------------------------------------------------------
@@ -205,3 +220,24 @@ def make_dirs(root, path):
                 refuse(here, kind(here, st) or "a file")
     return path
 
+
+def check_out_dir(path, name="--out"):
+    """The output location is a directory, or can be made one, that this user may write (a probe file is written
+    and removed), and holds no link: checked before any work, so no result is lost at the end to a wrong path."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise SystemExit(f"{name}={path}: is a file, not a directory; give a directory path")
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):  # where the directory will be made
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise SystemExit(f"{name}={path}: {parent} is a file, not a directory; choose another path")
+    probe = os.path.join(parent, f".write-test-{uuid.uuid4().hex}")
+    try:
+        os.close(open_fd(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+        os.remove(probe)
+    except OSError as e:
+        raise SystemExit(f"{name}={path} is not writable ({e.strerror}): choose a directory this user can write"
+                         f"{', on a filesystem every node shares' if name == 'out_dir' else ''}") from None
+    if os.path.isdir(path):  # a link in it is said now, not at the write that would meet it, hours in
+        for entry in os.scandir(path):
+            refuse_link(entry.path)

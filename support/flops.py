@@ -1,15 +1,13 @@
 """
-Model FLOPs of a training step and the GPU's peak, for MFU (train.py's log, bench.py); and the usual 6N + 12LHQT count,
-for figures that compare with other codebases (convention_flops).
+The FLOPs of a training step and the GPU's peak, for MFU (train.py's log, bench.py), and the usual 6N + 12LHQT count.
 
 A step costs 6 x block matmul weights x tokens + 6 x (head dense + decoder) x predicted rows + attention:
 6 = 2 FLOPs per multiply-add x 3 (forward, and backward to inputs and to weights); the decoder's bias gradient, a
-matrix product in support/loss.py, adds 2 x vocab per predicted row. A (query, key) pair costs
+matrix product in support/kernels.py, adds 2 x vocab per predicted row. A (query, key) pair costs
 2 x 2 x H forward (QK^T and AV over all heads), x 3 with backward, and only the pairs the mask keeps count:
 each sequence's real length (not seq_len), the local window clipped at both ends, and under the causal mask
 only keys at or before the query: the work of the varlen kernels. SDPA with a dense mask computes every
-pair of its padded (B, S, S) view and masks afterwards (tests/test_speed.py checks both against torch's
-FlopCounterMode).
+pair of its padded (B, S, S) view and masks afterwards. convention_flops gives the count other codebases' figures use.
 """
 
 import warnings
@@ -58,7 +56,7 @@ def convention_flops(config, n_params, tokens, seq_len):
     """The usual count, which other codebases' MFU figures use (PaLM's appendix B, nanoGPT): 6N + 12 x L x H x Q x T
     FLOPs per token, N the parameters (the tied embedding once), L layers of H heads of Q dimensions, T the sequence
     length. It counts the head on every token and every layer as global and bidirectional, so it reads higher than
-    training_flops: 64.7% where training_flops reads 34.2% (Base, MLM, 4 x 8192, H200, 2026-11-27)."""
+    training_flops: about twice as high for Base's MLM at 4 x 8192."""
     L, H, Q = config.num_hidden_layers, config.num_attention_heads, config.head_dim
     return tokens * (6 * n_params + 12 * L * H * Q * seq_len)
 

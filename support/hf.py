@@ -1,8 +1,9 @@
 """
-Hugging Face ModernBERT checkpoint directories, read and written as transformers does: config.json (old style, with
-global_rope_theta / local_rope_theta / global_attn_every_n_layers, or transformers-5 style, with layer_types and
-rope_parameters: both read, both written) and model.safetensors (or pytorch_model.bin). model.py's from_pretrained
-and save_pretrained call these with the config class, so this file knows no model.
+Hugging Face ModernBERT checkpoint directories, read (each value checked) and written as transformers does.
+
+config.json (old style, with global_rope_theta / local_rope_theta / global_attn_every_n_layers, or transformers-5
+style, with layer_types and rope_parameters: both read, both written) and model.safetensors (or pytorch_model.bin).
+model.py's from_pretrained and save_pretrained call these with the config class, so this file knows no model.
 """
 
 import json

@@ -1,46 +1,42 @@
 """
-The attention kernels behind model.attention(), and which one each layer type ("global", "local") uses:
+How model.py's costly ops run fast: attention kernels (chosen once), torch.compile's settings, the LM loss in chunks.
 
+The attention kernels:
 - flash-attn's `flash_attn_varlen_func` (pip install flash-attn --no-build-isolation): CUDA, float16/bfloat16;
 - PyTorch's `torch.nn.attention.varlen.varlen_attn` (2.10+, with `window_size`): CUDA, float16/bfloat16, no dropout;
 - SDPA's cuDNN kernel: CUDA, float16/bfloat16, on the (B, nh, S, hd) view of a packed batch with no mask (SDPAView),
   so the global layers of packed batches only: under a window's or documents' mask it would compute every pair;
-- FlexAttention with a block mask of documents and windows (FlexView): CUDA, or CPU without a backward; no dropout;
 - SDPA, everywhere and in any dtype, per sequence or on a (B, S) view (SDPAView).
-
-"auto" takes, per layer type, the first of AUTO that runs here on the batch; attn_backend, or MODERNBERT_ATTN, forces
-one for all layers ("varlen") or one per layer type ("global=cudnn,local=varlen").
+The choice is made once per device and dtype (choose, where a script puts the model on its device) and held by the
+model: "auto" takes, per layer type, the first of AUTO that runs there; attn_backend, or MODERNBERT_ATTN, forces one
+for all layers ("varlen") or one per layer type ("global=cudnn,local=varlen").
 """
 
 import contextlib
-import functools
 import inspect
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 try:
     from flash_attn import flash_attn_varlen_func
 except ImportError:
     flash_attn_varlen_func = None
 
-BACKENDS = ("flash", "varlen", "cudnn", "flex", "sdpa")
+BACKENDS = ("flash", "varlen", "cudnn", "sdpa")
 LAYER_TYPES = ("global", "local")
-# "auto", per layer type: the first of these that runs here. bench.py's attention section on an H200 (torch 2.11,
-# results/h200-2026-11-27/call3), forward + backward at 4 x 8192: the global layers of packed batches, cuDNN 6.7 ms
-# bidirectional and 3.9 causal against varlen_attn's 11.2 and 6.1 (FlashAttention-2; FlexAttention 15.0 and 8.8).
-# Documents kept apart (cuDNN has no bounds for them) and the local layers: varlen_attn, 1.6-2.4x ahead of Flex.
+# "auto", per layer type: the first of these that runs here, the fastest first as bench.py's attention section
+# measured them on an H200 (forward + backward at 4 x 8192): in the global layers of packed batches cuDNN, 6.7 ms
+# bidirectional and 3.9 causal against varlen_attn's 11.2 and 6.1; where documents are kept apart (cuDNN has no bounds
+# for them) and in the local layers, varlen_attn.
 AUTO = {"global": ("cudnn", "flash", "varlen", "sdpa"), "local": ("flash", "varlen", "sdpa")}
-# The fused kernels run on CUDA and take float16 / bfloat16 q, k, v only; a float32 forward attends with SDPA.
-# tests/cpu_kernels.py sets KERNEL_DEVICE to "cpu" to run the kernels' real wrappers there on an emulated kernel.
-KERNEL_DEVICE = "cuda"
+KERNEL_DEVICE = "cuda"  # where the fused kernels run; they take float16 / bfloat16 q, k, v only
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 SDPA_KERNELS = {"cudnn": [SDPBackend.CUDNN_ATTENTION], "sdpa": None}  # the kernels SDPA may choose from (None: any)
 CUDNN = torch.backends.cudnn.is_available() and torch.version.hip is None  # NVIDIA's cuDNN (ROCm's "cudnn" is MIOpen)
-FLEX_BLOCK = 128  # FlexAttention's block of queries and of keys: a block mask says which (query, key) blocks to visit
 
 
 def find_varlen_attn():
@@ -66,8 +62,8 @@ def compiler(setting, device):
 
 def compile_model(model, backend="inductor", regional=False):
     """torch.compile(model), as train.py and bench.py run it. Inductor's fusion of LayerNorm backward's reductions
-    (torch 2.10+) guards by default on the sizes it fuses, the MLM head's row count among them (a new mask rate
-    recompiled the whole model, H200, torch 2.11): non-strict, it guards on none. regional: compile each block in
+    (torch 2.10+) guards by default on the sizes it fuses, the MLM head's row count among them (a new mask rate would
+    recompile the whole model): non-strict, it guards on none. regional: compile each block in
     place, and the head with its chunked loss, the rest eager: a graph per kind of block (the first, global, local)
     whatever the depth, a shorter warm-up (on CPU, documents kept apart are attended one by one inside the blocks: a
     graph per set of lengths). AOTAutograd's cache, which a resume reads, takes the chunked loss's
@@ -104,25 +100,42 @@ class Choice(dict):
         return self["global"] if self["global"] == self["local"] else ", ".join(f"{t} {b}" for t, b in self.items())
 
 
-def pick_backend(requested, device, dtype, dropout_p, packed=True):
-    """The backend of each layer type in a forward on `device` with q, k, v of `dtype`, on a batch that is `packed`
-    (every sequence max_seqlen long) or not: MODERNBERT_ATTN, else `requested`, one name for all layers or one per
-    layer type ("global=cudnn,local=varlen"); "auto" takes the first of AUTO that runs here. A backend that cannot
-    run here is refused, saying why."""
+@dataclass(frozen=True)
+class Kernels:
+    """What choose() decided for one device and dtype: the Choice for packed batches (every sequence max_seqlen long)
+    and for the others; where a forced backend cannot attend one of the two, the reason instead."""
+    packed: Choice | str
+    unpacked: Choice | str
+
+    def of(self, packed):
+        """The Choice for a batch that is `packed` or not; a RuntimeError saying why where there is none."""
+        choice = self.packed if packed else self.unpacked
+        if isinstance(choice, str):
+            raise RuntimeError(choice)
+        return choice
+
+
+def choose(requested, device, dtype, dropout_p):
+    """-> the Kernels on `device` for q, k, v of `dtype`, attention dropout `dropout_p`, as MODERNBERT_ATTN or else
+    `requested` names them (for all layers, or per layer type); "auto": the first of AUTO that runs here."""
     name = os.environ.get("MODERNBERT_ATTN") or requested
     parts = [part.partition("=") for part in name.split(",")]
     asked = {t: b for t, _, b in parts} if "=" in name else dict.fromkeys(LAYER_TYPES, name)
     if sorted(asked) != sorted(LAYER_TYPES) or not set(asked.values()) <= {"auto", *BACKENDS}:
         raise ValueError(f"unknown attention backend {name!r}; choose one of auto, {', '.join(BACKENDS)}, or one per "
                          "layer type, as global=cudnn,local=varlen")
-    choice = Choice()
-    for layer_type in LAYER_TYPES:
-        options = AUTO[layer_type] if asked[layer_type] == "auto" else (asked[layer_type],)
-        why = [refusal(b, layer_type, device, dtype, dropout_p, packed) for b in options]
-        if None not in why:  # a forced backend ("auto" always ends in SDPA)
-            raise RuntimeError(why[0])
-        choice[layer_type] = options[why.index(None)]
-    return choice
+    forms = []
+    for packed in (True, False):
+        choice = Choice()
+        for layer_type in LAYER_TYPES:
+            options = AUTO[layer_type] if asked[layer_type] == "auto" else (asked[layer_type],)
+            why = [refusal(b, layer_type, device, dtype, dropout_p, packed) for b in options]
+            if None not in why:  # a forced backend ("auto" always ends in SDPA)
+                choice = why[0]
+                break
+            choice[layer_type] = options[why.index(None)]
+        forms.append(choice)
+    return Kernels(*forms)
 
 
 def refusal(name, layer_type, device, dtype, dropout_p, packed):
@@ -142,12 +155,9 @@ def refusal(name, layer_type, device, dtype, dropout_p, packed):
     if name in ("flash", "varlen", "cudnn") and dtype not in KERNEL_DTYPES:
         return (f"attention backend {name!r} takes float16 or bfloat16 q, k, v, but this forward runs in {dtype}: run "
                 "it under bf16 autocast (--dtype=bfloat16) or use attn_backend 'auto' or 'sdpa'")
-    if name in ("varlen", "flex") and dropout_p > 0:
-        return (f"attention backend {name!r} has no attention-probability dropout; set attention_dropout=0 (use "
+    if name == "varlen" and dropout_p > 0:
+        return ("attention backend 'varlen' has no attention-probability dropout; set attention_dropout=0 (use "
                 "attn_out_dropout) or pick another backend")
-    if name == "flex" and device.type == "cpu" and torch.is_grad_enabled():
-        return ("attention backend 'flex' has no backward on CPU (torch's FlexAttention): use it on CUDA or without "
-                "gradients")
     return None
 
 
@@ -218,59 +228,74 @@ def window_mask(offset, left, right):
     return ((offset >= -left) | (left < 0)) & ((offset <= right) | (right < 0))
 
 
-class FlexView:
-    """FlexAttention over an unpadded batch as one (1, nh, T, hd) sequence, with a block mask per layer type. The keys
-    a query sees are one interval, its sequence cut to the layer's window, so the mask is lo[q] <= k <= hi[q] for
-    packed windows and documents kept apart alike, and the kernel visits only the (FLEX_BLOCK x FLEX_BLOCK) blocks of
-    (query, key) pairs that some interval reaches: 2 or 3 key blocks per query block in a local layer."""
+# -----------------------------------------------------------------------------
+# The LM loss in chunks of rows: sum_i cross_entropy(x_i @ W.T + b, target_i), in float32, never holding the
+# (rows, vocab) logits (at 32k CLM rows and V = 50368: 6.6 GB in float32, which autograd would keep and then double
+# with their gradient). The loss is the last op of the step, so its gradient with respect to a chunk's logits,
+# softmax - onehot, is known as soon as the chunk's forward is: forward computes each chunk's gradients right away and
+# drops its logits, and backward only scales them by the incoming scalar (Liger-Kernel's fused linear cross-entropy,
+# in torch ops; unlike checkpointing each chunk it recomputes nothing). 2048 rows per chunk: 394 MiB of float32 logits
+# at V = 50368, and a (2048 x 768) @ (768 x V) matmul still keeps the tensor cores busy.
 
-    def __init__(self, packing):
-        cu_seqlens, positions = packing.cu_seqlens, packing.positions
-        T = positions.numel()
-        i = torch.arange(T, device=positions.device)
-        first = i - positions  # (T,) the first token of each token's sequence
-        last = torch.repeat_interleave(cu_seqlens[1:].long(), cu_seqlens.diff(), output_size=T) - 1  # (T,) its last
-        self.masks = {}
-        for layer_type in [t for t, b in packing.backend.items() if b == "flex"]:
-            left, right = packing.windows[layer_type]
-            lo = first if left < 0 else torch.maximum(first, i - left)
-            hi = last if right < 0 else torch.minimum(last, i + right)
-            self.masks[layer_type] = interval_block_mask(lo, hi, FLEX_BLOCK)
-
-    def __call__(self, q, k, v, layer_type):
-        """(T, nh, hd) q, k, v -> (T, nh, hd)."""
-        flex = flex_attention
-        if q.device.type == "cuda" and not torch.compiler.is_compiling():
-            flex = compiled_flex()  # called eagerly, FlexAttention would compute all T x T scores, then mask them
-        out = flex(*(x.transpose(0, 1)[None] for x in (q, k, v)), block_mask=self.masks[layer_type])  # (1, nh, T, hd)
-        return out[0].transpose(0, 1)
+CHUNK_ROWS = 2048
 
 
-def interval_block_mask(lo, hi, block):
-    """FlexAttention's BlockMask of "query q sees keys lo[q] .. hi[q]" over T tokens, lo and hi (T,), in blocks of
-    `block` queries and keys. A (query block, key block) pair is full where every query of the block sees every key
-    of the block (the kernel skips the mask there), partial where some query sees some key (the kernel masks), else
-    skipped."""
-    T = lo.numel()
-    n = -(-T // block)  # blocks, the last one possibly short
-    lo, hi = F.pad(lo, (0, n * block - T), value=T), F.pad(hi, (0, n * block - T), value=-1)  # padding sees no key
-    starts = torch.arange(0, n * block, block, device=lo.device)  # (n,) each key block's first key and last key
-    ends = (starts + block - 1).clamp(max=T - 1)
-    some = ((lo[:, None] <= ends) & (hi[:, None] >= starts)).view(n, block, n).any(1)  # (n query blocks, n key blocks)
-    every = ((lo[:, None] <= starts) & (hi[:, None] >= ends)).view(n, block, n).all(1)
+def chunked_cross_entropy(x, weight, bias, targets, chunk_rows=CHUNK_ROWS, max_rows=None):
+    """x: (N, H) inputs of the decoder, targets: (N,) -> the float32 sum of the N cross-entropies of
+    F.linear(x, weight, bias), as cross_entropy(logits.float(), targets, reduction="sum") gives it.
 
-    def blocks(visit):  # (n, n) bool -> per query block, how many key blocks and which, those first: (1, 1, n, ...)
-        order = visit.int().argsort(dim=-1, descending=True, stable=True)
-        return visit.sum(-1, dtype=torch.int32)[None, None], order.int()[None, None]
-
-    def mask_mod(b, h, q, k):
-        return (lo[q] <= k) & (k <= hi[q])
-
-    return BlockMask.from_kv_blocks(*blocks(some & ~every), *blocks(every), BLOCK_SIZE=block, mask_mod=mask_mod,
-                                    seq_lengths=(T, T))
+    max_rows, a bound on N that does not change between steps (the batch's token count), fixes the number of
+    chunks: under torch.compile the loop then has a fixed length and N stays symbolic, so an MLM step with
+    another number of masked tokens reuses the graph. Gradients are computed only where autograd will ask for
+    them (not under torch.no_grad)."""
+    n_chunks = max(1, -(-(max_rows or x.shape[0]) // chunk_rows))
+    want_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return ChunkedCrossEntropy.apply(x, weight, bias, targets, n_chunks, want_grad)
 
 
-@functools.cache
-def compiled_flex():
-    """torch.compile(flex_attention), made once, at its first eager use on CUDA (torch.compile imports dynamo)."""
-    return torch.compile(flex_attention)
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """The rows are padded to n_chunks equal chunks with ignored targets; one chunk's (rows, V) logits and their
+    gradient exist at a time."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, targets, n_chunks, want_grad):
+        N = x.shape[0]
+        chunk = -(-N // n_chunks)
+        pad = n_chunks * chunk - N
+        x, targets = F.pad(x, (0, 0, 0, pad)), F.pad(targets, (0, pad), value=-100)  # (n_chunks * chunk, ...)
+        loss = torch.zeros((), device=x.device, dtype=torch.float32)
+        if want_grad:  # accumulated in float32 whatever the matmul dtype, cast to the inputs' dtype in backward
+            grad_x = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
+            grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
+            grad_b = torch.zeros(bias.shape, device=bias.device, dtype=torch.float32)
+        for i in range(n_chunks):
+            xc, yc = x[i * chunk:(i + 1) * chunk], targets[i * chunk:(i + 1) * chunk]  # (c, H), (c,)
+            valid = yc >= 0  # (c,) False on the padding rows
+            yc = yc.clamp_min(0)
+            logits = F.linear(xc, weight, bias)  # (c, V), in autocast's dtype under autocast
+            mm_dtype = logits.dtype
+            logits = logits.float()  # the softmax in float32, as F.cross_entropy(logits.float()) would
+            lse = logits.logsumexp(dim=-1)  # (c,)
+            # Out of place: the tensor forward returns must not be one it updated in place, or torch 2.11's
+            # dynamo hands backward a zero gradient for it (pytorch#180642): every gradient zero, compiled.
+            loss = loss + ((lse - logits.gather(1, yc[:, None]).squeeze(1)) * valid).sum()
+            if want_grad:
+                grad = logits.sub_(lse[:, None]).exp_()  # (c, V) softmax, written over the logits
+                grad.scatter_add_(1, yc[:, None], -valid[:, None].float())  # - onehot
+                grad.mul_(valid[:, None])  # padding rows: no gradient
+                grad = grad.to(mm_dtype)  # cast once for the three matmuls (which autocast runs in mm_dtype)
+                # The bias gradient, a column sum, as a matrix product (rounded as the other two are): compiled, the
+                # chunks' column sums fused into one slow kernel after the last chunk that kept every chunk's
+                # gradient alive (H200, CLM at 4 x 8192: 8.8 ms of a 122 ms step).
+                grad_b += valid.to(mm_dtype) @ grad  # (c,) @ (c, V)
+                grad_x[i * chunk:(i + 1) * chunk] = grad @ weight  # (c, V) @ (V, H)
+                grad_w += grad.T @ xc  # (V, c) @ (c, H)
+        if want_grad:
+            ctx.save_for_backward(grad_x[:N], grad_w, grad_b)
+            ctx.dtypes = x.dtype, weight.dtype, bias.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        """d(grad_loss * loss) / d(x, weight, bias): the forward's gradients scaled by the upstream scalar."""
+        return (*((g * grad_loss).to(dtype) for g, dtype in zip(ctx.saved_tensors, ctx.dtypes)), None, None, None)

@@ -1,9 +1,10 @@
 """
-One writer per output directory. A run holds its directory (train.py's out_dir, eval.py's and cka.py's --out)
-with an exclusive flock on DIR/.lock, which the kernel drops when the process ends, however it ends (SIGKILL, the
-OOM killer): the same command run again after a crash needs no manual step. The file says who holds it (host, pid,
-command, since when), whether it is stopping, and a heartbeat, so that a second run is refused at once in one line
-naming the holder, and a requeued job tells a live holder from a dying or lost one:
+One writer per output directory (train.py's out_dir, eval.py's and cka.py's --out): an exclusive flock on DIR/.lock.
+
+The kernel drops the flock when the process ends, however it ends (SIGKILL, the OOM killer): the same command run
+again after a crash needs no manual step. The file says who holds it (host, pid, command, since when), whether it is
+stopping, and a heartbeat, so that a second run is refused at once in one line naming the holder, and a requeued
+job tells a live holder from a dying or lost one:
   - stopping (train.py caught SIGTERM and is writing its last checkpoint): wait for it, then resume from it;
   - silent (its heartbeat has not moved for STALE seconds on this side's clock: its node is lost or frozen): wait
     for the filesystem to drop its lock;
@@ -34,7 +35,7 @@ import sys
 import threading
 import time
 
-from support.distributed import on_rank0
+from support.processes import on_rank0
 from support.files import open_fd, read_json
 
 LOCK = ".lock"
@@ -58,8 +59,8 @@ class Hold:
         self.info = dict(host=socket.gethostname()[:100], pid=os.getpid(),
                          command=command[:80] + "..." * (len(command) > 80),
                          since=time.strftime("%Y-%m-%d %H:%M:%S %Z"), state="running")
+        os.ftruncate(fd, RECORD)  # first: once written (and synced), the record is the whole file, a longer one's too
         self.write()
-        os.ftruncate(fd, RECORD)  # a lock file that was longer: the record alone
         threading.Thread(target=self.beat, daemon=True).start()
 
     def write(self):

@@ -1,16 +1,19 @@
 """
-The token shards `python data.py` writes and the loader reads: train.bin and val.bin (uint16 or uint32 ids,
-documents separated by the end-of-document id), meta.json (the tokenizer's sha256, vocab size, dtype, special ids,
-counts) and the tokenizer files; read here, with the format's checks, for train.py, the loader and the model card.
-The ids themselves are checked by the loader window by window: a scan of a large train.bin would cost minutes.
+The token shards `python data.py` writes and the loader reads, with their format's checks.
+
+train.bin and val.bin (uint16 or uint32 ids, documents separated by the end-of-document id), meta.json (the
+tokenizer's sha256, vocab size, dtype, special ids, counts) and the tokenizer files, read here for train.py, the loader
+and the model card. The ids themselves are checked by the loader window by window: a scan of a large train.bin would
+cost minutes.
 """
 
 import os
 import re
+import sys
 
 import numpy as np
 
-from support.files import read_json, sha256, whole
+from support.files import read_json, sha256, user_error, whole
 from support.tokenizer import MAX_VOCAB, SPECIAL_NAMES, check_companions
 
 DTYPES = {"uint16": 1 << 16, "uint32": 1 << 32}  # the shard formats, and the ids each can hold
@@ -78,3 +81,18 @@ def split_tokens(data_dir, split, meta, seq_len, micro_batch_size, world):
                          f"{meta['dtype']} make {counted * itemsize:,}: it is not the file data.py wrote beside this "
                          "meta.json (cut short, or from another run); prepare the data again with `python data.py`")
     return np.memmap(path, dtype=meta["dtype"], mode="r"), n
+
+
+def check_data(data_dir, seq_len, micro_batch_size, world, windows):
+    """-> meta.json of a run's data_dir, once both splits make a micro batch on every rank of `world`; a note where
+    the run reads `windows` windows, more than train.bin holds (the data repeats)."""
+    if not data_dir:
+        raise SystemExit("data_dir is not set: point it at a directory made by `python data.py`")
+    meta = load_meta(data_dir)
+    with user_error():
+        _, n = split_tokens(data_dir, "train", meta, seq_len, micro_batch_size, world)
+        split_tokens(data_dir, "val", meta, seq_len, micro_batch_size, world)
+    if windows > n and int(os.environ.get("RANK", 0)) == 0:
+        print(f"note: the schedule reads {windows:,} windows of {seq_len} tokens and train.bin holds {n:,}: the data "
+              f"repeats ({windows / n:.1f} epochs), each epoch in a new order", file=sys.stderr)
+    return meta

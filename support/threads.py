@@ -4,8 +4,8 @@ CPU threads that follow the CPUs this process can use, for train.py, eval.py and
 PyTorch's CPU ops run on an OpenMP team (a thread per core) that meets at a barrier after every op, and the demo's
 small model runs thousands of short ops a step. A thread that arrives first spins there (~300,000 pause instructions,
 libgomp's default) before it sleeps: beside other jobs, the thread it waits for is off its core and the spinner burns
-its own time slice, so the run takes many times its fair share of the machine (results/cpu-2026-11-28 measured it).
-Waiting passively (OMP_WAIT_POLICY=PASSIVE) still pays a wake-up per op; one thread has no barrier at all.
+its own time slice, so the run takes many times its fair share of the machine. Waiting passively
+(OMP_WAIT_POLICY=PASSIVE) still pays a wake-up per op; one thread has no barrier at all.
 
 So: as many threads as the usable CPUs (affinity mask, capped by the cgroup's CPU quota) that the other processes
 leave free, re-counted every second: all of them on a quiet machine, one beside busy jobs. A count the user set is

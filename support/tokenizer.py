@@ -1,6 +1,8 @@
 """
-The tokenizer: a tokenizer.json on Hugging Face `tokenizers`, with the special ids MLM needs (Tokenizer);
-train_bpe trains a byte-level BPE for the offline demo (`--tokenizer bpe:N`); the companion files transformers reads.
+The tokenizer: a tokenizer.json on Hugging Face `tokenizers`, its special ids, the companion files transformers reads.
+
+Tokenizer holds the special ids MLM needs; train_bpe trains a byte-level BPE for the offline demo (`--tokenizer
+bpe:N`); write_hf_config and check_companions write and read the companion files.
 """
 
 import json

@@ -188,7 +188,7 @@ def training(ctx, deadline):
         rows.append(dict(phase=phase["name"], steps=len(mine), first_step_s=round(step_s[0], 3), steady_step_s=round(
             statistics.median(step_s[1:]), 3), steady_mfu=None if None in mfu else f"{statistics.median(mfu[1:]):.1%}",
             compile_s=sum(r.get("compile_s", 0) for r in mine)))
-    line = (found(r"outside the steps: (.*)", log) or [""])[-1]  # train.py's end line (support/logger.py)
+    line = (found(r"outside the steps: (.*)", log) or [""])[-1]  # train.py's end line (support/metrics.py)
     said = dict(zip(("evaluations", "evaluation_s", "checkpoints", "checkpoint_s", "longest_checkpoint_s", "graphs",
                      "compile_s", "graph_breaks", "recompiles"), map(json.loads, re.findall(r"\d+(?:\.\d+)?", line))))
     said.update(recompile_reasons=line.partition("recompiles: ")[2],

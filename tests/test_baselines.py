@@ -362,7 +362,7 @@ def test_finetune_step_has_the_gradients_of_transformers_modernbert_loss(models,
     monkeypatch.setattr(eval, "accumulate", keep)
     monkeypatch.setattr(torch.optim.AdamW, "step", stop)
     with pytest.raises(Stop):
-        eval.finetune(args, 0, splits, labels, CPU, 0, 1, torch.autocast("cpu", enabled=False))
+        eval.finetune(args, 0, splits, labels, CPU, 0, 1, torch.autocast("cpu", enabled=False), torch.float32)
     parts = eval.micro_batches(seen["mine"], 80)  # in finetune's order: several, of different sizes, in budget
     assert len(seen["mine"]) == len(items) and len(parts) > 3 and len({len(p) for p in parts}) > 1
     assert all(sum(len(x) for x, _ in p) <= 80 or len(p) == 1 for p in parts)

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from data import prepare, read_documents
 from model import ModernBertConfig, ModernBertForMaskedLM
 from support.checkpoint import checkpoint_problem, save_checkpoint
-from support.checks import check_wandb
+from support.config import check_wandb
 from test_resilience import logged, stop, wait_for
 from test_train import ROOT, TINY, data_dir, metrics, train_cmd, train_here  # noqa: F401 (fixtures)
 from train import Config, make_optimizer

@@ -229,11 +229,15 @@ def steps_in(run):
 
 
 def test_resume_picks_the_newest_full_checkpoint_not_a_weights_only_one(runs, data_dir, base_ckpt, tmp_path):  # noqa: F811
-    # The out_dir as a kill between steps 18 and 20 leaves it: the newest checkpoint is weights-only.
+    # The out_dir as a kill between steps 18 and 20 leaves it: the newest checkpoint is weights-only. And ckpt-12 as a
+    # kill inside its pruning leaves it: train_state.pt removed, its manifest still listing it (the next prune ends it).
     run = tmp_path / "clm"
     shutil.copytree(runs / "clm", run)
     shutil.rmtree(run / "final")
     shutil.rmtree(run / "ckpt-20")
+    manifest = json.loads((run / "ckpt-16" / "manifest.json").read_text())
+    half = {**json.loads((run / "ckpt-12" / "manifest.json").read_text()), "train_state.pt": manifest["train_state.pt"]}
+    (run / "ckpt-12" / "manifest.json").write_text(json.dumps(half))
     assert latest_valid_checkpoint(str(run)) == str(run / "ckpt-16")
     assert "resuming at step 16" in train_here(run, data_dir, f"--init_from={base_ckpt}", *KEEP, *ARMS["clm"]).stdout
     strip = lambda records: [{k: v for k, v in m.items() if k not in TIMINGS} for m in records]  # noqa: E731

@@ -22,7 +22,7 @@ import data
 import train
 from model import ModernBertConfig, cu_seqlens_of
 from support import kernels
-from support.loss import chunked_cross_entropy
+from support.kernels import chunked_cross_entropy
 from test_train import launcher
 from test_gpu_path import SPECIAL, needs_flash, randomized, tiny, train_losses  # noqa: F401 (tiny is a fixture)
 

@@ -20,8 +20,8 @@ import train
 from model import ModernBertConfig, ModernBertForMaskedLM
 from support import hf, suite
 from support.card import base_model
-from support.checks import checkpoint_config
-from support.files import number, read_bytes, read_json, whole
+from support.checkpoint import checkpoint_config
+from support.files import number, read_bytes, read_json, replace_file, whole
 from support.tokenizer import load_tokenizer, train_bpe
 from test_links import sums, within
 
@@ -401,3 +401,10 @@ def test_whole_numbers_and_numbers_are_json_numbers_not_booleans():
     assert number(1e-5, 0) and number(3) and number(10 ** 400)  # a JSON integer of any size compares exactly
     assert not any(number(v) for v in (True, float("nan"), float("inf"), -float("inf"), "1", None))
     assert not number(-0.5, 0) and not number(2, 0, 1)
+
+
+def test_a_file_replaced_whole_takes_the_place_of_what_a_killed_write_left(tmp_path):
+    """replace_file writes PATH.tmp, then renames it over PATH: a PATH.tmp a kill left half written goes first."""
+    (tmp_path / "config.json.tmp").write_text('{"half": ')
+    replace_file(str(tmp_path / "config.json"), '{"whole": true}')
+    assert read_json(str(tmp_path / "config.json")) == {"whole": True} and os.listdir(tmp_path) == ["config.json"]

@@ -1,8 +1,7 @@
-"""On a CUDA GPU: every attention backend available against SDPA (SDPA's cuDNN kernel and FlexAttention among
-them), a training step's gradients eager and compiled against float32, train.py with each backend, and exact
-resume with dropout on. Skipped without CUDA
-(tests/test_gpu_path.py runs the same paths on CPU through the real wrappers on emulated kernels,
-tests/cpu_kernels.py).
+"""On a CUDA GPU: every attention backend available against SDPA (SDPA's cuDNN kernel among them), a training
+step's gradients eager and compiled against float32, train.py with each backend, and exact resume with dropout on.
+Skipped without CUDA (tests/test_gpu_path.py runs the same paths on CPU through the real wrappers on emulated
+kernels, tests/cpu_kernels.py).
 
     python -m pytest tests/test_gpu.py -q -s     # -s prints the measured differences
 """
@@ -35,12 +34,11 @@ def worst(a, ga, b, gb):
 
 
 # (backend, causal, padded, window): each kernel everywhere; SDPA's cuDNN kernel where it attends (the global layers
-# of packed batches); FlexAttention (compiled, its block mask of documents and windows); SDPA itself in bf16
+# of packed batches); SDPA itself in bf16
 KERNEL_CASES = [(b, c, p, w) for b in KERNELS for c in (False, True) for p in (True, False) for w in (16, 4096)]
 AGAINST_SDPA = (KERNEL_CASES or [pytest.param("none", False, True, 16, marks=pytest.mark.skip(
     reason="no GPU attention kernel here (flash-attn not installed, torch varlen_attn without window_size)"))]) + [
-    (b, c, p, 16) for b, p in (("global=cudnn,local=sdpa", False), ("flex", False), ("flex", True))
-    for c in (False, True)] + [("sdpa", True, True, 16)]
+    ("global=cudnn,local=sdpa", c, False, 16) for c in (False, True)] + [("sdpa", True, True, 16)]
 
 
 @pytest.mark.parametrize("backend, causal, padded, window", AGAINST_SDPA)
@@ -83,10 +81,10 @@ STEP_VARIANTS = {
 
 def test_train_step_gradients_against_float32():
     """train.forward_backward's gradients under bf16 autocast, as each variant computes them, against one eager
-    float32 step with F.cross_entropy on the logits (support/loss.py not involved). Under torch 2.11 every
-    gradient of a compiled step was zero (pytorch#180642, see support/loss.py): the variants say whether such a
-    fault is eager's, dynamo's or AOTAutograd's (aot_eager), inductor's code, its mix-order reductions, or the
-    chunked loss's in the graph."""
+    float32 step with F.cross_entropy on the logits (the chunked loss not involved). Under torch 2.11 every gradient
+    of a compiled step was zero (pytorch#180642, see support/kernels.py): the variants say whether such a fault is
+    eager's, dynamo's or AOTAutograd's (aot_eager), inductor's code, its mix-order reductions, or the chunked
+    loss's in the graph."""
     import torch._inductor.config as inductor
     import torch.nn.functional as F
 
@@ -105,6 +103,7 @@ def test_train_step_gradients_against_float32():
 
     ref_loss = loss_outside(model)
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.place(PROCESS.device, torch.bfloat16)  # the kernels of the steps below, as train.py chooses them
     failures = []
     for name, (backend, settings, in_graph) in STEP_VARIANTS.items():
         model.zero_grad(set_to_none=True)
@@ -141,7 +140,7 @@ def test_compiled_steps_move_the_weights_as_eager_steps_do():
 
     config = ModernBertConfig(**CONFIG)
     batch = mlm_batch(config)
-    start = randomized(config).to(PROCESS.device).train()
+    start = randomized(config).place(PROCESS.device, torch.bfloat16).train()
     runs = {}
     for compiled in (False, True):
         model = copy.deepcopy(start)
@@ -176,7 +175,8 @@ def test_a_new_mask_rate_compiles_no_new_graph():
     torch._dynamo.reset()
     counters.clear()
     config = ModernBertConfig(**{**CONFIG, "hidden_size": 768, "intermediate_size": 1152, "num_attention_heads": 12})
-    model = train.wrap(randomized(config).to(PROCESS.device).train(), "inductor", False, PROCESS.device)
+    model = train.wrap(randomized(config).place(PROCESS.device, torch.bfloat16).train(), "inductor", False,
+                       PROCESS.device)
     for step, rate in enumerate((0.3, 0.15, 0.3)):
         batch = mlm_batch(config, rate, length=8192, seed=step)
         train.forward_backward(model, [batch], False, PROCESS, torch.autocast("cuda", dtype=torch.bfloat16))

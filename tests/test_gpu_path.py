@@ -41,6 +41,7 @@ def run_model(model, backend, causal, padded, lengths, seed=1, dtype=torch.bfloa
     model.config.attn_backend = backend
     model.zero_grad()
     device = next(model.parameters()).device
+    model.place(device, dtype)  # the kernels chosen for `backend`, as a script places the model
     ids, mask = (t.to(device) for t in padded_batch(model.config.vocab_size, lengths, seed))
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
         if padded:
@@ -124,17 +125,22 @@ def test_model_through_each_kernel_matches_sdpa(monkeypatch, backend, causal, pa
 
 @needs_flash
 def test_float32_forward_never_reaches_a_kernel(monkeypatch):
-    """Defect 1: without autocast the kernels would get float32 q, k, v and raise on CUDA."""
+    """Without autocast the kernels would get float32 q, k, v and raise on CUDA: a model not placed chooses its
+    kernels at its first forward in a dtype, again when it runs in another."""
     cpu_kernels.install(monkeypatch)
     model = randomized(small_config("long_seqs", num_hidden_layers=2))
     ids = torch.randint(3, 256, (2, 9))
-    assert str(model.model.attention_backend(ids.device)) == "sdpa"
     model(ids)  # auto: SDPA
+    assert str(model.model.kernels.of(packed=True)) == "sdpa"
     assert not cpu_kernels.calls["flash"] and not cpu_kernels.calls["varlen"]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert str(model.model.attention_backend(ids.device)) == "global cudnn, local flash"
+        model(ids)
+    assert str(model.model.kernels.of(packed=True)) == "global cudnn, local flash" and cpu_kernels.calls["flash"]
+    model(ids)  # float32 again
+    assert str(model.model.kernels.of(packed=True)) == "sdpa"
     for backend in ("flash", "varlen", "cudnn"):
         model.config.attn_backend = backend
+        model.place("cpu")
         with pytest.raises(RuntimeError, match="float16 or bfloat16.*--dtype=bfloat16"):
             model(ids)
 

@@ -1,12 +1,6 @@
-"""support/kernels.py on CPU: the kernel each layer type gets ("auto" per layer type, forced, and the refusals), and
-the two views the newer backends attend through, against independent references:
-
-- FlexAttention's block mask (forward only on CPU) against float64 attention with the window written out
-  (test_gpu_path.reference), on blocks small enough that blocks skipped, partial and full all occur; the blocks it
-  visits counted by hand;
-- SDPA's cuDNN kernel on the packed (B, nh, S, hd) view, no mask (SDPA's CPU flash kernel standing in), against SDPA.
-
-tests/test_gpu.py runs both kernels themselves on a GPU, with their backward.
+"""support/kernels.py on CPU: the kernel each layer type gets ("auto" per layer type, forced, and the refusals), held
+by the model as placed, and SDPA's cuDNN kernel on the packed (B, nh, S, hd) view, no mask (SDPA's CPU flash kernel
+standing in), against SDPA. tests/test_gpu.py runs the kernels themselves on a GPU, with their backward.
 """
 
 import pytest
@@ -14,19 +8,17 @@ import torch
 import torch.nn.functional as F
 
 import cpu_kernels
-from model import Packing, attention, cu_seqlens_of
+from model import cu_seqlens_of
 from support import kernels
-from test_gpu_path import randomized, reference, run_model
+from test_gpu_path import randomized, run_model
 from test_model import small_config
 
-# On CPU FlexAttention runs its eager path (a GPU compiles it), exact and quick at these sizes: no warning for that.
-pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 CPU, BF16 = torch.device("cpu"), torch.bfloat16
 BOTH = lambda name: {"global": name, "local": name}  # noqa: E731
 
 
 def pick(requested="auto", dtype=BF16, dropout_p=0.0, packed=True):
-    return kernels.pick_backend(requested, CPU, dtype, dropout_p, packed)
+    return kernels.choose(requested, CPU, dtype, dropout_p).of(packed)
 
 
 def test_auto_picks_the_fastest_kernel_per_layer_type_and_falls_back(monkeypatch):
@@ -58,69 +50,13 @@ def test_forced_backends_and_their_refusals(monkeypatch):
     with pytest.raises(RuntimeError, match="float16 or bfloat16"):
         pick("global=cudnn,local=sdpa", dtype=torch.float32)
     with pytest.raises(RuntimeError, match="no attention-probability dropout"):
-        pick("flex", dropout_p=0.1)
-    with pytest.raises(RuntimeError, match="'flex' has no backward on CPU"):
-        pick("flex")
-    with torch.no_grad():
-        assert pick("flex", dtype=torch.float32) == BOTH("flex")
-    for bad in ("xformers", "global=cudnn", "global=cudnn,local=fast", "global=sdpa,local=sdpa,middle=sdpa"):
+        pick("varlen", dropout_p=0.1)
+    for bad in ("xformers", "flex", "global=cudnn", "global=cudnn,local=fast", "global=sdpa,local=sdpa,middle=sdpa"):
         with pytest.raises(ValueError, match="unknown attention backend.*global=cudnn,local=varlen"):
             pick(bad)
     monkeypatch.setattr(kernels, "KERNEL_DEVICE", "cuda")
     with pytest.raises(RuntimeError, match="'cudnn' .* needs CUDA"):
         pick("global=cudnn,local=sdpa")
-
-
-def flex_packing(lengths, causal, half_window):
-    return Packing(sum(lengths), cu_seqlens_of(lengths), max(lengths), causal, half_window,
-                   kernels.Choice(BOTH("flex")))
-
-
-@pytest.mark.parametrize("lengths", [[24, 24, 24], [1, 6, 30, 13, 9]])  # packed windows; documents kept apart
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("layer_type", ["global", "local"])
-def test_flex_block_mask_against_float64(monkeypatch, lengths, causal, layer_type):
-    """Blocks of 8 tokens against windows of +-4 and documents of 1 to 30 tokens, the batch not a whole number of
-    blocks (59 tokens): blocks skipped everywhere, and in the global layers of documents blocks seen whole (no mask)
-    beside blocks masked."""
-    monkeypatch.setattr(kernels, "FLEX_BLOCK", 8)
-    packing = flex_packing(lengths, causal, 4)
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(sum(lengths), 2, 16, generator=g) for _ in range(3))
-    with torch.no_grad():
-        out = attention(q, k, v, packing, layer_type, 0.0)
-    left, right = packing.windows[layer_type]
-    ref, _ = reference(q, k, v, lengths, left, right, 16 ** -0.5)
-    assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
-    mask = packing.flex.masks[layer_type]
-    partial, full = mask.kv_num_blocks.sum().item(), mask.full_kv_num_blocks.sum().item()
-    assert partial + full < (-(-sum(lengths) // 8)) ** 2  # some blocks skipped
-    if len(lengths) == 5 and layer_type == "global":
-        assert partial > 0 and full > 0
-
-
-def test_flex_visits_only_the_blocks_a_window_reaches(monkeypatch):
-    """Packed windows of 64 tokens in blocks of 8, a local window of +-4: a query block's keys reach at most one
-    block on each side within its sequence, so 8 x 3 - 2 = 22 block pairs per sequence (the first and the last
-    block have one neighbour), none of them full (a block's first and last queries see different keys); the global
-    layer sees its 8 x 8 blocks whole."""
-    monkeypatch.setattr(kernels, "FLEX_BLOCK", 8)
-    packing = flex_packing([64, 64], False, 4)
-    local, glob = packing.flex.masks["local"], packing.flex.masks["global"]
-    assert local.kv_num_blocks.sum().item() == 2 * 22 and local.full_kv_num_blocks.sum().item() == 0
-    assert glob.kv_num_blocks.sum().item() == 0 and glob.full_kv_num_blocks.sum().item() == 2 * 64
-
-
-@pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("causal", [False, True])
-def test_the_model_through_flex_matches_sdpa(padded, causal):
-    """Forward only (FlexAttention has no CPU backward), float32, whole model: logits as SDPA's."""
-    model = randomized(small_config("long_seqs", num_hidden_layers=3)).eval()
-    lengths = [1, 5, 37, 20] if padded else [24, 24, 24]
-    with torch.no_grad():
-        out, ref = (run_model(model, backend, causal, padded, lengths, dtype=torch.float32)[0]
-                    for backend in ("flex", "sdpa"))
-    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -149,3 +85,26 @@ def test_cudnn_layers_attend_the_packed_view_with_no_mask(monkeypatch, causal):
     calls.clear()
     run_model(model, "auto", causal, True, [1, 5, 37, 20])
     assert calls and all(c[3] for c in calls)
+
+
+def test_the_model_reads_the_kernels_chosen_where_it_was_placed(monkeypatch):
+    """Chosen once per device and dtype, where the model is placed (MODERNBERT_ATTN read there, not per call); each
+    forward reads the choice for its batch's form: cuDNN in the global layers of packed batches, varlen_attn in the
+    others. A forward in another dtype than the one placed for chooses anew, once."""
+    cpu_kernels.install(monkeypatch, backends=("varlen",))
+    chosen, choose = [], kernels.choose
+    monkeypatch.setattr(kernels, "choose", lambda *args: chosen.append(args[2]) or choose(*args))
+    model = randomized(small_config("long_seqs")).place(CPU, BF16)  # global, local, local, global
+    assert chosen == [BF16]
+    monkeypatch.setenv("MODERNBERT_ATTN", "sdpa")  # after the choice: changes nothing
+    for lengths in ([24, 24, 24], [1, 5, 37, 20], [24, 24, 24]):  # packed, documents kept apart, packed
+        cpu_kernels.calls["varlen"].clear()
+        ids = torch.randint(3, 256, (sum(lengths),))
+        with torch.autocast("cpu", dtype=BF16), torch.no_grad():
+            model(ids, cu_seqlens=cu_seqlens_of(lengths), max_seqlen=max(lengths))
+        packed = len(set(lengths)) == 1
+        assert len(cpu_kernels.calls["varlen"]) == (2 if packed else 4), lengths
+    assert chosen == [BF16]
+    with torch.no_grad():
+        model(torch.randint(3, 256, (2, 9)))  # float32: the kernels take 16-bit q, k, v only
+    assert chosen == [BF16, torch.float32] and model.model.kernels.of(packed=True) == BOTH("sdpa")

@@ -16,7 +16,6 @@ import train
 from model import ModernBertConfig, ModernBertForMaskedLM
 from support import files, lock, suite
 from support.checkpoint import prune, save_checkpoint, tokenizer_files
-from support.config import check_out_dir
 from support.metrics import trim_metrics
 from test_train import TINY, data_dir, train_cmd  # noqa: F401 (data_dir is a fixture)
 from train import Config, make_optimizer
@@ -183,7 +182,7 @@ def test_suite_cka_eval_and_data_outputs_refuse_a_planted_link(tmp_path, elsewhe
     os.symlink(elsewhere / "secret.txt", out / "results.md")
     # cka.py's and eval.py's results, and, before any work, every script's check of its output directory
     for write in (lambda: cka.write(str(out), "results", {}, "| table |", lambda r, p: False),
-                  lambda: files.replace_file(str(out / "results.md"), "eval's table"), lambda: check_out_dir(str(out))):
+                  lambda: files.replace_file(str(out / "results.md"), "eval's table"), lambda: files.check_out_dir(str(out))):
         refuses(write, out / "results.md", elsewhere / "secret.txt")
     # data.py's staging folder beside --out, and a file it replaces in --out.
     os.symlink(elsewhere / "folder", tmp_path / "shards.prepare.tmp")

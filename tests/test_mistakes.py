@@ -21,7 +21,7 @@ import data
 import eval as eval_py
 import train
 from data import prepare, read_documents
-from support.checks import check_run
+from support import checkpoint, shards
 from support.tokenizer import train_bpe
 from test_files import ROOT, TEXTS
 from test_links import sums  # every folder and file, with each file's sha256: what "nothing on disk changed" compares
@@ -176,6 +176,8 @@ ROWS = [
     ("train.py an objective with a typo", {},
      NEW_RUN + ["--objective=mlmm"], "objective='mlmm': choose 'clm' or 'mlm'"),
     ("train.py a value of the wrong type", {}, NEW_RUN + ["--lr=abc"], "--lr=abc: lr must be float, got 'abc'"),
+    ("train.py an attention backend that is none", {},
+     NEW_RUN + ["--attn_backend=flex"], "unknown attention backend 'flex'; choose one of auto, flash, varlen, cudnn"),
 ]
 
 
@@ -200,11 +202,13 @@ def test_mistake(workdir, tmp_path, capsys, name, files, command, message):
 
 def test_rerun_replaces_a_data_set_whole_and_counts_the_empty_texts_it_skipped(workdir, tmp_path, capsys):
     """A successful re-run with another tokenizer leaves the new tokenizer beside the new shards, nothing of the old
-    run (a tokenizer companion file the new one lacks included), and no staging folder. Empty and null texts are
-    skipped and counted."""
+    run (a tokenizer companion file the new one lacks included), and no staging folder, the one a killed run left
+    included. Empty and null texts are skipped and counted."""
     d = tmp_path / "work"
     shutil.copytree(workdir, d, symlinks=True)
     (d / "shards" / "special_tokens_map.json").write_text("{}")  # as if the old tokenizer had one
+    (d / "shards.prepare.tmp").mkdir()  # and what a killed run left staged: a companion of its tokenizer
+    (d / "shards.prepare.tmp" / "tokenizer_config.json").write_text("{}")
     lines = [{"text": t} for t in TEXTS[:40]] + [{"text": ""}, {"text": None}, {"text": "   "}]
     (d / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     main(d, DATA + ["--input", "in.jsonl", "--tokenizer", "other_tok.json", "--out", "shards", "--val_docs", "10"])
@@ -239,10 +243,17 @@ def test_torchrun_says_a_mistake_once(workdir):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# support/checks.py: what a run can know at step 0 stops it at start-up, in one line naming the fix.
+# What a run can know at step 0 stops it at start-up, in one line naming the fix.
 
 
 STEPS = 20
+
+
+def check_run(c, steps, world):
+    """train.start's checks of what a run names: its data, then out_dir and init_from -> the data's meta.json."""
+    meta = shards.check_data(c.data_dir, c.seq_len, c.micro_batch_size, world, steps * c.global_batch_size)
+    checkpoint.check_start(c, meta, 0)
+    return meta
 
 
 def config(data_dir, tmp_path, **kw):

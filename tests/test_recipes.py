@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from model import ModernBertConfig, ModernBertForMaskedLM
-from support.checkpoint import differences
+from support.config import differences
 from support.metrics import TIMINGS
 from train import Config, Schedule, parse_config
 from test_train import TINY, base_ckpt, config, data_dir, metrics, train_here  # noqa: F401 (fixtures)

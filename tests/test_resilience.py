@@ -18,9 +18,8 @@ import torch
 from data import load_meta
 from model import ModernBertForMaskedLM
 from support.card import latest_records
-from support.checkpoint import (MANIFEST, TRAIN_STATE, checkpoint_problem, latest_valid_checkpoint, rng_state,
-                                save_checkpoint, set_rng_state, weights_only)
-from support.checks import check_init_from
+from support.checkpoint import (MANIFEST, TRAIN_STATE, check_init_from, checkpoint_problem, latest_valid_checkpoint,
+                                rng_state, save_checkpoint, set_rng_state, weights_only)
 from support.metrics import records, trim_metrics
 from test_links import tiny  # noqa: F401 (a fixture)
 from test_train import ROOT, base_ckpt, data_dir, metrics, train_cmd, train_here  # noqa: F401 (fixtures)
@@ -263,8 +262,9 @@ def reference(data_dir, base_ckpt, tmp_path_factory):
 def test_sigterm_then_kill9_and_a_truncated_checkpoint_resume_exactly(data_dir, base_ckpt, reference, tmp_path,
                                                                        start):
     """SIGTERM: a checkpoint at the next step boundary, exit 143, resumed there. Then kill -9 while a checkpoint is
-    written at every step (ckpt_every_minutes, which a resume may change), the newest cut short: resumed from the one
-    before. The logged numbers are the uninterrupted run's, checkpoints between two logs included."""
+    written at every step (ckpt_every_minutes, which a resume may change), the newest cut short, and the partial
+    folder of a save that a kill cut short: resumed from the one before, the partial folder removed. The logged
+    numbers are the uninterrupted run's, checkpoints between two logs included."""
     cmd = train_cmd(tmp_path, data_dir, f"--init_from={base_ckpt}", *ARGS)
     proc = start(cmd)
     wait_for(lambda: logged(tmp_path) >= 4, proc, "step 4")
@@ -283,11 +283,15 @@ def test_sigterm_then_kill9_and_a_truncated_checkpoint_resume_exactly(data_dir, 
     for name in ("model.safetensors", "train_state.pt"):  # a copy cut short
         file = tmp_path / f"ckpt-{newest}" / name
         os.truncate(file, file.stat().st_size // 2)
+    partial = tmp_path / ".tmp-ckpt-99"  # a save a kill cut short, of a step this run never writes again
+    shutil.copytree(tmp_path / f"ckpt-{newest - 1}", partial)
+    os.remove(partial / MANIFEST)
+    os.truncate(partial / "train_state.pt", 1000)
 
     code, out, err = finish(start(cmd))
     warning = [line for line in err.splitlines() if line.startswith("warning:")]
     assert len(warning) == 1 and f"ckpt-{newest} is damaged" in warning[0] and "bytes" in warning[0], err[-2000:]
-    assert f"resuming at step {newest - 1}" in out and not list(tmp_path.glob(".tmp-*"))
+    assert f"resuming at step {newest - 1}" in out and not list(tmp_path.glob(".tmp-*"))  # the partial save removed
     assert losses(metrics(tmp_path)) == reference, "checkpoints between logs must not change the logged numbers"
 
 

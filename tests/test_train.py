@@ -23,10 +23,9 @@ from data import Loader, clm_batch, load_meta, mlm_batch, prepare, read_document
 from model import ModernBertConfig, ModernBertForMaskedLM
 from support import lock
 from support.flops import training_flops
+from support.processes import Process
 from support.tokenizer import train_bpe
-from support.distributed import Process
-from support.freeze import Freeze
-from train import Config, Schedule, batch_loss, forward_backward, parse_config
+from train import Config, Freeze, Schedule, batch_loss, forward_backward, parse_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=2, local_attention=16)
@@ -314,20 +313,18 @@ def test_logged_loss_and_mfu_are_of_the_steps_since_the_last_record(three_phase_
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_skip_data_stands_where_an_uninterrupted_run_stands(data_dir, world):
-    """After skip_data(N tokens) fresh loaders on each rank give what a loader that read N tokens gives next."""
-    from support.checkpoint import skip_data
-
+def test_skip_stands_where_an_uninterrupted_run_stands(data_dir, world):
+    """After Loader.skip(N tokens) fresh loaders on each rank give what a loader that read N tokens gives next."""
     whole = Loader(data_dir, "train", 64, 8, 42)
     for _ in range(5):
         whole.next()
     ahead = [whole.next() for _ in range(3)]  # (8, 64) each: steps 6-8 of the uninterrupted run
     parts = [Loader(data_dir, "train", 64, 8 // world, 42, rank, world) for rank in range(world)]
-    assert [skip_data(p, 5 * 8 * 64 + 63) for p in parts] == [5 * 8 * 64] * world  # whole windows only
+    assert [p.skip(5 * 8 * 64 + 63) for p in parts] == [5 * 8 * 64] * world  # whole windows only
     resumed = [torch.cat([p.next() for p in parts]) for _ in range(3)]  # the ranks' micro batches, in rank order
     assert all(torch.equal(a, b) for a, b in zip(ahead, resumed))
     fresh = Loader(data_dir, "train", 64, 8, 42).next()
-    assert not torch.equal(fresh, ahead[0])  # the replay that skip_data avoids would differ
+    assert not torch.equal(fresh, ahead[0])  # the replay that skip avoids would differ
 
 
 def test_decay_from_weights_without_train_state_warns_and_skips(data_dir, base_ckpt, tmp_path):

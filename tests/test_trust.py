@@ -10,6 +10,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -248,6 +249,38 @@ def test_a_record_names_its_holder_only_in_its_own_shape_and_a_take_cuts_a_longe
     lock.take(str(tmp_path), "out_dir")
     assert os.path.getsize(tmp_path / ".lock") == lock.RECORD
     assert lock.holder(str(tmp_path / ".lock"))["pid"] == os.getpid()
+
+
+STOPPED_IN_ITS_TAKE = """import os, signal, sys, time
+sys.path.insert(0, {root!r})
+from support import lock
+sync = os.fsync
+def stop_once(fd):  # the first sync of the take, as a loaded machine or NFS may hold a process there
+    os.fsync = sync
+    os.kill(os.getpid(), signal.SIGSTOP)
+    sync(fd)
+os.fsync = stop_once
+lock.take(sys.argv[1], "out_dir")
+time.sleep(300)
+"""
+
+
+def test_a_holder_stopped_in_its_take_is_named_in_a_lock_file_that_was_longer(tmp_path):
+    """A take cuts a longer lock file (another version's, a hand-made one) to a record's size before it writes its
+    record: a holder stopped right after that write, in its sync, is named, and a second run is refused at once."""
+    (tmp_path / ".lock").write_text(json.dumps(RECORD) + " " * 100_000)
+    proc = subprocess.Popen([sys.executable, "-c", STOPPED_IN_ITS_TAKE.format(root=ROOT), str(tmp_path)])
+    try:
+        deadline = time.time() + 120
+        while not os.WIFSTOPPED(os.waitpid(proc.pid, os.WNOHANG | os.WUNTRACED)[1]):
+            assert proc.poll() is None and time.time() < deadline, "the holder did not stop in its take"
+            time.sleep(0.05)
+        assert lock.holder(str(tmp_path / ".lock"))["pid"] == proc.pid
+        with pytest.raises(SystemExit, match=f"^out_dir={tmp_path} is in use by pid {proc.pid} "):
+            lock.take(str(tmp_path), "out_dir")
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_a_held_lock_whose_record_names_no_holder_is_refused_in_one_line(tmp_path, monkeypatch):

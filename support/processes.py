@@ -1,5 +1,9 @@
-"""The few lines of device set-up that train.py, cka.py and eval.py share: torch.distributed, the CPU's threads, the
-compiler and mixed precision."""
+"""
+This process of a run (alone, or one of torchrun's ranks): set up, mixed precision, what rank 0 alone does, teardown.
+
+train.py, cka.py and eval.py set it up the same way: its rank and device (torch.distributed), its CPU threads and
+compiler; rank 0 alone decides or says what every rank would (on_rank0, said_once).
+"""
 
 import contextlib
 import os
