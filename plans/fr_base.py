@@ -22,7 +22,7 @@ cka_n = 500
 cka_len = 512
 suite = "suites/fr_bio.py"
 finetune = {}  # the suite's: the English protocol, as the paper gives no French one
-sbatch_train = ["--nodes=1", "--gpus-per-node=4", "--time=24:00:00"]  # 4 GPUs a run (slurm/train.sbatch requeues)
-sbatch_step = ["--gpus-per-node=1", "--time=24:00:00"]
+sbatch = {"train": ["--nodes=1", "--gpus-per-node=4"],  # 4 GPUs a run (slurm/train.sbatch requeues itself)
+          "gpu": ["--gpus-per-node=1"], "all": ["--time=24:00:00"]}
 # Base, 4 x 8192 packed, compiled, CLM (MLM 250k): one H200, results/h200-2026-11-27 (call5)
 train_tokens_per_s = 269_000

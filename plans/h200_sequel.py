@@ -2,8 +2,9 @@
 #  - the paper's fine-tuning protocol: 10 epochs (20 for NER), the best epoch by validation macro F1 (suites/study.py
 #    leaves both to support/suite.PROTOCOL), 5 fine-tuning seeds (the paper's count for English); lr, batch and
 #    warmup stay the small model's (the paper's are for Base);
-#  - the pretraining seeds its power figure asks for: from the first run's spread (the pilot), a +0.5-point
-#    difference on the tasks' average is found with 80% power by 9 seeds an arm, on AnatEM by 4, NCBI-disease 40:
+#  - the pretraining seeds its power figure asks for: from the first run's spread (the pilot, rescaled to 5
+#    fine-tuning seeds), a +0.5-point difference on the tasks' average (NCBI-disease and AnatEM: GAD was cut there)
+#    is found with 80% power by 9 seeds an arm, on AnatEM by 5, on NCBI-disease by 37:
 #      python demo.py plans/h200.py plans/h200_sequel.py --power --pilot results/h200-2026-11-28/study
 #   python demo.py plans/h200.py plans/h200_sequel.py
 out = "out/study_h200_sequel"

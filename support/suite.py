@@ -192,17 +192,17 @@ def paired_delta(a, b):
 
 
 def power(sd, n, delta):
-    """The chance that the two-sided 95% t test over n differences of spread sd finds a true difference delta: the
-    noncentral t with n - 1 df and noncentrality delta sqrt(n) / sd beyond the critical t."""
+    """The chance that the two-sided 95% t test over n differences of spread sd finds a true difference delta (its
+    interval excludes 0): the noncentral t with n - 1 df and noncentrality delta sqrt(n) / sd beyond the critical t."""
     df, ncp = n - 1, delta * math.sqrt(n) / sd
     crit = stats.t.ppf(0.975, df)
     return float(stats.nct.sf(crit, df, ncp) + np.nan_to_num(stats.nct.cdf(-crit, df, ncp)))  # NaN: far below 1e-20
 
 
 def detectable(sd, n, level=0.8):
-    """The true difference that n differences of spread sd find with probability `level` (80% power): larger than
-    the interval's half-width, which a true difference of its own size crosses about half the time."""
-    if n < 2 or sd == 0:
+    """The true difference that n differences of spread sd find with probability `level`: with 80%, 1.31x the
+    interval's half-width at 3 differences (a true difference of the half-width's size is found 61% of the time)."""
+    if n < 2 or not sd > 0:
         return None
     return float(optimize.brentq(lambda delta: power(sd, n, delta) - level, 1e-12 * sd, 100 * sd))
 
@@ -211,34 +211,34 @@ def nested_delta(base, arm):
     """arm - base from scores [pretraining seed][fine-tuning seed], paired at both levels. The fine-tuning seeds are
     nested in each pretraining seed: their mean difference D_s is one draw of the design, and the interval is over
     the D_s (t, P - 1 df), so it holds both seeds' noise; with one pretraining seed it gives none. Beside it the
-    difference found with 80% power, the signs of the D_s and of the paired runs, and the variance components that
-    rescale the D_s's spread to another number of fine-tuning seeds (within: between fine-tuning seeds; between:
-    pretraining seeds beyond what within explains, 0 where the moments give less)."""
+    signs of the D_s and of the paired runs, and the design's spread: Var(D_s) = between + within / F (within: the
+    fine-tuning seeds' variance; between: the pretraining seeds' beyond it), estimated from the D_s and the runs by
+    the moments, between no less than 0, so never below what the fine-tuning seeds alone give; at that spread, the
+    difference the design finds with 80% power."""
     d = np.subtract(arm, base, dtype=np.float64)  # (P, F)
-    per_seed = d.mean(axis=1)
-    sd = float(per_seed.std(ddof=1)) if len(d) > 1 else None
-    within = float(d.var(axis=1, ddof=1).mean()) if d.shape[1] > 1 else None
-    return {**t_interval(per_seed), "per_pretraining_seed": per_seed.tolist(), "sd": sd,
-            "detectable": detectable(sd, len(d)) if sd else None, "finetune_seeds": d.shape[1], "within": within,
-            "between": None if sd is None or within is None else max(0.0, sd ** 2 - within / d.shape[1]),
+    per_seed, (n_pre, n_ft) = d.mean(axis=1), d.shape
+    observed = float(per_seed.var(ddof=1)) if n_pre > 1 else None
+    within = float(d.var(axis=1, ddof=1).mean()) if n_ft > 1 else None
+    between = None if observed is None else observed if within is None else max(0.0, observed - within / n_ft)
+    spread = None if between is None else math.sqrt(between + (within or 0.0) / n_ft)
+    return {**t_interval(per_seed), "per_pretraining_seed": per_seed.tolist(), "spread": spread,
+            "detectable": detectable(spread, n_pre), "finetune_seeds": n_ft, "within": within, "between": between,
             "signs": {"seeds": [int((per_seed > 0).sum()), int((per_seed < 0).sum())],
                       "runs": [int((d > 0).sum()), int((d < 0).sum())]}}
 
 
 def design_sd(delta, finetune_seeds):
-    """The spread of the D_s of a design with `finetune_seeds` fine-tuning seeds, from a nested_delta's: its own sd,
-    scaled by what the variance components say the other number of seeds changes."""
-    if delta["within"] is None or finetune_seeds == delta["finetune_seeds"]:
-        return delta["sd"]
-    ratio = (delta["between"] + delta["within"] / finetune_seeds) / (delta["between"] + delta["within"]
-                                                                      / delta["finetune_seeds"])
-    return delta["sd"] * math.sqrt(ratio)
+    """The spread of the D_s with `finetune_seeds` fine-tuning seeds a pretraining seed, from a nested_delta's
+    variance components; None where they cannot say (one pretraining seed; one fine-tuning seed and another count)."""
+    if delta["between"] is None or (delta["within"] is None and finetune_seeds != delta["finetune_seeds"]):
+        return None
+    return math.sqrt(delta["between"] + (delta["within"] or 0.0) / finetune_seeds)
 
 
 def seeds_needed(delta, sd, level=0.8, most=200):
-    """The fewest pretraining seeds whose D_s, of spread sd, find a true difference delta with `level` power; None
+    """The fewest pretraining seeds whose D_s, of spread sd > 0, find a true difference delta with `level` power; None
     beyond `most`."""
-    return next((n for n in range(2, most + 1) if sd == 0 or power(sd, n, delta) >= level), None)
+    return next((n for n in range(2, most + 1) if power(sd, n, delta) >= level), None)
 
 
 def summarize(suite, seeds, tasks, models, scores):

@@ -125,7 +125,7 @@ def test_readme_table_has_the_digits_the_report_prints_and_its_time(checkout):
     losses = re.findall(r"^\| (?:clm_s17|mlm_s17|mlm_s42) \| [\d,]+ \| [\d.]+ / [\d.]+ \| (\S+) / (\S+) \|$", report,
                         re.M)
     f1 = re.findall(r"^\| (?:clm_s17|mlm_s17|mlm_s42) \| (\d+\.\d+ ± \d+\.\d+) \|$", report, re.M)
-    cka = re.findall(r"^\| \d+-\d+ \| (\d+\.\d+) ± \d+\.\d+ \| (\d+\.\d+) ± \d+\.\d+ \| [\d.]+x \|$", report, re.M)
+    cka = re.findall(r"^\| \d+-\d+ \| (\d+\.\d+) ± \d+\.\d+ \([\d.]+x\) \| (\d+\.\d+) ± \d+\.\d+ \|$", report, re.M)
     shown = re.findall(r"^\| (?:CLM detour|MLM|MLM seed twin) \(\w+\) \| (\S+) \| (\S+) \|([^|]*)\|([^|]*)\|$", README,
                        re.M)
     assert len(losses) == len(f1) == len(shown) == 3 and len(cka) == 3

@@ -208,9 +208,9 @@ def test_a_study_as_jobs_cancelled_midway_and_resubmitted_reports_what_it_report
     with open(tmp_path / "here.log", "w") as log:  # the same plan here, beside the jobs
         reference = subprocess.Popen([*quick, f"--out={here}"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                      env=env)
-    submit = lambda: subprocess.run([*quick, f"--out={jobs}", "--slurm", "--sbatch=['--gpus-per-node=0', "  # noqa
-                                     "'--cpus-per-task=1', '--time=10']"], cwd=ROOT, capture_output=True, text=True,
-                                    env=env)
+    sbatch = "--sbatch={'all': ['--gpus-per-node=0', '--cpus-per-task=1', '--time=10']}"  # no GPU here
+    submit = lambda: subprocess.run([*quick, f"--out={jobs}", "--slurm", sbatch], cwd=ROOT, capture_output=True,  # noqa
+                                    text=True, env=env)
     first, twice = submit(), submit()
     assert first.returncode == 0, first.stdout + first.stderr
     assert twice.returncode == 1 and "still queued or running" in twice.stderr, twice.stdout + twice.stderr

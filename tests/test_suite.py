@@ -46,19 +46,23 @@ def test_paired_interval_hand_computed_and_against_scipy():
 def test_nested_interval_hand_computed():
     """3 pretraining seeds x 2 fine-tuning seeds. d = arm - base = [[1, 2], [2, -1], [-1, 2]]: D_s = 1.5, 0.5, 0.5,
     mean 5/6, sd(D_s) = sqrt(1/3), half-width t_{0.975, 2} sqrt(1/3) / sqrt(3) = 4.302653 / 3; within = the mean of
-    the rows' variances (0.5, 4.5, 4.5) = 19/6, between = max(0, 1/3 - 19/12) = 0; 4 of 6 paired runs above 0."""
+    the rows' variances (0.5, 4.5, 4.5) = 19/6, so the fine-tuning seeds alone give Var(D_s) >= 19/12, more than the
+    D_s's 1/3: between = 0 and the spread is sqrt(19/12); 4 of 6 paired runs above 0."""
     base, arm = [[70, 72], [68, 71], [75, 73]], [[71, 74], [70, 70], [74, 75]]
     d = suite.nested_delta(base, arm)
     assert d["mean"] == pytest.approx(5 / 6) and d["per_pretraining_seed"] == pytest.approx([1.5, 0.5, 0.5])
     assert (d["low"], d["high"]) == pytest.approx((5 / 6 - 4.302653 / 3, 5 / 6 + 4.302653 / 3), abs=1e-6)
-    assert d["sd"] == pytest.approx(3 ** -0.5) and d["within"] == pytest.approx(19 / 6) and d["between"] == 0
+    assert d["within"] == pytest.approx(19 / 6) and d["between"] == 0 and d["spread"] == pytest.approx((19 / 12) ** .5)
     assert d["signs"] == {"seeds": [3, 0], "runs": [4, 2]} and d["finetune_seeds"] == 2
+    # Pretraining seeds far apart: D_s = 0.1, 3.1, 6.1 (variance 9), within 0.02: between 8.99, the spread the D_s's 3
+    wide = suite.nested_delta([[0, 0], [0, 0], [0, 0]], [[0, 0.2], [3, 3.2], [6, 6.2]])
+    assert (wide["between"], wide["spread"]) == pytest.approx((8.99, 3.0))
     # One pretraining seed: its fine-tuning seeds say nothing of the pretraining seeds' noise, so no interval
     one = suite.nested_delta([[70, 72, 71]], [[71, 74, 70]])
     assert one["mean"] == pytest.approx(2 / 3) and one["low"] is one["detectable"] is one["between"] is None
-    # The spread rescaled to 4 fine-tuning seeds: between 1, within 2 -> (1 + 2/4) / (1 + 2/2) of the variance
-    assert suite.design_sd({"sd": 2 ** 0.5, "between": 1.0, "within": 2.0, "finetune_seeds": 2}, 4) == \
-        pytest.approx(1.5 ** 0.5)
+    # The spread with 4 fine-tuning seeds: between 1, within 2 -> sqrt(1 + 2/4); none from one pretraining seed
+    assert suite.design_sd({"between": 1.0, "within": 2.0, "finetune_seeds": 2}, 4) == pytest.approx(1.5 ** 0.5)
+    assert suite.design_sd(one, 5) is None
 
 
 def test_power_against_a_simulation_of_the_design():
@@ -81,7 +85,7 @@ def test_power_against_a_simulation_of_the_design():
     assert suite.power(1.0, 3, half) == pytest.approx(0.61, abs=0.01) and found(half, 3) == pytest.approx(0.61, abs=0.012)
     assert suite.detectable(1.0, 3) / half == pytest.approx(1.31, abs=0.01)
     # The fewest seeds: below them the power is short of 80%, at them it is not
-    n = suite.seeds_needed(0.5, 0.5)
+    n = suite.seeds_needed(0.5, 0.5)  # sd 0.5
     assert suite.power(0.5, n - 1, 0.5) < 0.8 <= suite.power(0.5, n, 0.5) and found(0.5, n, 0.5) >= 0.79
 
 
