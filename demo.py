@@ -102,30 +102,38 @@ HOW_IT_RUNS = ("out", "parallel", "sbatch")  # the keys that change no number th
 
 def parse_plan(argv):
     """The plan of plan files and --key=value, checked, its paths absolute (the steps run from the repo root)."""
-    plan, where = config.parse(Plan, argv), " ".join(argv) or "the demo plan"
-    others = [a for a in plan.arms if a != plan.baseline]
-    for bad, problem in [
-            (plan.baseline not in plan.arms, f"baseline={plan.baseline!r} is not an arm ({', '.join(plan.arms)})"),
-            (set(plan.seeds) != set(plan.arms), "`seeds` must give exactly the arms their pretraining seeds: "
-             f"{', '.join(sorted(set(plan.seeds) ^ set(plan.arms)))} is in one and not the other"),
-            (any(not isinstance(o, list) or not all(isinstance(x, str) and x.startswith("--") and "=" in x for x in o)
-                 for o in plan.arms.values()), "an arm is a list of train.py overrides, e.g. ['--objective=clm']"),
-            (any(not s or len(set(s)) < len(s) or any(type(x) is not int for x in s) for s in plan.seeds.values()),
-             "each arm's seeds are distinct integers, e.g. seeds = {'clm': [17, 42], 'mlm': [17, 42]}"),
-            (not others or any(not set(plan.seeds[a]) & set(plan.seeds.get(plan.baseline, ())) for a in others),
-             "every other arm needs a pretraining seed the baseline has too: the two are compared seed by seed"),
-            (not plan.suite and plan.domain != ["builtin"],
-             "no tasks: give `suite`, a suite file (suites/en_bio.py); the built-in task is the built-in domain's"),
-            (plan.domain_weights and not plan.heldout_texts,
-             "a mixture (domain_weights) goes to data.py whole: give its held-out texts in `heldout_texts`")]:
-        if bad:
-            raise SystemExit(f"{where}: {problem}")
+    plan = config.parse(Plan, argv)
+    if problem := plan_problem(plan):
+        raise SystemExit(f"{' '.join(argv) or 'the demo plan'}: {problem}")
     path = lambda p: p if p in ("", "builtin") else os.path.abspath(p)  # noqa: E731
     for key in ("general", "domain", "config", "base_config"):
         setattr(plan, key, [path(p) for p in getattr(plan, key)])
     for key in ("out", "base", "heldout_texts", "suite"):
         setattr(plan, key, path(getattr(plan, key)))
     return plan
+
+
+def plan_problem(plan):
+    """What makes the plan one the runner cannot run, in a line naming the fix; None if nothing."""
+    if plan.baseline not in plan.arms:
+        return f"baseline={plan.baseline!r} is not an arm ({', '.join(plan.arms)})"
+    if set(plan.seeds) != set(plan.arms):
+        return (f"`seeds` must give exactly the arms their pretraining seeds: "
+                f"{', '.join(sorted(set(plan.seeds) ^ set(plan.arms)))} is in one and not the other")
+    if any(not isinstance(o, list) or not all(isinstance(x, str) and x.startswith("--") and "=" in x for x in o)
+           for o in plan.arms.values()):
+        return "an arm is a list of train.py overrides, e.g. ['--objective=clm']"
+    if any(not isinstance(s, list) or not s or len(set(s)) < len(s) or any(type(x) is not int for x in s)
+           for s in plan.seeds.values()):
+        return "each arm's seeds are distinct integers, e.g. seeds = {'clm': [17, 42], 'mlm': [17, 42]}"
+    others = [a for a in plan.arms if a != plan.baseline]
+    if not others or any(not set(plan.seeds[a]) & set(plan.seeds[plan.baseline]) for a in others):
+        return "every other arm needs a pretraining seed the baseline has too: the two are compared seed by seed"
+    if not plan.suite and plan.domain != ["builtin"]:
+        return "no tasks: give `suite`, a suite file (suites/en_bio.py); the built-in task is the built-in domain's"
+    if plan.domain_weights and not plan.heldout_texts:
+        return "a mixture (domain_weights) goes to data.py whole: give its held-out texts in `heldout_texts`"
+    return None
 
 
 def at(plan, *parts):
