@@ -8,18 +8,13 @@ The study runner: the paper's study as a plan, one command on a laptop, one GPU 
     python demo.py plans/en_base.py --slurm      # the paper's English study as SLURM jobs
 
 A plan is plain Python, as a config is: `Plan` holds the demo's values, plan files and --key=value override them.
-Its steps, each a command a user could type, printed as it runs, its output in OUT/logs/:
-  corpora    the texts (built-in: docstrings of the standard library, and of PyTorch and NumPy with a task: which
-             subpackage a docstring comes from), the held-out texts for CKA, the study's suite.py;
-  prepare_*  data.py: the token shards (a byte-level BPE trained on the general text, or the base's tokenizer);
-  base       train.py: MLM from scratch on the general text (the stand-in for "a pretrained ModernBERT");
-  ARM_sSEED  train.py from the base on the domain text, an arm at one of its pretraining seeds, then the MLM decay;
-  cka_A-B    cka.py: each arm against the baseline at each seed both have, the baseline's seeds against each other
-             (the control); trajectory: the first pair and control at every step they kept;
-  eval_RUN   eval.py --suite: a run fine-tuned on every task over the fine-tuning seeds;
-  report     report.md: each arm minus the baseline over both seed levels, CKA, losses.
-A step whose output is there is not run again: the same command continues a study stopped anywhere. OUT/study.json
-records the plan, the code's commit and the environment before the first step; another plan into OUT is refused.
+Its steps, each a command a user could type, printed as it runs, its output in OUT/logs/: corpora (the texts, the
+held-out texts for CKA, the study's suite.py); prepare_* (data.py: token shards); base (train.py: MLM from scratch
+on the general text, the stand-in for "a pretrained ModernBERT"); ARM_sSEED (train.py from the base on the domain
+text: an arm at one of its pretraining seeds, then the MLM decay); cka_A-B (cka.py: each arm against the baseline
+at each seed both have; the baseline's seeds against each other, the control) and trajectory; eval_RUN (eval.py
+--suite); report. A step whose output is there is not run again: the same command continues a study stopped
+anywhere. OUT/study.json records the plan, the code's commit and the environment before the first step.
 """
 
 import argparse
@@ -194,7 +189,8 @@ def steps_of(plan, argv):
                          mixture))
     for run, (arm, seed) in runs_of(plan).items():
         steps.append(train(run, plan.config, "domain", plan.base or at(plan, "base", "final"), plan.arm_tokens,
-                           [f"--seed={seed}", *plan.arms[arm]], ["prepare_domain", *["base"] * (not plan.base)]))
+                           [f"--seed={seed}", *plan.arms[arm]], ["prepare_domain"] if plan.base else
+                           ["prepare_domain", "base"]))
     cka = ["cka.py", "--texts", plan.heldout_texts or at(plan, "text", "heldout.jsonl"), "--n", str(plan.cka_n),
            "--max_len", str(plan.cka_len), "--seeds", plan.cka_seeds]
     pairs, controls = cka_pairs(plan)
@@ -227,19 +223,16 @@ def preflight(steps):
 # Running the steps: here, side by side where the plan says so, or as SLURM jobs
 
 
-def die_with_parent():
-    """In a step's process: SIGTERM when the runner dies, even by SIGKILL, so that no orphan keeps a run's lock."""
+def die_with_parent():  # in a step's process: SIGTERM when the runner dies, even by SIGKILL (no orphan keeps a lock)
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def run_here(plan, steps):
     """Run the steps not done, each once those it needs are done, plan.parallel at a time (0: all that can), each
-    command echoed, its output to logs/NAME.log and its latest line to the console (in place on a terminal, every
-    30 s on a pipe). Side by side, they share the CPUs unless OMP_NUM_THREADS says otherwise. SIGTERM or SIGINT stop
-    the steps that run (train.py checkpoints) and then the runner: the same command continues."""
-    tty, width = sys.stdout.isatty(), shutil.get_terminal_size().columns - 1  # a wrapped line is not rewritten
-    clear = "\r\033[K" if tty else ""
+    command echoed, its output to logs/NAME.log, every 30 s the latest line of the oldest one running. Side by side,
+    they share the CPUs unless OMP_NUM_THREADS says otherwise. SIGTERM or SIGINT stop the steps that run (train.py
+    checkpoints) and then the runner: the same command continues."""
     done = {s.name for s in steps if os.path.exists(s.output)}
     waiting = [s for s in steps if s.name not in done]
     parallel = plan.parallel or len(waiting) or 1
@@ -254,7 +247,7 @@ def run_here(plan, steps):
         while (waiting and not failed) or running:
             for step in [s for s in waiting if set(s.needs) <= done][:parallel - len(running)] if not failed else []:
                 waiting.remove(step)
-                print(clear + "$ " + shlex.join(["python", *step.cmd]).replace(ROOT + os.sep, ""))
+                print("$ " + shlex.join(["python", *step.cmd]).replace(ROOT + os.sep, ""))
                 with open(log := at(plan, "logs", f"{step.name}.log"), "a") as f:  # a rerun's after the last's
                     running[step.name] = (step, subprocess.Popen([sys.executable, *step.cmd], cwd=ROOT, stdout=f,
                                                                  stderr=subprocess.STDOUT, env=env,
@@ -263,13 +256,12 @@ def run_here(plan, steps):
             for step, p, log, t0 in [r for r in running.values() if r[1].poll() is not None]:
                 del running[step.name]
                 ok = p.returncode == 0 and os.path.exists(step.output)
-                print(f"{clear}  {step.name} {'done' if ok else 'failed'} in {time.time() - t0:.0f}s, log: {log}")
+                print(f"  {step.name} {'done' if ok else 'failed'} in {time.time() - t0:.0f}s, log: {log}")
                 if ok:
                     done.add(step.name)
                 failed = failed or (None if ok else (step.name, p.returncode, log))
-            if running and (tty or time.time() - shown >= 30):
-                print(("\r" if tty else "") + status(running)[:width if tty else None] + ("\033[K" if tty else ""),
-                      end="" if tty else "\n", flush=True)
+            if running and time.time() - shown >= 30:
+                print(status(running))
                 shown = time.time()
     finally:
         for _, p, _, _ in running.values():  # stopped: train.py writes a checkpoint, which the same command resumes
@@ -450,15 +442,13 @@ def finetune_section(plan, scores, found):
     last = sum(r["kept"] == r["epochs"] for r in kept)
     lines = ["## Fine-tuning: each arm minus the baseline (test macro F1, points)", "",
              f"Δ: an arm's score minus the baseline's ({plan.baseline}), paired by pretraining seed (train.py's "
-             "`seed`: init, dropout, masking; the data order is the same in every run) and by fine-tuning seed "
-             f"({', '.join(map(str, found['finetune_seeds']))}). D_s, pretraining seed s's mean difference over the "
-             "fine-tuning seeds nested in it, is one draw of the design: the 95% interval is over the D_s (t), so it "
-             "holds the noise of both seed levels. Found with 80% power: the true difference the design finds (its "
-             "interval excluding 0) 80% of the time, by the noncentral t at the spread of the D_s (estimated from them "
-             "and from the fine-tuning seeds' variance, never below what that alone gives); not the interval's "
-             "half-width, which a true difference of its size clears 61% of the time with 3 pretraining seeds. "
-             "D_s +/-: how many D_s are above / below 0; runs +/-: the same of the paired runs (on the average's "
-             "row, of the runs averaged over the tasks).", "",
+             "`seed`: init, dropout, masking; the data order is every run's) and by fine-tuning seed "
+             f"({', '.join(map(str, found['finetune_seeds']))}). D_s, seed s's mean difference over its fine-tuning "
+             "seeds, is one draw of the design: the 95% interval is over the D_s (t), so it holds both seed levels' "
+             "noise. Found with 80% power: the true difference whose interval excludes 0 80% of the time (noncentral "
+             "t at the D_s's spread, never below what the fine-tuning seeds alone give), where one as large as the "
+             "half-width is found 61% of the time with 3 pretraining seeds. +/-: how many D_s, and paired runs "
+             "(task-averaged on the average's row), are above / below 0.", "",
              "| arm | task | Δ [95% interval] | found with 80% power | D_s +/- | runs +/- | Δ per pretraining seed |",
              "|---|---|---|---|---|---|---|"]
     for arm, by_task in found["arms"].items():
