@@ -18,7 +18,6 @@ boundary, then stop). Before any work, what a run starts from is checked here to
 
 import dataclasses
 import glob
-import hashlib
 import json
 import math
 import os
@@ -39,10 +38,11 @@ from support import hf
 from support.card import write_card
 from support.config import check_same_run, check_seq_len
 from support.processes import on_rank0
-from support.files import (MAX_JSON, check_out_dir, fresh_dir, open_file, read_bytes, read_json, refuse, refuse_link,
-                           remove, replace_file, sha256, user_error)
+from support.files import (check_out_dir, fresh_dir, open_file, read_json, refuse_link, remove, replace_file, sha256,
+                           user_error, whole)
 from support.lock import hold
-from support.tokenizer import TOKENIZER_FILES, check_vocab, write_hf_config
+from support.shards import tokenizer_files
+from support.tokenizer import check_vocab, write_hf_config
 
 MANIFEST = "manifest.json"
 TRAIN_STATE = "train_state.pt"
@@ -89,28 +89,6 @@ def save_checkpoint(path, model, optimizer, state, c, schedule=None):
                          "some space (or lower max_ckpts, or move out_dir) and re-run the same command to resume.")
 
 
-def tokenizer_files(data_dir):
-    """{name: bytes} of the data's tokenizer files, as each checkpoint gets them, once they are the data's own:
-    tokenizer.json when its sha256 is the one meta.json records (wherever a link there leads), another file when it
-    is no link. Anything else would copy into a checkpoint, which travels, a file from elsewhere: refused."""
-    files = {}
-    try:
-        sha = read_json(os.path.join(data_dir, "meta.json")).get("tokenizer_sha256")
-        for name in TOKENIZER_FILES:
-            src = os.path.join(data_dir, name)
-            known = sha if name == "tokenizer.json" else None
-            if os.path.islink(src) and not known:
-                refuse(src, f"a symbolic link to {os.readlink(src)}, which would copy that file into every checkpoint")
-            if os.path.lexists(src):
-                files[name] = read_bytes(src, MAX_JSON)
-                if known and hashlib.sha256(files[name]).hexdigest() != known:
-                    raise SystemExit(f"{src} is not the tokenizer {data_dir} was made with (meta.json records another "
-                                     "sha256): put that one back, or re-run data.py into a fresh --out")
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"{e}: the checkpoints copy the tokenizer from the data directory") from None
-    return files
-
-
 def fsync(path):
     """Flush a file, or a directory's entries, to disk (a rename is only durable once its directory is)."""
     fd = os.open(path, os.O_RDONLY)
@@ -126,8 +104,7 @@ def read_manifest(path):
     manifest = read_json(file)
     for name, entry in manifest.items():
         if (name in ("", ".", "..") or "/" in name or os.sep in name or not isinstance(entry, dict)
-                or type(entry.get("bytes")) is not int or entry["bytes"] < 0
-                or not re.fullmatch(r"[0-9a-f]{64}", str(entry.get("sha256")))):
+                or not whole(entry.get("bytes")) or not re.fullmatch(r"[0-9a-f]{64}", str(entry.get("sha256")))):
             raise ValueError(f"{file}: its entry {name!r} is not a file of the directory with its bytes and sha256")
     return manifest
 
