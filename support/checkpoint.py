@@ -426,8 +426,5 @@ def check_init_from(path, meta=None, data_dir=None, seq_len=None):
 
 def checkpoint_config(path, where):
     """-> the ModernBertConfig of the checkpoint `path`, or one line, beginning with `where`, that says why not."""
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise SystemExit(f"{where}: not a checkpoint directory (no config.json); give a run's final/ or ckpt-STEP/, "
-                         "or a Hugging Face ModernBERT directory")
     with user_error(where):
         return ModernBertConfig.from_pretrained(path)
