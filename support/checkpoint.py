@@ -394,7 +394,7 @@ def check_start(c, meta, first_step):
               f"(where the uninterrupted run stands at step {first_step})", file=sys.stderr)
     for path in resuming:  # the run's model (any checkpoint of it): a seq_len changed on resume must fit it too
         try:
-            config = ModernBertConfig.from_pretrained(path)
+            config = hf.load_config(ModernBertConfig, path)
         except (OSError, ValueError):
             continue  # a damaged checkpoint: resume warns and skips it
         check_seq_len(config, c.seq_len, "a new out_dir", f"the run in {c.out_dir}'s ")
@@ -427,4 +427,4 @@ def check_init_from(path, meta=None, data_dir=None, seq_len=None):
 def checkpoint_config(path, where):
     """-> the ModernBertConfig of the checkpoint `path`, or one line, beginning with `where`, that says why not."""
     with user_error(where):
-        return ModernBertConfig.from_pretrained(path)
+        return hf.load_config(ModernBertConfig, path)
