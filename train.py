@@ -385,10 +385,10 @@ def main(argv):
     optimizer = make_optimizer(model, c, device)
     loader = Loader(c.data_dir, "train", c.seq_len, c.micro_batch_size, c.data_seed, process.rank, process.world)
     state = restore(c, process, resumed, optimizer, loader, first_step=run.start)
-    announce(c, model, schedule, process, dtype, compiled, state.step if resumed else None)
+    announce(c, model, schedule, process, dtype, state.step if resumed else None)
     freeze.enter(schedule.at(state.step))  # before DDP, which all-reduces what requires a gradient when built
     raw_model, model = model, wrap(model, compiled, dist.is_initialized(), device)
-    logger = Logger(c, process, checkpointer, run, state.step, compiled)
+    logger = Logger(c, process, checkpointer, run, state.step)
     stream = prefetch(lambda step: step_batches(step, schedule.at(step), loader, meta, c, process, raw_model.config),
                       range(state.step, run.stop))  # built ahead by a thread, off the training step's path
     checkpointer.watch_signals()  # from here on, SIGTERM and SIGINT stop the run at a step boundary

@@ -39,10 +39,10 @@ TIMINGS = ("tokens_per_s", "mfu", "eval_s", "checkpoint_s", "compile_s")  # of a
 
 
 class Logger:
-    def __init__(self, c, process, checkpointer, run, step, compiled=None):
+    def __init__(self, c, process, checkpointer, run, step):
         """`run`: the steps this run does; `step`: where it starts, and metrics.jsonl is cut back to (a killed run may
-        have logged past its last checkpoint); `compiled`: the torch.compile backend of the steps, or None."""
-        self.c, self.process, self.checkpointer, self.compiled = c, process, checkpointer, compiled
+        have logged past its last checkpoint)."""
+        self.c, self.process, self.checkpointer, self.compiled = c, process, checkpointer, process.compiled
         if process.rank == 0:
             trim_metrics(os.path.join(c.out_dir, METRICS), step)
         self.evaluations = []  # the seconds of each evaluation
@@ -140,7 +140,7 @@ def compile_stats():
         return dict(seconds=0.0, graphs="?", breaks="?", recompiles=[])
 
 
-def announce(c, model, schedule, process, dtype, compiled, resumed_at):
+def announce(c, model, schedule, process, dtype, resumed_at):
     """At the start, on rank 0: config.json in out_dir, and what this run is (its attention kernels: as the model was
     placed, for the form its batches take)."""
     if process.rank != 0:
@@ -156,8 +156,7 @@ def announce(c, model, schedule, process, dtype, compiled, resumed_at):
     accum = c.global_batch_size // (c.micro_batch_size * process.world)
     group = f" ({dist.get_backend()} DDP)" if dist.is_initialized() else ""  # under torchrun, a world of one too
     print(f"world {process.world}{group}, accumulation {accum}; {process.device}, {str(dtype).removeprefix('torch.')}, "
-          f"attention {model.model.kernels.of(packed=not c.split_docs)}, compile "
-          f"{compiled or 'off'}"
+          f"attention {model.model.kernels.of(packed=not c.split_docs)}, compile {process.compiled or 'off'}"
           + threads.describe())
     print(f"phases ({'from the phases key' if c.phases else 'the two built from objective, tokens, decay_frac'}):")
     print("\n".join(f"  {line}" for line in phase_lines(schedule, per_step, c.lr)))
