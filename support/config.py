@@ -2,9 +2,7 @@
 Configs as plain Python, parsed and checked: train.py's (also against the run its out_dir holds), and suites.
 
 A dataclass of defaults, overridden by config files (`key = value` lines, run as Python, each seeing the values set
-before it) and then by --key=value arguments. A key that the dataclass does not have is an error that lists the
-valid ones; a value of the wrong type is an error that names the key. train.py's config then has every value in its
-range before any work, and a resumed run's config is compared with the one its out_dir's config.json records.
+before it) and then by --key=value arguments; a key the dataclass lacks is an error that lists the valid ones.
 """
 
 import ast
@@ -20,6 +18,7 @@ import torch
 from model import ModernBertConfig
 from support import hf, kernels
 from support.files import read_json, user_error
+
 
 def parse(cls, argv):
     """An instance of the dataclass `cls` from config files and --key=value arguments, in order."""
@@ -117,7 +116,9 @@ def check_config(c, phase_names, world):
     except ValueError as e:
         raise SystemExit(str(e)) from None
     check_model_config(c)
-    check_wandb(c)
+    if c.wandb_project and importlib.util.find_spec("wandb") is None:  # optional: said before any compute
+        raise SystemExit(f"wandb_project={c.wandb_project!r} but wandb is not installed: pip install wandb "
+                         "(or leave wandb_project empty)")
 
 
 def frozen_layers(spec):
@@ -191,13 +192,6 @@ def check_model_config(c):
     with user_error():
         hf.check_config(m, "model_config", "fix the config or the --model_config")
     check_seq_len(m, c.seq_len, f"set model_config's max_position_embeddings to {c.seq_len}", "model_config's ")
-
-
-def check_wandb(c):
-    """wandb (an optional dependency) is installed when the run asks for it, so it is known before any compute."""
-    if c.wandb_project and importlib.util.find_spec("wandb") is None:
-        raise SystemExit(f"wandb_project={c.wandb_project!r} but wandb is not installed: pip install wandb "
-                         "(or leave wandb_project empty)")
 
 
 def check_seq_len(config, seq_len, fix, whose):

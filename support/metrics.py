@@ -188,7 +188,7 @@ def wandb_run(c):
     """The Weights & Biases run that mirrors metrics.jsonl, with the config. Its id is kept in out_dir/wandb_id:
     a resumed run (a requeued job) continues the same W&B run. W&B ignores the steps a resume logs again after a
     kill (it only takes a step above its last one): those records were logged before, with the same numbers."""
-    import wandb  # optional: only for runs that set wandb_project (support/config.check_wandb said it is there)
+    import wandb  # optional: only for runs that set wandb_project (support/config.py checked it is there)
     id_file = os.path.join(c.out_dir, "wandb_id")
     if not os.path.lexists(id_file):
         replace_file(id_file, secrets.token_hex(4))  # W&B's form of id: 8 lowercase letters or digits
