@@ -401,9 +401,9 @@ def check_start(c, meta, first_step):
         break
 
 
-def check_init_from(path, meta=None, data_dir=None, seq_len=None):
+def check_init_from(path, meta, data_dir, seq_len):
     """init_from is a checkpoint directory this process can read, intact (one of ours has a manifest), with the
-    data's tokenizer (given the data's meta.json) and positions for seq_len (given it)."""
+    data's tokenizer (the data's meta.json) and positions for seq_len."""
     if not os.path.isdir(path):
         raise SystemExit(f"init_from={path!r} is neither 'scratch' nor a checkpoint directory "
                          "(edit the path at the top of the config)")
@@ -413,10 +413,7 @@ def check_init_from(path, meta=None, data_dir=None, seq_len=None):
     config = checkpoint_config(path, f"init_from={path}")
     with user_error(f"init_from={path}"):
         open(hf.weights_file(path), "rb").close()
-    if seq_len:
-        check_seq_len(config, seq_len, f"a checkpoint with {seq_len} positions or more", f"init_from={path}'s ")
-    if meta is None:
-        return
+    check_seq_len(config, seq_len, f"a checkpoint with {seq_len} positions or more", f"init_from={path}'s ")
     fix = f"prepare the data with the checkpoint's tokenizer: python data.py --tokenizer {path}"
     check_vocab(meta["vocab_size"], config, f"the tokenizer of {data_dir}", path, fix)
     tok = os.path.join(path, "tokenizer.json")
