@@ -17,7 +17,7 @@ import torch
 
 from model import ModernBertConfig
 from support import hf, kernels
-from support.files import read_json, user_error
+from support.files import number, read_json, user_error
 
 
 def parse(cls, argv):
@@ -149,9 +149,8 @@ def check_phases(specs, phase):
 
 def check_phase(p):
     """A phase that means something, or one line saying what does not."""
-    numbers = [p.tokens, p.mask_prob, p.warmup_tokens, p.final_lr_frac]
-    if (not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers) or p.decay not in (0, 1)
-            or not all(isinstance(x, int) and not isinstance(x, bool) for x in (p.steps, p.warmup_steps))):
+    if not (all(map(number, (p.tokens, p.mask_prob, p.warmup_tokens, p.final_lr_frac))) and p.decay in (0, 1)
+            and all(type(x) is int for x in (p.steps, p.warmup_steps))):
         raise SystemExit(f"phase {p.name!r}: tokens, mask_prob, warmup_tokens and final_lr_frac are numbers, "
                          f"steps and warmup_steps whole numbers, decay is True or False")
     given = ", ".join(f"{k}={getattr(p, k)}" for k in ("tokens", "steps", "warmup_tokens", "warmup_steps")
