@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from model import Flat, ModernBertForSequenceClassification, ModernBertForTokenClassification, cu_seqlens_of
 from support import baselines, processes, suite, threads
+from support.checkpoint import checkpoint_config
 from support.files import check_out_dir, fresh_dir, json_lines, replace_file, user_error
 from support.kernels import choose, compile_model
 from support.lock import hold
@@ -411,12 +412,13 @@ def check_model(path, tokenizer, device, dtype, compiled=None):
     if not baselines.is_modernbert(path):
         tok, about = baselines.check_encoder(path, f"--model {path}")
         return tok, {**about, "compiled": None}  # padded batches, eager
-    with user_error(f"--model {path}"):  # not ModernBERT, no weights, weights of another shape
-        config = ModernBertForSequenceClassification.from_pretrained(path, id2label={"0": "a", "1": "b"}).config
+    checkpoint_config(path, f"--model {path}")
     if not tokenizer and not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise SystemExit(f"{path} has no tokenizer.json; pass --tokenizer")
     with user_error(f"--tokenizer {tokenizer or path}"):  # a missing or unreadable --tokenizer
         tok = load_tokenizer(tokenizer or path)
+    with user_error(f"--model {path}"):  # not ModernBERT, no weights, weights of another shape
+        config = ModernBertForSequenceClassification.from_pretrained(path, id2label={"0": "a", "1": "b"}).config
     check_vocab(tok.vocab_size, config, "the tokenizer", f"--model {path}",
                 "pass the tokenizer the model was trained with (--tokenizer)")
     backend = choose(config.attn_backend, device, dtype, config.attention_dropout).of(packed=False)  # examples
