@@ -377,10 +377,8 @@ def every_rank_sees(path, process):
 
 
 def check_start(c, meta, first_step):
-    """At step 0, what the run `c` writes and starts from: out_dir, the data's tokenizer files (each checkpoint copies
-    them), init_from, or the model of the run it resumes (its positions for seq_len); a warning where a run of later
-    phases (from `first_step`) would replay the data."""
-    tokenizer_files(c.data_dir)
+    """At step 0, what the run `c` writes and starts from: out_dir, init_from, or the model of the run it resumes (its
+    positions for seq_len); a warning where a run of later phases (from `first_step`) would replay the data."""
     check_out_dir(c.out_dir, "out_dir")
     # Resuming, init_from is not read; that this is the run out_dir holds is checked under the hold (Checkpointer).
     resuming = glob.glob(os.path.join(c.out_dir, "ckpt-*"))
