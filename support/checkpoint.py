@@ -10,10 +10,6 @@ they were, and one damaged later (a truncated copy, a bad disk) fails its manife
 Retention: the newest max_ckpts full checkpoints stay, and the one at the end of each phase (the next phase, or a
 branch of the run, starts there exactly). An older one whose step is a multiple of keep_every stays weights-only (no
 train_state.pt with AdamW's two moments: a third of the size) for cka.py --runs; any other is removed.
-
-The Checkpointer decides, for every rank, where to resume and when to write one, so that train.py's loop only says
-"once in a while: checkpoint": at its intervals, on a timer, and on preemption (SIGTERM, SIGINT: at the next step
-boundary, then stop). Before any work, what a run starts from is checked here too (check_start).
 """
 
 import dataclasses
@@ -119,9 +115,8 @@ def weights_only(path):
 
 
 def checkpoint_problem(path, checksums=True, train_state=True):
-    """What is wrong with the checkpoint directory `path`, or None if every file its manifest lists is
-    there with its size and (if checksums) its sha256. train_state False: the weights alone may be asked for, and
-    a checkpoint shared without its train_state.pt (as README says to) is not damaged."""
+    """What is wrong with the checkpoint directory `path`, or None if every file its manifest lists is there with its
+    size and (if checksums) its sha256; train_state False: one shared without its train_state.pt is not damaged."""
     if not os.path.isdir(path):
         return "no such directory"
     try:
@@ -246,13 +241,9 @@ def set_rng_state(state, device):
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-# -----------------------------------------------------------------------------
-
-
 class Checkpointer:
-    """Resume, and "once in a while: checkpoint", for every rank of a run: rank 0 decides and writes, every rank
-    gets the outcome (errors included) and checks that it sees it. `schedule` names the phase each checkpoint is in.
-    It holds out_dir from the start (support/lock.py): a second run on it is refused before any work."""
+    """Resume, and "once in a while: checkpoint", for every rank of a run: rank 0 decides and writes, every rank gets
+    the outcome and checks that it sees it. It holds out_dir from the start: a second run on it is refused at once."""
 
     def __init__(self, c, process, schedule):
         self.c, self.process, self.schedule = c, process, schedule
@@ -265,10 +256,9 @@ class Checkpointer:
         self.exit_code = None  # set when a signal stopped the run
 
     def watch_signals(self):
-        """As the training starts (and ckpt_every_minutes' clock): from now on a signal only raises a flag, the ranks
-        agree on it at the next step boundary, write a checkpoint there (or use the one just written) and stop. A
-        second signal changes nothing. Meanwhile out_dir's lock says "stopping": a requeued job that finds it held
-        waits for this run's checkpoint."""
+        """As the training starts (and ckpt_every_minutes' clock): from now on a signal only raises a flag (after_step
+        acts on it; a second one changes nothing), and out_dir's lock says "stopping": a requeued job that finds it
+        held waits for this run's checkpoint."""
         def caught(signum, frame):
             if not self.caught and self.hold:
                 self.hold.stopping()
@@ -291,15 +281,14 @@ class Checkpointer:
         if name:
             self.saved = os.path.join(self.c.out_dir, name)
             every_rank_sees(self.saved, self.process)
-        elif continue_from and os.path.isfile(os.path.join(continue_from, "train_state.pt")):
+        elif continue_from and os.path.isfile(os.path.join(continue_from, TRAIN_STATE)):
             self.saved = continue_from
         return self.saved
 
     def after_step(self, model, optimizer, state, due, last=False):
-        """At the step boundary `state.step`: write ckpt-STEP if `due` (the loop's interval, a phase's end), or if a
-        signal reached any rank, or ckpt_every_minutes passed on any rank's clock; else, at a multiple of
-        keep_every, weights-only. -> True when a signal came: the checkpoint is written and the run must stop
-        (exit_code says how), unless this is the `last` step, which ends the run with its final checkpoint anyway."""
+        """At the step boundary `state.step`: write ckpt-STEP if `due` (the loop's interval, a phase's end), a signal
+        reached any rank or ckpt_every_minutes passed on any rank's clock; else, at a multiple of keep_every,
+        weights-only. -> True when a signal came: the run must stop (exit_code says how), unless at its `last` step."""
         stopping, late = self.agree()
         if stopping and self.hold and not self.caught:  # the signal reached another rank
             self.hold.stopping()

@@ -224,9 +224,8 @@ RUN_SETTINGS = {"out_dir", "run_phases", "resume_changes", "skip_tokens", "devic
 
 
 def check_same_run(c):
-    """A run resumed from out_dir (one with checkpoints) is the run its config.json describes: refuse a config that
-    changes it. Under the hold on out_dir (support/checkpoint.py), so that the checkpoints it sees are those the run
-    resumes."""
+    """A run resumed from out_dir (one with checkpoints) is the run its config.json describes: a config that changes
+    it is refused. Run under the hold on out_dir, so that the checkpoints it sees are those the run resumes."""
     path = os.path.join(c.out_dir, "config.json")
     if not glob.glob(os.path.join(c.out_dir, "ckpt-*")) or not os.path.lexists(path):
         return
