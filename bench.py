@@ -42,6 +42,7 @@ from model import Flat, ModernBertConfig, ModernBertForMaskedLM, ModernBertForSe
     attention, cu_seqlens_of
 from support import kernels, suite
 from support.flops import attention_pairs, convention_flops, peak_flops, training_flops
+from support.hf import load_config
 
 SMALL_IDS = dict(pad_token_id=0, cls_token_id=1, sep_token_id=2, bos_token_id=1, eos_token_id=2)  # inside small vocabs
 SIZES = {
@@ -134,7 +135,7 @@ def measure_step(spec):
     """In its own process: the shared weights, warm-up (compiled: on every batch, so the timed steps run graphs
     compiled already), then the timed steps -> tokens/s, FLOP/s in both counts, peak memory, graphs compiled."""
     device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
-    config = ModernBertConfig.from_pretrained(spec["ckpt"])  # ours, for the FLOPs of either implementation
+    config = load_config(ModernBertConfig, spec["ckpt"])  # ours, for the FLOPs of either implementation
     rng, ours, causal = np.random.default_rng(0), spec["impl"] == "ours", spec["objective"] == "clm"
     # Fine-tuning: eval.py's step, the checkpoint with a classifier, its loss, its AdamW; compiled, dynamo's own dynamic
     # sizes from the warm-up's second batch on (eval.py's DYNAMIC has them from the first): the same timed graph.

@@ -5,9 +5,7 @@ The whole model runs on *unpadded* tokens: a flat (T,) tensor of token ids from 
 `cu_seqlens` (int32, B+1) marking where each sequence starts. No FLOP is spent on padding. The one switch `causal`
 turns the bidirectional encoder into a causal language model: every layer gets a causal mask and local layers see
 (64 left, 0 right) tokens instead of (64, 64). Nothing else changes, which is what makes the CLM detour possible.
-
-Behind it, in support/: the attention kernels and which one runs, and the chunked LM loss (kernels.py); Hugging Face
-config.json and weights (hf.py); FLOPs for MFU (flops.py).
+Behind it: the attention kernels and the chunked LM loss (support/kernels.py), Hugging Face files (support/hf.py).
 """
 
 import math
@@ -18,7 +16,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from support import hf, kernels
-from support.kernels import CHUNK_ROWS, chunked_cross_entropy
 
 
 # -----------------------------------------------------------------------------
@@ -75,11 +72,6 @@ class ModernBertConfig:
     def large(cls, **kw):
         return cls(**{**dict(hidden_size=1024, intermediate_size=2624, num_hidden_layers=28,
                              num_attention_heads=16), **kw})
-
-    @classmethod
-    def from_pretrained(cls, path, **overrides):
-        """The config.json of a Hugging Face ModernBERT directory, old style or transformers-5 style."""
-        return hf.load_config(cls, path, **overrides)
 
 
 # -----------------------------------------------------------------------------
@@ -256,10 +248,8 @@ class ModernBertModel(nn.Module):
         return torch.get_autocast_dtype(device.type) if on else self.embeddings.tok_embeddings.weight.dtype
 
     def choose_kernels(self, device, dtype):
-        """Each layer type's attention kernel on `device` for q, k, v of `dtype`, for packed batches and the others
-        (support/kernels.py): decided here, once per device and dtype, and held for the forward to read."""
-        c = self.config
-        self.kernels = kernels.choose(c.attn_backend, device, dtype, c.attention_dropout)
+        """Each layer type's attention kernel on `device` for q, k, v of `dtype`, held for the forward to read."""
+        self.kernels = kernels.choose(self.config.attn_backend, device, dtype, self.config.attention_dropout)
         self.kernels_for = (device.type, dtype)
 
     def forward(self, tokens, cu_seqlens, max_seqlen, causal=False, return_layers=False):
@@ -350,14 +340,13 @@ class PreTrained(nn.Module):
     def from_pretrained(cls, path, **overrides):
         """A Hugging Face ModernBERT directory (ModernBertForMaskedLM, ModernBertModel or a fine-tuned classifier).
         `overrides` set config fields the file does not decide (attn_backend, dropout, labels)."""
-        model = cls(ModernBertConfig.from_pretrained(path, **overrides))
+        model = cls(hf.load_config(ModernBertConfig, path, **overrides))
         hf.load_weights(model, path)
         return model
 
 
 class ModernBertForMaskedLM(PreTrained):
-    """Encoder + LM head (dense, GELU, LayerNorm, decoder tied to the embeddings). The same head serves MLM and
-    CLM: only which rows are predicted, and whether the mask is causal, differ between the two objectives."""
+    """Encoder + LM head (dense, GELU, LayerNorm, decoder tied to the embeddings), the same for MLM and CLM."""
 
     def __init__(self, config):
         super().__init__()
@@ -370,14 +359,10 @@ class ModernBertForMaskedLM(PreTrained):
 
     def forward(self, input_ids, attention_mask=None, causal=False, *, cu_seqlens=None, max_seqlen=None, rows=None,
                 targets=None):
-        """By input form:
-
-        - padded (B, S) ids (and attention_mask) -> (B, S, V) logits; rows at padded positions are zero;
-        - flat (T,) ids with cu_seqlens and max_seqlen, and `rows` (N,), the positions that have a target -> their
-          (N, V) logits (sparse prediction: the head runs on those rows only; all T rows if rows is None);
-        - the same with `targets` (N,) -> the float32 sum of their cross-entropies (cross_entropy_sum): training's
-          loss, through forward, so that DDP's hooks see the call.
-        """
+        """Padded (B, S) ids (and attention_mask) -> (B, S, V) logits, zero at padded positions. Flat (T,) ids with
+        cu_seqlens and max_seqlen, and `rows` (N,), the positions that have a target -> their (N, V) logits (the head
+        runs on those rows only; all T if rows is None); with `targets` (N,) too -> the float32 sum of their
+        cross-entropies: training's loss, through forward, so that DDP's hooks see the call."""
         flat = Flat.of(input_ids, attention_mask, cu_seqlens, max_seqlen)
         hidden = self.encode(flat, causal)
         hidden = hidden if rows is None else hidden[rows]
@@ -388,11 +373,11 @@ class ModernBertForMaskedLM(PreTrained):
                              "have a target (see data.py's Batch)")
         return self.cross_entropy_sum(hidden, targets, max_rows=input_ids.shape[0])  # T: fixed between steps
 
-    def cross_entropy_sum(self, hidden, targets, chunk_rows=CHUNK_ROWS, max_rows=None):
+    def cross_entropy_sum(self, hidden, targets, chunk_rows=kernels.CHUNK_ROWS, max_rows=None):
         """(N, H) final hidden states of the predicted rows, (N,) targets -> the float32 sum of their cross-entropies,
         the decoder and the softmax in chunks of rows (support/kernels.py): the (N, V) logits are never held."""
-        return chunked_cross_entropy(self.head(hidden), self.decoder.weight, self.decoder.bias, targets, chunk_rows,
-                                     max_rows)
+        return kernels.chunked_cross_entropy(self.head(hidden), self.decoder.weight, self.decoder.bias, targets,
+                                             chunk_rows, max_rows)
 
 
 def mean_pool(hidden, cu_seqlens):
@@ -418,10 +403,9 @@ class Classifier(PreTrained):
 
 
 class ModernBertForSequenceClassification(Classifier):
-    """Pool (mean over tokens, or [CLS]), then the classifier."""
-
     def forward(self, input_ids, attention_mask=None, *, cu_seqlens=None, max_seqlen=None):
-        """(B, S) padded or flat (T,) with cu_seqlens -> (B, num_labels) logits."""
+        """(B, S) padded or flat (T,) with cu_seqlens -> (B, num_labels) logits: pooled (mean over tokens, or [CLS]),
+        then the classifier."""
         flat = Flat.of(input_ids, attention_mask, cu_seqlens, max_seqlen)
         hidden = self.encode(flat)
         cls = self.config.classifier_pooling == "cls"

@@ -5,13 +5,11 @@ Continued pretraining of ModernBERT with the CLM detour (or its MLM twin).
     torchrun --nproc_per_node=4 train.py configs/fr_base.py       # DDP
     python train.py configs/fr_base.py configs/mlm_baseline.py --lr=1e-4
 
-Training is a list of phases. A Phase is what a stretch of training does: its objective ("clm": causal mask +
-next-token loss on every position; "mlm": bidirectional mask + masked-token loss at its masking rate), its length
-(in tokens or in optimizer steps) and its lr shape (warmup then constant, or a 1-sqrt decay). The model, its head and
-the optimizer state carry on across every boundary. The paper's recipe is two phases built from one flag,
-`objective`: "main" (the detour, or the MLM arm), then "decay" (MLM 15%, lr 1-sqrt to 0.1 lr); any other list is a
-config's `phases` (configs/biphasic_scratch.py). Re-running a command resumes from out_dir's latest valid checkpoint,
-exactly. SIGTERM or SIGINT finish the step, write a checkpoint and exit with 128 + the signal number.
+Training is a list of phases (Phase: an objective, a length, an lr shape); the model, its head and the optimizer
+state carry on across every boundary. The paper's recipe is two phases built from one flag, `objective`: "main" (the
+detour, or the MLM arm), then "decay" (MLM 15%, lr 1-sqrt to 0.1 lr); any other list is a config's `phases`
+(configs/biphasic_scratch.py). Re-running a command resumes from out_dir's latest valid checkpoint, exactly. SIGTERM
+or SIGINT finish the step, write a checkpoint and exit with 128 + the signal number.
 """
 
 import math
@@ -48,9 +46,7 @@ class Config:
     init_from: str = "scratch"  # "scratch", a Hugging Face ModernBERT directory, or one of our checkpoints
     model_size: str = "base"  # for scratch: "base" or "large" (our choice)
     model_config: dict = field(default_factory=dict)  # for scratch: ModernBertConfig overrides
-    # The method: the paper's two phases, built from THE flag `objective`. Phase "main": `objective` for
-    # `tokens`, linear warmup then constant lr; phase "decay": MLM at decay_mask_prob for decay_frac * tokens,
-    # lr 1-sqrt from lr to final_lr_frac * lr. The optimizer state carries over (the paper).
+    # The method: the paper's two phases, "main" and "decay", built from THE flag `objective` (phases_of)
     objective: str = "clm"  # "clm" (causal, next token: the paper's detour) or "mlm" (bidirectional: its baseline)
     mask_prob: float = 0.3  # phase-1 masking when objective == "mlm" (the paper)
     tokens: int = 10_000_000_000  # phase-1 token budget (the paper: French and English Base)
@@ -62,8 +58,7 @@ class Config:
     phases: list = field(default_factory=list)
     run_phases: str = "all"  # "all", or the consecutive phases this run does ("decay": from a "main" checkpoint)
     resume_changes: str = ""  # keys a resumed run changes on purpose, e.g. "tokens" (others must match config.json)
-    skip_tokens: int = 0  # a run that starts without a train state (the decay from a Hugging Face directory) starts
-    # the data this many tokens in, where the phases before it left it; a run with a train state ignores it
+    skip_tokens: int = 0  # with no train state (a decay from a Hugging Face directory): the data starts this far in
     split_docs: bool = False  # restart attention and positions at each document (the paper does not)
     lr: float = 2e-4  # peak, shared by every phase (ModernBERT's recipe, as the optimizer below)
     # decoupled AdamW, no decay on biases and norm weights: ModernBERT's recipe, numbers included (the paper's text
@@ -216,8 +211,7 @@ def make_optimizer(model, c, device):
 
 class Freeze:
     """The layers of freeze_layers, in the phases of freeze_phase, require no gradient: backward still flows through
-    them but computes no weight gradient, and a DDP wrapper built then all-reduces none of theirs. freeze_mode (the
-    Config's comment says what each answers): "exact", no update; "zero_grad", gradients of zeros."""
+    them but computes no weight gradient, and a DDP wrapper built then all-reduces none of theirs."""
 
     def __init__(self, c, model, phase_names):
         layers, n_layers = config.frozen_layers(c.freeze_layers), model.config.num_hidden_layers
@@ -237,7 +231,7 @@ class Freeze:
         self.frozen = frozen
         return True
 
-    def after_backward(self):
+    def after_backward(self):  # freeze_mode "zero_grad": gradients of zeros, which AdamW still decays and moves
         if self.frozen and self.zero_grad:
             for p in self.params:
                 p.grad = torch.zeros_like(p)
@@ -289,9 +283,8 @@ def forward_backward(model, batches, causal, process, autocast):
 
 
 def wrap(model, compiled, ddp, device):
-    """The model the steps call. Compiled (kernels.compile_model): one graph for the forward and its loss, one more
-    when causal flips at a phase boundary. DDP wraps the compiled model: its all-reduce follows the whole backward
-    instead of overlapping it, a few ms per optimizer step against seconds of accumulated micro batches."""
+    """The model the steps call: compiled (one graph, one more when causal flips), then in DDP, whose all-reduce then
+    follows the whole backward instead of overlapping it: a few ms a step against seconds of micro batches."""
     if compiled:
         model = kernels.compile_model(model, compiled)
     if ddp:
@@ -300,8 +293,7 @@ def wrap(model, compiled, ddp, device):
 
 
 # -----------------------------------------------------------------------------
-# Evaluation (our choice): MLM loss at 15% and CLM loss on val.bin, with a fixed mask seed,
-# for both arms alike so runs with different objectives compare.
+# Evaluation (our choice): MLM loss at 15% and CLM loss on val.bin, a fixed mask seed, both arms alike so they compare
 
 VALIDATION = [Phase("val_mlm", "mlm", 0, mask_prob=0.15), Phase("val_clm", "clm", 0)]
 
@@ -327,7 +319,7 @@ def evaluate(model, c, meta, process, autocast):
 
 
 # -----------------------------------------------------------------------------
-# The loop's state: what it carries from step to step (a checkpoint keeps it, support/checkpoint.py)
+# Training: the loop's state (what it carries from step to step; a checkpoint keeps it), then the loop
 
 
 @dataclass
@@ -356,10 +348,6 @@ def restore(c, process, resumed, optimizer, loader, first_step):
     return state
 
 
-# -----------------------------------------------------------------------------
-# Training
-
-
 def start(argv):
     """The config and everything it names, checked (a mistake is one line, said once under torchrun); then this
     process set up: its rank and device, its CPU threads, its compiler (support/processes.py)."""
@@ -385,10 +373,10 @@ def main(argv):
     optimizer = make_optimizer(model, c, device)
     loader = Loader(c.data_dir, "train", c.seq_len, c.micro_batch_size, c.data_seed, process.rank, process.world)
     state = restore(c, process, resumed, optimizer, loader, first_step=run.start)
-    announce(c, model, schedule, process, dtype, compiled, state.step if resumed else None)
+    announce(c, model, schedule, process, dtype, state.step if resumed else None)
     freeze.enter(schedule.at(state.step))  # before DDP, which all-reduces what requires a gradient when built
     raw_model, model = model, wrap(model, compiled, dist.is_initialized(), device)
-    logger = Logger(c, process, checkpointer, run, state.step, compiled)
+    logger = Logger(c, process, checkpointer, run, state.step)
     stream = prefetch(lambda step: step_batches(step, schedule.at(step), loader, meta, c, process, raw_model.config),
                       range(state.step, run.stop))  # built ahead by a thread, off the training step's path
     checkpointer.watch_signals()  # from here on, SIGTERM and SIGINT stop the run at a step boundary
@@ -403,7 +391,7 @@ def main(argv):
                 model = wrap(raw_model, compiled, dist.is_initialized(), device)
             batches, loader_state, flops = next(stream)
             state.loss += forward_backward(model, batches, phase.causal, process, autocast)
-            freeze.after_backward()  # freeze_mode "zero_grad": zero gradients, which AdamW still decays and moves
+            freeze.after_backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             state.step, state.loader, state.loss_steps = state.step + 1, loader_state, state.loss_steps + 1

@@ -1,12 +1,10 @@
 """
 The baseline rows of eval.py's table: other Hugging Face encoders, fine-tuned through transformers.
 
-Any encoder (BERT, RoBERTa / CamemBERT, ELECTRA, DeBERTa, ...) is fine-tuned by eval.py under the same protocol
-through transformers' AutoModelFor{Sequence,Token}Classification and the directory's own fast tokenizer. eval.py keeps
-one training loop: `Padded` takes model.py's flat tokens with cu_seqlens and runs the (B, S) padded batch
-transformers takes. What differs between families is kept here: the maximum length (512 for the BERTs), the special
-tokens, NER labels on each word's first sub-token (through the tokenizer's word ids), the classification head, the
-pad id. transformers is imported only for such a model.
+Any encoder (BERT, RoBERTa / CamemBERT, ELECTRA, DeBERTa, ...) is fine-tuned by eval.py under the same protocol, in
+its one training loop, through transformers' AutoModelFor{Sequence,Token}Classification and the directory's own fast
+tokenizer. What differs between families is kept here: the maximum length (512 for the BERTs), the special tokens,
+NER labels on each word's first sub-token (through the tokenizer's word ids), the classification head, the pad id.
 """
 
 import contextlib
@@ -29,7 +27,7 @@ def is_modernbert(path):
         model_type = read_json(os.path.join(path, "config.json")).get("model_type", "modernbert")
     except (OSError, ValueError):
         return True
-    return model_type == "modernbert" or not isinstance(model_type, str)  # no name: the ModernBERT checks say so
+    return model_type == "modernbert" or not isinstance(model_type, str)
 
 
 @contextlib.contextmanager

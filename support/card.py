@@ -1,9 +1,8 @@
 """
 The model card: README.md in every checkpoint directory (ckpt-STEP/ and final/), as the Hugging Face hub renders it.
 
-Front matter (library_name, pipeline_tag, base_model where init_from names a hub model, tags), then the recipe (each
-phase's objective, masking, tokens and lr), the data (sources, token counts, the tokenizer's sha256), the seeds, the
-latest validation losses from metrics.jsonl, and how to load it.
+Front matter (base_model where init_from names a hub model, tags), then the recipe, the data, the seeds, the latest
+validation losses from metrics.jsonl, and how to load it.
 """
 
 import os

@@ -10,15 +10,10 @@ they were, and one damaged later (a truncated copy, a bad disk) fails its manife
 Retention: the newest max_ckpts full checkpoints stay, and the one at the end of each phase (the next phase, or a
 branch of the run, starts there exactly). An older one whose step is a multiple of keep_every stays weights-only (no
 train_state.pt with AdamW's two moments: a third of the size) for cka.py --runs; any other is removed.
-
-The Checkpointer decides, for every rank, where to resume and when to write one, so that train.py's loop only says
-"once in a while: checkpoint": at its intervals, on a timer, and on preemption (SIGTERM, SIGINT: at the next step
-boundary, then stop). Before any work, what a run starts from is checked here too (check_start).
 """
 
 import dataclasses
 import glob
-import hashlib
 import json
 import math
 import os
@@ -39,10 +34,11 @@ from support import hf
 from support.card import write_card
 from support.config import check_same_run, check_seq_len
 from support.processes import on_rank0
-from support.files import (MAX_JSON, check_out_dir, fresh_dir, open_file, read_bytes, read_json, refuse, refuse_link,
-                           remove, replace_file, sha256, user_error)
+from support.files import (check_out_dir, fresh_dir, open_file, read_json, refuse_link, remove, replace_file, sha256,
+                           user_error, whole)
 from support.lock import hold
-from support.tokenizer import TOKENIZER_FILES, check_vocab, write_hf_config
+from support.shards import tokenizer_files
+from support.tokenizer import check_vocab, write_hf_config
 
 MANIFEST = "manifest.json"
 TRAIN_STATE = "train_state.pt"
@@ -89,28 +85,6 @@ def save_checkpoint(path, model, optimizer, state, c, schedule=None):
                          "some space (or lower max_ckpts, or move out_dir) and re-run the same command to resume.")
 
 
-def tokenizer_files(data_dir):
-    """{name: bytes} of the data's tokenizer files, as each checkpoint gets them, once they are the data's own:
-    tokenizer.json when its sha256 is the one meta.json records (wherever a link there leads), another file when it
-    is no link. Anything else would copy into a checkpoint, which travels, a file from elsewhere: refused."""
-    files = {}
-    try:
-        sha = read_json(os.path.join(data_dir, "meta.json")).get("tokenizer_sha256")
-        for name in TOKENIZER_FILES:
-            src = os.path.join(data_dir, name)
-            known = sha if name == "tokenizer.json" else None
-            if os.path.islink(src) and not known:
-                refuse(src, f"a symbolic link to {os.readlink(src)}, which would copy that file into every checkpoint")
-            if os.path.lexists(src):
-                files[name] = read_bytes(src, MAX_JSON)
-                if known and hashlib.sha256(files[name]).hexdigest() != known:
-                    raise SystemExit(f"{src} is not the tokenizer {data_dir} was made with (meta.json records another "
-                                     "sha256): put that one back, or re-run data.py into a fresh --out")
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"{e}: the checkpoints copy the tokenizer from the data directory") from None
-    return files
-
-
 def fsync(path):
     """Flush a file, or a directory's entries, to disk (a rename is only durable once its directory is)."""
     fd = os.open(path, os.O_RDONLY)
@@ -126,8 +100,7 @@ def read_manifest(path):
     manifest = read_json(file)
     for name, entry in manifest.items():
         if (name in ("", ".", "..") or "/" in name or os.sep in name or not isinstance(entry, dict)
-                or type(entry.get("bytes")) is not int or entry["bytes"] < 0
-                or not re.fullmatch(r"[0-9a-f]{64}", str(entry.get("sha256")))):
+                or not whole(entry.get("bytes")) or not re.fullmatch(r"[0-9a-f]{64}", str(entry.get("sha256")))):
             raise ValueError(f"{file}: its entry {name!r} is not a file of the directory with its bytes and sha256")
     return manifest
 
@@ -142,9 +115,8 @@ def weights_only(path):
 
 
 def checkpoint_problem(path, checksums=True, train_state=True):
-    """What is wrong with the checkpoint directory `path`, or None if every file its manifest lists is
-    there with its size and (if checksums) its sha256. train_state False: the weights alone may be asked for, and
-    a checkpoint shared without its train_state.pt (as README says to) is not damaged."""
+    """What is wrong with the checkpoint directory `path`, or None if every file its manifest lists is there with its
+    size and (if checksums) its sha256; train_state False: one shared without its train_state.pt is not damaged."""
     if not os.path.isdir(path):
         return "no such directory"
     try:
@@ -269,13 +241,9 @@ def set_rng_state(state, device):
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-# -----------------------------------------------------------------------------
-
-
 class Checkpointer:
-    """Resume, and "once in a while: checkpoint", for every rank of a run: rank 0 decides and writes, every rank
-    gets the outcome (errors included) and checks that it sees it. `schedule` names the phase each checkpoint is in.
-    It holds out_dir from the start (support/lock.py): a second run on it is refused before any work."""
+    """Resume, and "once in a while: checkpoint", for every rank of a run: rank 0 decides and writes, every rank gets
+    the outcome and checks that it sees it. It holds out_dir from the start: a second run on it is refused at once."""
 
     def __init__(self, c, process, schedule):
         self.c, self.process, self.schedule = c, process, schedule
@@ -288,10 +256,9 @@ class Checkpointer:
         self.exit_code = None  # set when a signal stopped the run
 
     def watch_signals(self):
-        """As the training starts (and ckpt_every_minutes' clock): from now on a signal only raises a flag, the ranks
-        agree on it at the next step boundary, write a checkpoint there (or use the one just written) and stop. A
-        second signal changes nothing. Meanwhile out_dir's lock says "stopping": a requeued job that finds it held
-        waits for this run's checkpoint."""
+        """As the training starts (and ckpt_every_minutes' clock): from now on a signal only raises a flag (after_step
+        acts on it; a second one changes nothing), and out_dir's lock says "stopping": a requeued job that finds it
+        held waits for this run's checkpoint."""
         def caught(signum, frame):
             if not self.caught and self.hold:
                 self.hold.stopping()
@@ -314,15 +281,14 @@ class Checkpointer:
         if name:
             self.saved = os.path.join(self.c.out_dir, name)
             every_rank_sees(self.saved, self.process)
-        elif continue_from and os.path.isfile(os.path.join(continue_from, "train_state.pt")):
+        elif continue_from and os.path.isfile(os.path.join(continue_from, TRAIN_STATE)):
             self.saved = continue_from
         return self.saved
 
     def after_step(self, model, optimizer, state, due, last=False):
-        """At the step boundary `state.step`: write ckpt-STEP if `due` (the loop's interval, a phase's end), or if a
-        signal reached any rank, or ckpt_every_minutes passed on any rank's clock; else, at a multiple of
-        keep_every, weights-only. -> True when a signal came: the checkpoint is written and the run must stop
-        (exit_code says how), unless this is the `last` step, which ends the run with its final checkpoint anyway."""
+        """At the step boundary `state.step`: write ckpt-STEP if `due` (the loop's interval, a phase's end), a signal
+        reached any rank or ckpt_every_minutes passed on any rank's clock; else, at a multiple of keep_every,
+        weights-only. -> True when a signal came: the run must stop (exit_code says how), unless at its `last` step."""
         stopping, late = self.agree()
         if stopping and self.hold and not self.caught:  # the signal reached another rank
             self.hold.stopping()
@@ -400,10 +366,8 @@ def every_rank_sees(path, process):
 
 
 def check_start(c, meta, first_step):
-    """At step 0, what the run `c` writes and starts from: out_dir, the data's tokenizer files (each checkpoint copies
-    them), init_from, or the model of the run it resumes (its positions for seq_len); a warning where a run of later
-    phases (from `first_step`) would replay the data."""
-    tokenizer_files(c.data_dir)
+    """At step 0, what the run `c` writes and starts from: out_dir, init_from, or the model of the run it resumes (its
+    positions for seq_len); a warning where a run of later phases (from `first_step`) would replay the data."""
     check_out_dir(c.out_dir, "out_dir")
     # Resuming, init_from is not read; that this is the run out_dir holds is checked under the hold (Checkpointer).
     resuming = glob.glob(os.path.join(c.out_dir, "ckpt-*"))
@@ -417,16 +381,16 @@ def check_start(c, meta, first_step):
               f"(where the uninterrupted run stands at step {first_step})", file=sys.stderr)
     for path in resuming:  # the run's model (any checkpoint of it): a seq_len changed on resume must fit it too
         try:
-            config = ModernBertConfig.from_pretrained(path)
+            config = hf.load_config(ModernBertConfig, path)
         except (OSError, ValueError):
             continue  # a damaged checkpoint: resume warns and skips it
         check_seq_len(config, c.seq_len, "a new out_dir", f"the run in {c.out_dir}'s ")
         break
 
 
-def check_init_from(path, meta=None, data_dir=None, seq_len=None):
+def check_init_from(path, meta, data_dir, seq_len):
     """init_from is a checkpoint directory this process can read, intact (one of ours has a manifest), with the
-    data's tokenizer (given the data's meta.json) and positions for seq_len (given it)."""
+    data's tokenizer (the data's meta.json) and positions for seq_len."""
     if not os.path.isdir(path):
         raise SystemExit(f"init_from={path!r} is neither 'scratch' nor a checkpoint directory "
                          "(edit the path at the top of the config)")
@@ -436,10 +400,7 @@ def check_init_from(path, meta=None, data_dir=None, seq_len=None):
     config = checkpoint_config(path, f"init_from={path}")
     with user_error(f"init_from={path}"):
         open(hf.weights_file(path), "rb").close()
-    if seq_len:
-        check_seq_len(config, seq_len, f"a checkpoint with {seq_len} positions or more", f"init_from={path}'s ")
-    if meta is None:
-        return
+    check_seq_len(config, seq_len, f"a checkpoint with {seq_len} positions or more", f"init_from={path}'s ")
     fix = f"prepare the data with the checkpoint's tokenizer: python data.py --tokenizer {path}"
     check_vocab(meta["vocab_size"], config, f"the tokenizer of {data_dir}", path, fix)
     tok = os.path.join(path, "tokenizer.json")
@@ -449,8 +410,5 @@ def check_init_from(path, meta=None, data_dir=None, seq_len=None):
 
 def checkpoint_config(path, where):
     """-> the ModernBertConfig of the checkpoint `path`, or one line, beginning with `where`, that says why not."""
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise SystemExit(f"{where}: not a checkpoint directory (no config.json); give a run's final/ or ckpt-STEP/, "
-                         "or a Hugging Face ModernBERT directory")
     with user_error(where):
-        return ModernBertConfig.from_pretrained(path)
+        return hf.load_config(ModernBertConfig, path)

@@ -2,9 +2,7 @@
 Configs as plain Python, parsed and checked: train.py's (also against the run its out_dir holds), and suites.
 
 A dataclass of defaults, overridden by config files (`key = value` lines, run as Python, each seeing the values set
-before it) and then by --key=value arguments. A key that the dataclass does not have is an error that lists the
-valid ones; a value of the wrong type is an error that names the key. train.py's config then has every value in its
-range before any work, and a resumed run's config is compared with the one its out_dir's config.json records.
+before it) and then by --key=value arguments; a key the dataclass lacks is an error that lists the valid ones.
 """
 
 import ast
@@ -19,7 +17,8 @@ import torch
 
 from model import ModernBertConfig
 from support import hf, kernels
-from support.files import read_json, user_error
+from support.files import number, read_json, user_error
+
 
 def parse(cls, argv):
     """An instance of the dataclass `cls` from config files and --key=value arguments, in order."""
@@ -117,7 +116,9 @@ def check_config(c, phase_names, world):
     except ValueError as e:
         raise SystemExit(str(e)) from None
     check_model_config(c)
-    check_wandb(c)
+    if c.wandb_project and importlib.util.find_spec("wandb") is None:  # optional: said before any compute
+        raise SystemExit(f"wandb_project={c.wandb_project!r} but wandb is not installed: pip install wandb "
+                         "(or leave wandb_project empty)")
 
 
 def frozen_layers(spec):
@@ -148,9 +149,8 @@ def check_phases(specs, phase):
 
 def check_phase(p):
     """A phase that means something, or one line saying what does not."""
-    numbers = [p.tokens, p.mask_prob, p.warmup_tokens, p.final_lr_frac]
-    if (not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers) or p.decay not in (0, 1)
-            or not all(isinstance(x, int) and not isinstance(x, bool) for x in (p.steps, p.warmup_steps))):
+    if not (all(map(number, (p.tokens, p.mask_prob, p.warmup_tokens, p.final_lr_frac))) and p.decay in (0, 1)
+            and all(type(x) is int for x in (p.steps, p.warmup_steps))):
         raise SystemExit(f"phase {p.name!r}: tokens, mask_prob, warmup_tokens and final_lr_frac are numbers, "
                          f"steps and warmup_steps whole numbers, decay is True or False")
     given = ", ".join(f"{k}={getattr(p, k)}" for k in ("tokens", "steps", "warmup_tokens", "warmup_steps")
@@ -193,13 +193,6 @@ def check_model_config(c):
     check_seq_len(m, c.seq_len, f"set model_config's max_position_embeddings to {c.seq_len}", "model_config's ")
 
 
-def check_wandb(c):
-    """wandb (an optional dependency) is installed when the run asks for it, so it is known before any compute."""
-    if c.wandb_project and importlib.util.find_spec("wandb") is None:
-        raise SystemExit(f"wandb_project={c.wandb_project!r} but wandb is not installed: pip install wandb "
-                         "(or leave wandb_project empty)")
-
-
 def check_seq_len(config, seq_len, fix, whose):
     """The model `config` (`whose`, e.g. "init_from=X's ") has positions for seq_len, or one line ending in `fix`."""
     with user_error():
@@ -231,9 +224,8 @@ RUN_SETTINGS = {"out_dir", "run_phases", "resume_changes", "skip_tokens", "devic
 
 
 def check_same_run(c):
-    """A run resumed from out_dir (one with checkpoints) is the run its config.json describes: refuse a config that
-    changes it. Under the hold on out_dir (support/checkpoint.py), so that the checkpoints it sees are those the run
-    resumes."""
+    """A run resumed from out_dir (one with checkpoints) is the run its config.json describes: a config that changes
+    it is refused. Run under the hold on out_dir, so that the checkpoints it sees are those the run resumes."""
     path = os.path.join(c.out_dir, "config.json")
     if not glob.glob(os.path.join(c.out_dir, "ckpt-*")) or not os.path.lexists(path):
         return

@@ -10,11 +10,10 @@ where others can write, so every script reads and writes them by these rules:
 Where each file the project reads is checked (its reader says what); a bad or hostile one gets "one line": exit 1,
 naming the file, the field and the fix, before any work, nothing on disk changed.
 - config.json, model.safetensors, pytorch_model.bin: support/hf.py (weights_only).
-- train_state.pt, manifest.json: support/checkpoint.py. A manifest that fails marks its checkpoint damaged: the one
-  before it is resumed (none left: one line), and metrics.jsonl stays as it was. out_dir/config.json:
-  support/config.py.
-- progress.json: cka.py. meta.json, train.bin, val.bin: support/shards.py, then data.Loader checks each window's ids.
-- tokenizer.json and its companions: support/tokenizer.py (then Hugging Face's own parser).
+- train_state.pt, manifest.json (one that fails marks its checkpoint damaged: the one before it is resumed, none left
+  is one line, metrics.jsonl stays as it was): support/checkpoint.py. out_dir/config.json: support/config.py.
+- progress.json: cka.py. meta.json, train.bin, val.bin, tokenizer.json's sha256: support/shards.py, then data.Loader
+  checks each window's ids. tokenizer.json and its companions: support/tokenizer.py (then Hugging Face's parser).
 - .lock: support/lock.py (a record of another shape names no holder).
 - metrics.jsonl: support/metrics.py (a line that is no record is kept and skipped, with a warning).
 - stored suite runs, task .jsonl/.tsv: support/suite.py, eval.py.

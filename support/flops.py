@@ -1,22 +1,20 @@
 """
 The FLOPs of a training step and the GPU's peak, for MFU (train.py's log, bench.py), and the usual 6N + 12LHQT count.
 
-A step costs 6 x block matmul weights x tokens + 6 x (head dense + decoder) x predicted rows + attention:
-6 = 2 FLOPs per multiply-add x 3 (forward, and backward to inputs and to weights); the decoder's bias gradient, a
-matrix product in support/kernels.py, adds 2 x vocab per predicted row. A (query, key) pair costs
-2 x 2 x H forward (QK^T and AV over all heads), x 3 with backward, and only the pairs the mask keeps count:
-each sequence's real length (not seq_len), the local window clipped at both ends, and under the causal mask
-only keys at or before the query: the work of the varlen kernels. SDPA with a dense mask computes every
-pair of its padded (B, S, S) view and masks afterwards. convention_flops gives the count other codebases' figures use.
+A step costs 6 x block matmul weights x tokens + 6 x (head dense + decoder) x predicted rows + attention: 6 = 2
+FLOPs per multiply-add x 3 (forward, and backward to inputs and to weights); the decoder's bias gradient, a matrix
+product in support/kernels.py, adds 2 x vocab per predicted row. A (query, key) pair costs 2 x 2 x H forward (QK^T
+and AV over all heads), x 3 with backward, and only the pairs the mask keeps count: each sequence's real length (not
+seq_len), the local window clipped at both ends, and under the causal mask only keys at or before the query: the work
+of the varlen kernels (SDPA with a dense mask computes every pair of its padded (B, S, S) view).
 """
 
 import warnings
 
 import torch
 
-# Dense bf16 tensor-core peak by GPU, as torch.cuda.get_device_name names it ("NVIDIA H100 80GB HBM3" is the
-# SXM board, "NVIDIA H100 PCIe", "NVIDIA H100 NVL"). Datasheet figures without sparsity. The first key found
-# in the name wins, so a variant comes before its family. Anything else: set peak_tflops.
+# Dense bf16 tensor-core peak by GPU, as torch.cuda.get_device_name names it ("NVIDIA H100 80GB HBM3" is the SXM
+# board), datasheet figures without sparsity. The first key found in the name wins: a variant before its family.
 PEAK_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200 NVL", 835e12), ("H200", 989e12),
               ("A100", 312e12), ("L40S", 362e12), ("RTX 4090", 165e12)]  # "H200" also matches "GH200": 989
 

@@ -38,8 +38,8 @@ def load_config(cls, path, **overrides):
     `overrides` set fields the file does not decide."""
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
-        raise FileNotFoundError(f"{path}: no config.json; a Hugging Face ModernBERT checkpoint directory has "
-                                "config.json and model.safetensors")
+        raise FileNotFoundError("not a checkpoint directory (no config.json): give a run's final/ or ckpt-STEP/, or "
+                                "a Hugging Face ModernBERT directory (config.json and model.safetensors)")
     d = read_json(file)
     if d.get("model_type", "modernbert") != "modernbert":
         raise ValueError(f"config.json has model_type={d['model_type']!r}; this code only reads ModernBERT "

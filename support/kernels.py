@@ -7,9 +7,7 @@ The attention kernels:
 - SDPA's cuDNN kernel: CUDA, float16/bfloat16, on the (B, nh, S, hd) view of a packed batch with no mask (SDPAView),
   so the global layers of packed batches only: under a window's or documents' mask it would compute every pair;
 - SDPA, everywhere and in any dtype, per sequence or on a (B, S) view (SDPAView).
-The choice is made once per device and dtype (choose, where a script puts the model on its device) and held by the
-model: "auto" takes, per layer type, the first of AUTO that runs there; attn_backend, or MODERNBERT_ATTN, forces one
-for all layers ("varlen") or one per layer type ("global=cudnn,local=varlen").
+choose() picks them once per device and dtype, as a script places the model, and the model holds its choice.
 """
 
 import contextlib
@@ -28,10 +26,9 @@ except ImportError:
 
 BACKENDS = ("flash", "varlen", "cudnn", "sdpa")
 LAYER_TYPES = ("global", "local")
-# "auto", per layer type: the first of these that runs here, the fastest first as bench.py's attention section
-# measured them on an H200 (forward + backward at 4 x 8192): in the global layers of packed batches cuDNN, 6.7 ms
-# bidirectional and 3.9 causal against varlen_attn's 11.2 and 6.1; where documents are kept apart (cuDNN has no bounds
-# for them) and in the local layers, varlen_attn.
+# "auto", per layer type: the first of these that runs here, fastest first as bench.py measured them on an H200
+# (forward + backward at 4 x 8192): in packed global layers cuDNN, 6.7 ms bidirectional and 3.9 causal against
+# varlen_attn's 11.2 and 6.1; elsewhere (cuDNN has no window, nor bounds for documents kept apart) varlen_attn.
 AUTO = {"global": ("cudnn", "flash", "varlen", "sdpa"), "local": ("flash", "varlen", "sdpa")}
 KERNEL_DEVICE = "cuda"  # where the fused kernels run; they take float16 / bfloat16 q, k, v only
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -63,12 +60,11 @@ def compiler(setting, device):
 def compile_model(model, backend="inductor", regional=False):
     """torch.compile(model), as train.py and bench.py run it. Inductor's fusion of LayerNorm backward's reductions
     (torch 2.10+) guards by default on the sizes it fuses, the MLM head's row count among them (a new mask rate would
-    recompile the whole model): non-strict, it guards on none. regional: compile each block in
-    place, and the head with its chunked loss, the rest eager: a graph per kind of block (the first, global, local)
-    whatever the depth, a shorter warm-up (on CPU, documents kept apart are attended one by one inside the blocks: a
-    graph per set of lengths). AOTAutograd's cache, which a resume reads, takes the chunked loss's
-    autograd.Function only when allowed: it is traced into the graph that keys the cache, so safe (pytorch#194007:
-    DDP's graph and SDPA restricted to a kernel still miss it)."""
+    recompile the whole model): non-strict, it guards on none. regional: each block, and the head with its chunked
+    loss, compiled in place, the rest eager: a graph per kind of block whatever the depth, a shorter warm-up.
+    AOTAutograd's cache, which a resume reads, takes the chunked loss's autograd.Function only when allowed: it is
+    traced into the graph that keys the cache, so safe (pytorch#194007: DDP's graph and SDPA restricted to a kernel
+    still miss it)."""
     import torch._functorch.config as functorch
     import torch._inductor.config as inductor
     if hasattr(inductor.triton, "mix_order_reduction_non_strict_mode"):
@@ -86,8 +82,8 @@ def compile_model(model, backend="inductor", regional=False):
 
 
 def dynamic_rows(module, args, kwargs):
-    """The rows that have a target, and their targets: one dynamic size, so that MLM's count of targets, new every
-    step, reuses one graph."""
+    """The rows that have a target, and their targets: one dynamic size, so that MLM's count, new every step, reuses
+    one graph."""
     for name in ("rows", "targets"):
         if kwargs.get(name) is not None:
             torch._dynamo.mark_dynamic(kwargs[name], 0)
@@ -117,7 +113,8 @@ class Kernels:
 
 def choose(requested, device, dtype, dropout_p):
     """-> the Kernels on `device` for q, k, v of `dtype`, attention dropout `dropout_p`, as MODERNBERT_ATTN or else
-    `requested` names them (for all layers, or per layer type); "auto": the first of AUTO that runs here."""
+    `requested` names them: one for all layers ("varlen"), or one per layer type ("global=cudnn,local=varlen");
+    "auto": the first of AUTO that runs here."""
     name = os.environ.get("MODERNBERT_ATTN") or requested
     parts = [part.partition("=") for part in name.split(",")]
     asked = {t: b for t, _, b in parts} if "=" in name else dict.fromkeys(LAYER_TYPES, name)
@@ -162,11 +159,10 @@ def refusal(name, layer_type, device, dtype, dropout_p, packed):
 
 
 class SDPAView:
-    """SDPA over the sequences of an unpadded batch, for the layer types whose backend is "sdpa" or "cudnn" (packed
-    global layers only: no mask). Sequences of one length (packed windows) are one (B, nh, S, hd) batch, only
-    reshaped. Sequences of different lengths attend each alone on CPU (sum(L^2) rather than B * S^2); on a GPU, or
-    under torch.compile (where a loop over the lengths would recompile for every batch), on a (B, S) view
-    zero-padded by a scatter, with a padding mask. Every other op stays on the flat tokens."""
+    """SDPA over the sequences of an unpadded batch, for the layer types whose backend is "sdpa" or "cudnn". Sequences
+    of one length (packed windows) are one (B, nh, S, hd) batch, only reshaped. Sequences of different lengths attend
+    each alone on CPU (sum(L^2) rather than B * S^2); on a GPU, or under torch.compile (where a loop over the lengths
+    would recompile for every batch), on a (B, S) view zero-padded by a scatter, with a padding mask."""
 
     def __init__(self, packing):
         cu_seqlens, positions = packing.cu_seqlens, packing.positions
@@ -229,25 +225,21 @@ def window_mask(offset, left, right):
 
 
 # -----------------------------------------------------------------------------
-# The LM loss in chunks of rows: sum_i cross_entropy(x_i @ W.T + b, target_i), in float32, never holding the
-# (rows, vocab) logits (at 32k CLM rows and V = 50368: 6.6 GB in float32, which autograd would keep and then double
-# with their gradient). The loss is the last op of the step, so its gradient with respect to a chunk's logits,
-# softmax - onehot, is known as soon as the chunk's forward is: forward computes each chunk's gradients right away and
-# drops its logits, and backward only scales them by the incoming scalar (Liger-Kernel's fused linear cross-entropy,
-# in torch ops; unlike checkpointing each chunk it recomputes nothing). 2048 rows per chunk: 394 MiB of float32 logits
-# at V = 50368, and a (2048 x 768) @ (768 x V) matmul still keeps the tensor cores busy.
+# The LM loss in chunks of rows, never holding the (rows, vocab) logits (at 32k CLM rows and V = 50368: 6.6 GB in
+# float32, which autograd would keep and then double with their gradient). The loss is the last op of the step, so its
+# gradient with respect to a chunk's logits, softmax - onehot, is known as soon as the chunk's forward is: forward
+# computes each chunk's gradients right away and drops its logits, and backward only scales them by the incoming scalar
+# (Liger-Kernel's fused linear cross-entropy, in torch ops: nothing is recomputed). 2048 rows per chunk: 394 MiB of
+# float32 logits at V = 50368, and a (2048 x 768) @ (768 x V) matmul still keeps the tensor cores busy.
 
 CHUNK_ROWS = 2048
 
 
 def chunked_cross_entropy(x, weight, bias, targets, chunk_rows=CHUNK_ROWS, max_rows=None):
-    """x: (N, H) inputs of the decoder, targets: (N,) -> the float32 sum of the N cross-entropies of
-    F.linear(x, weight, bias), as cross_entropy(logits.float(), targets, reduction="sum") gives it.
-
-    max_rows, a bound on N that does not change between steps (the batch's token count), fixes the number of
-    chunks: under torch.compile the loop then has a fixed length and N stays symbolic, so an MLM step with
-    another number of masked tokens reuses the graph. Gradients are computed only where autograd will ask for
-    them (not under torch.no_grad)."""
+    """x: (N, H) inputs of the decoder, targets: (N,) -> the float32 sum of the N cross-entropies of F.linear(x,
+    weight, bias), as cross_entropy(logits.float(), targets, reduction="sum") gives it. max_rows, a bound on N that
+    does not change between steps (the batch's token count), fixes the number of chunks: compiled, the loop has a fixed
+    length and N stays symbolic, so an MLM step with another number of masked tokens reuses the graph."""
     n_chunks = max(1, -(-(max_rows or x.shape[0]) // chunk_rows))
     want_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     return ChunkedCrossEntropy.apply(x, weight, bias, targets, n_chunks, want_grad)

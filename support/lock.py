@@ -19,10 +19,6 @@ neither, the run warns that nothing guards its directory and goes on). BeeGFS: t
 belong to a process, not to an open file: this process must never open and close DIR/.lock elsewhere, which on NFS
 would drop its lock. So the lock is fcntl.flock on the descriptor that carries the record, not filelock's (which
 lends its descriptor to one callback at the take, where the heartbeat writes through it for the whole run).
-
-The lock file is the project's own: a link, a directory, a FIFO or a file with another name there is refused in one
-line (support/files.py); one larger than its record is cut to it once held; a record of another shape names no
-holder.
 """
 
 import errno
@@ -176,8 +172,7 @@ def take(directory, what, check=None):
 
 
 def hold(directory, process, what="--out", check=None):
-    """Hold `directory` for this run, before any work: rank 0 takes it (and runs check() under it, see take), every
-    rank gets the outcome (a refusal is one line on rank 0). -> the Hold on rank 0 (None elsewhere, or where the
-    filesystem has no locks)."""
+    """Hold `directory` for this run, before any work: rank 0 takes it (check() under it, see take), every rank gets
+    the outcome. -> the Hold on rank 0 (None elsewhere, or where the filesystem has no locks)."""
     on_rank0(lambda: take(directory, what, check) and None, process)  # only the outcome goes to the other ranks
     return held.get(os.path.realpath(directory)) if process.rank == 0 else None

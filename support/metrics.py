@@ -2,12 +2,10 @@
 The training log: on the console, in out_dir/metrics.jsonl (written, read, cut back on resume) and in W&B.
 
 What a run is, at its start (and its config.json in out_dir); then one line per log step on the console (under a
-progress bar) and in metrics.jsonl: the loss averaged over the steps since the last log and over all ranks, the lr,
-tokens/s and MFU. Evaluations and checkpoint writes are left out of the time, so tokens/s and
+progress bar), in metrics.jsonl and in W&B (wandb_project): the loss averaged over the steps since the last log and
+over all ranks, the lr, tokens/s and MFU. Evaluations and checkpoint writes are left out of the time, so tokens/s and
 MFU measure training alone; a record gives their seconds since the last one (eval_s, checkpoint_s), and those of
-torch.compile, which are counted in (compile_s). At the end, where this process's time outside the steps went, and what
-torch.compile did. With wandb_project set, every record also goes to Weights & Biases (imported only then), with the
-config; the run's W&B id is kept in out_dir, so a resumed run continues the same W&B run.
+torch.compile, which are counted in (compile_s). At the end, where the time outside the steps went.
 
 metrics.jsonl is the run's history: one JSON object per line, each with the integer `step` it was logged at, in the
 order logged. A resume cuts it back to the step it resumes at and no further. A line that is no such record (a hand
@@ -39,10 +37,10 @@ TIMINGS = ("tokens_per_s", "mfu", "eval_s", "checkpoint_s", "compile_s")  # of a
 
 
 class Logger:
-    def __init__(self, c, process, checkpointer, run, step, compiled=None):
+    def __init__(self, c, process, checkpointer, run, step):
         """`run`: the steps this run does; `step`: where it starts, and metrics.jsonl is cut back to (a killed run may
-        have logged past its last checkpoint); `compiled`: the torch.compile backend of the steps, or None."""
-        self.c, self.process, self.checkpointer, self.compiled = c, process, checkpointer, compiled
+        have logged past its last checkpoint)."""
+        self.c, self.process, self.checkpointer, self.compiled = c, process, checkpointer, process.compiled
         if process.rank == 0:
             trim_metrics(os.path.join(c.out_dir, METRICS), step)
         self.evaluations = []  # the seconds of each evaluation
@@ -140,7 +138,7 @@ def compile_stats():
         return dict(seconds=0.0, graphs="?", breaks="?", recompiles=[])
 
 
-def announce(c, model, schedule, process, dtype, compiled, resumed_at):
+def announce(c, model, schedule, process, dtype, resumed_at):
     """At the start, on rank 0: config.json in out_dir, and what this run is (its attention kernels: as the model was
     placed, for the form its batches take)."""
     if process.rank != 0:
@@ -156,8 +154,7 @@ def announce(c, model, schedule, process, dtype, compiled, resumed_at):
     accum = c.global_batch_size // (c.micro_batch_size * process.world)
     group = f" ({dist.get_backend()} DDP)" if dist.is_initialized() else ""  # under torchrun, a world of one too
     print(f"world {process.world}{group}, accumulation {accum}; {process.device}, {str(dtype).removeprefix('torch.')}, "
-          f"attention {model.model.kernels.of(packed=not c.split_docs)}, compile "
-          f"{compiled or 'off'}"
+          f"attention {model.model.kernels.of(packed=not c.split_docs)}, compile {process.compiled or 'off'}"
           + threads.describe())
     print(f"phases ({'from the phases key' if c.phases else 'the two built from objective, tokens, decay_frac'}):")
     print("\n".join(f"  {line}" for line in phase_lines(schedule, per_step, c.lr)))
@@ -189,7 +186,7 @@ def wandb_run(c):
     """The Weights & Biases run that mirrors metrics.jsonl, with the config. Its id is kept in out_dir/wandb_id:
     a resumed run (a requeued job) continues the same W&B run. W&B ignores the steps a resume logs again after a
     kill (it only takes a step above its last one): those records were logged before, with the same numbers."""
-    import wandb  # optional: only for runs that set wandb_project (support/config.check_wandb said it is there)
+    import wandb  # optional: only for runs that set wandb_project (support/config.py checked it is there)
     id_file = os.path.join(c.out_dir, "wandb_id")
     if not os.path.lexists(id_file):
         replace_file(id_file, secrets.token_hex(4))  # W&B's form of id: 8 lowercase letters or digits

@@ -1,8 +1,5 @@
 """
 This process of a run (alone, or one of torchrun's ranks): set up, mixed precision, what rank 0 alone does, teardown.
-
-train.py, cka.py and eval.py set it up the same way: its rank and device (torch.distributed), its CPU threads and
-compiler; rank 0 alone decides or says what every rank would (on_rank0, said_once).
 """
 
 import contextlib
@@ -22,8 +19,7 @@ QUIET = 5.0  # seconds a rank > 0 waits before it exits for a mistake rank 0 rep
 
 @dataclass(frozen=True)
 class Process:
-    """This process: its rank among `world` processes, its device, and the torch.compile backend its steps run (None:
-    eager)."""
+    """This process: its rank among `world` processes, its device, its steps' torch.compile backend (None: eager)."""
     rank: int
     world: int
     device: torch.device
@@ -31,10 +27,9 @@ class Process:
 
 
 def setup(device="auto", timeout_minutes=60.0, compile="false"):
-    """-> this Process, its CPU threads set (support/threads.py) and `compile` resolved for its device. Under
-    torchrun: join the process group (NCCL on GPU, gloo on CPU; a world of one too) and take this rank's GPU;
-    without: rank 0 of 1 on `device`, no group. `timeout_minutes` must cover the other ranks' wait while rank 0
-    writes a checkpoint (Large: about 5 GB, hashed, synced): on a slow filesystem far longer than NCCL's 10 minutes."""
+    """-> this Process, its CPU threads set and `compile` resolved for its device. Under torchrun: join the process
+    group (NCCL on GPU, gloo on CPU) and take this rank's GPU; without: rank 0 of 1 on `device`. `timeout_minutes` must
+    cover the other ranks' wait while rank 0 writes a checkpoint: on a slow filesystem far longer than NCCL's 10."""
     cuda = device != "cpu" and torch.cuda.is_available()
     if device.startswith("cuda") and not cuda:
         raise SystemExit(f"device={device!r}: PyTorch sees no CUDA GPU here ({torch.__version__}); use --device=cpu "
@@ -76,9 +71,8 @@ def quiet_exit():
 
 
 def on_rank0(fn, process):
-    """fn() on rank 0 alone (which checkpoint to resume, writing one, which suite runs are done); its result on
-    every rank, or the SystemExit it raised: its message on rank 0 alone (a user's mistake is said once), the
-    same exit code everywhere. No rank is left waiting in a collective for one that stopped."""
+    """fn() on rank 0 alone; its result on every rank, or the SystemExit it raised: its message on rank 0 alone (a
+    mistake is said once), the same exit code everywhere, no rank left waiting in a collective for one that stopped."""
     result = None
     if process.rank == 0:
         try:
@@ -97,9 +91,8 @@ def on_rank0(fn, process):
 
 
 def autocast(device, dtype="auto"):
-    """-> (autocast context, compute dtype). "auto" is bfloat16 autocast on GPU (what the attention
-    kernels need: they take 16-bit q, k, v only) and float32 on CPU. Weights stay float32 either way.
-    TF32 is switched on for the float32 matmuls that remain on GPU (norms, losses, --dtype=float32)."""
+    """-> (autocast context, compute dtype). "auto": bfloat16 autocast on GPU (the attention kernels take 16-bit q, k,
+    v only), float32 on CPU; weights stay float32. TF32 for the float32 matmuls left (norms, losses, float32 runs)."""
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     if dtype == "auto":

@@ -2,44 +2,63 @@
 The token shards `python data.py` writes and the loader reads, with their format's checks.
 
 train.bin and val.bin (uint16 or uint32 ids, documents separated by the end-of-document id), meta.json (the
-tokenizer's sha256, vocab size, dtype, special ids, counts) and the tokenizer files, read here for train.py, the loader
-and the model card. The ids themselves are checked by the loader window by window: a scan of a large train.bin would
-cost minutes.
+tokenizer's sha256, vocab size, dtype, special ids, counts) and the tokenizer files, read here for train.py, the loader,
+the checkpoints and the model card. The ids themselves are checked by the loader window by window: a scan of a large
+train.bin would cost minutes.
 """
 
+import hashlib
 import os
 import re
 import sys
 
 import numpy as np
 
-from support.files import read_json, sha256, user_error, whole
-from support.tokenizer import MAX_VOCAB, SPECIAL_NAMES, check_companions
+from support.files import MAX_JSON, read_bytes, read_json, refuse, user_error, whole
+from support.tokenizer import MAX_VOCAB, SPECIAL_NAMES, TOKENIZER_FILES, check_companions
 
 DTYPES = {"uint16": 1 << 16, "uint32": 1 << 32}  # the shard formats, and the ids each can hold
 COUNTS = ("train_docs", "train_tokens", "val_docs", "val_tokens")
 
 
 def load_meta(data_dir):
-    """meta.json of a data directory, once its fields are of their types and ranges, its tokenizer files well formed,
-    and its tokenizer.json the one the shards were made with (a copy that differs would go into every checkpoint)."""
+    """meta.json of a data directory, once its fields are of their types and ranges and its tokenizer files well
+    formed (tokenizer.json's hash: tokenizer_files)."""
     path = os.path.join(data_dir, "meta.json")
     if not os.path.lexists(path):
         raise SystemExit(f"{data_dir}: no meta.json; make the shards first with "
                          f"`python data.py --input FILES --tokenizer SPEC --out {data_dir}`")
-    tok = os.path.join(data_dir, "tokenizer.json")
     try:
         meta = read_json(path)
         problem = meta_problem(meta)
         if problem:
             raise ValueError(f"{path}: {problem}")
         check_companions(data_dir)
-        if meta.get("tokenizer_sha256") and (not os.path.isfile(tok) or sha256(tok) != meta["tokenizer_sha256"]):
-            raise SystemExit(f"{tok} is missing or is not the tokenizer the shards of {data_dir} were made with "
-                             "(meta.json records another hash); re-run data.py into a fresh --out")
     except (OSError, ValueError) as e:
         raise SystemExit(f"{e}: prepare the data again with `python data.py` into a fresh --out") from None
     return meta
+
+
+def tokenizer_files(data_dir):
+    """{name: bytes} of the data's tokenizer files, which every checkpoint copies: tokenizer.json once its sha256 is
+    meta.json's (wherever a link there leads), another file once it is no link (a link would copy a file from
+    elsewhere into every checkpoint, which travels)."""
+    files = {}
+    try:
+        sha = read_json(os.path.join(data_dir, "meta.json")).get("tokenizer_sha256")
+        for name in TOKENIZER_FILES:
+            src = os.path.join(data_dir, name)
+            known = sha if name == "tokenizer.json" else None
+            if os.path.islink(src) and not known:
+                refuse(src, f"a symbolic link to {os.readlink(src)}, which would copy that file into every checkpoint")
+            if os.path.lexists(src) or known:
+                files[name] = read_bytes(src, MAX_JSON)
+                if known and hashlib.sha256(files[name]).hexdigest() != known:
+                    raise SystemExit(f"{src} is not the tokenizer the shards of {data_dir} were made with (meta.json "
+                                     "records another sha256): put that one back, or re-run data.py into a fresh --out")
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{e}: the checkpoints copy the tokenizer from the data directory") from None
+    return files
 
 
 def meta_problem(meta):
@@ -84,11 +103,13 @@ def split_tokens(data_dir, split, meta, seq_len, micro_batch_size, world):
 
 
 def check_data(data_dir, seq_len, micro_batch_size, world, windows):
-    """-> meta.json of a run's data_dir, once both splits make a micro batch on every rank of `world`; a note where
-    the run reads `windows` windows, more than train.bin holds (the data repeats)."""
+    """-> meta.json of a run's data_dir, once its tokenizer files are those each checkpoint will copy and both splits
+    make a micro batch on every rank of `world`; a note where the run reads `windows` windows, more than train.bin
+    holds (the data repeats)."""
     if not data_dir:
         raise SystemExit("data_dir is not set: point it at a directory made by `python data.py`")
     meta = load_meta(data_dir)
+    tokenizer_files(data_dir)
     with user_error():
         _, n = split_tokens(data_dir, "train", meta, seq_len, micro_batch_size, world)
         split_tokens(data_dir, "val", meta, seq_len, micro_batch_size, world)

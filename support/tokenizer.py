@@ -1,8 +1,5 @@
 """
 The tokenizer: a tokenizer.json on Hugging Face `tokenizers`, its special ids, the companion files transformers reads.
-
-Tokenizer holds the special ids MLM needs; train_bpe trains a byte-level BPE for the offline demo (`--tokenizer
-bpe:N`); write_hf_config and check_companions write and read the companion files.
 """
 
 import json
@@ -41,9 +38,8 @@ def tokenizer_file(spec):
 
 
 class Tokenizer:
-    """A tokenizer.json on Hugging Face `tokenizers`: encode(text) -> ids (no special tokens added), encode_batch
-    (parallel in Rust), decode, vocab_size, and the special ids of a BERT-style vocabulary: cls_id, sep_id, pad_id,
-    mask_id ([CLS] [SEP] [PAD] [MASK]), eos_id ([SEP]: documents end with it)."""
+    """A tokenizer.json on Hugging Face `tokenizers` (encode adds no special token), with the special ids of a
+    BERT-style vocabulary: cls_id, sep_id, pad_id, mask_id ([CLS] [SEP] [PAD] [MASK]), eos_id ([SEP] ends documents)."""
 
     def __init__(self, tok, where):
         self.tok = tok

@@ -20,10 +20,9 @@ from safetensors.torch import load_file
 from data import prepare, read_documents
 from model import ModernBertConfig, ModernBertForMaskedLM
 from support.checkpoint import checkpoint_problem, save_checkpoint
-from support.config import check_wandb
 from test_resilience import logged, stop, wait_for
 from test_train import ROOT, TINY, data_dir, metrics, train_cmd, train_here  # noqa: F401 (fixtures)
-from train import Config, make_optimizer
+from train import Config, make_optimizer, parse_config
 
 TEXT = "the patient was treated with a [MASK] dose."
 
@@ -186,4 +185,4 @@ def test_wandb_missing_is_a_clear_error(tmp_path, monkeypatch):
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
     with pytest.raises(SystemExit, match="wandb is not installed: pip install wandb"):
-        check_wandb(Config(out_dir=str(tmp_path), wandb_project="p"))
+        parse_config([f"--out_dir={tmp_path}", "--wandb_project=p"])

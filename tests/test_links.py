@@ -15,8 +15,9 @@ import data
 import train
 from model import ModernBertConfig, ModernBertForMaskedLM
 from support import files, lock, suite
-from support.checkpoint import prune, save_checkpoint, tokenizer_files
+from support.checkpoint import prune, save_checkpoint
 from support.metrics import trim_metrics
+from support.shards import tokenizer_files
 from test_train import TINY, data_dir, train_cmd  # noqa: F401 (data_dir is a fixture)
 from train import Config, make_optimizer
 
@@ -159,7 +160,7 @@ def test_a_checkpoint_copies_only_the_data_dirs_own_tokenizer_files(tiny, tmp_pa
     assert not copied.is_symlink() and copied.read_bytes() == tok
 
     (elsewhere / "tokenizer.json").write_bytes(tok.replace(b'"[MASK]"', b'"[MASQ]"'))  # the link now leads elsewhere
-    with pytest.raises(SystemExit, match=f"{shared / 'tokenizer.json'} is not the tokenizer {shared} was made with"):
+    with pytest.raises(SystemExit, match=f"{shared / 'tokenizer.json'} is not the tokenizer the shards of {shared}"):
         tokenizer_files(str(shared))
     (elsewhere / "tokenizer.json").write_bytes(tok)
     os.symlink(elsewhere / "secret.txt", shared / "special_tokens_map.json")

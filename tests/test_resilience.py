@@ -156,7 +156,7 @@ def test_damaged_init_from_names_the_file(tiny, data_dir, tmp_path):
     save_checkpoint(ours, model, optimizer, {"step": 16}, c)
     os.truncate(os.path.join(ours, "model.safetensors"), 1000)
     with pytest.raises(SystemExit, match=f"init_from={ours} is damaged: model.safetensors has 1000 bytes"):
-        check_init_from(ours)
+        check_init_from(ours, load_meta(data_dir), data_dir, c.seq_len)
     hf = tmp_path / "hf"  # a Hugging Face directory has no manifest: the load itself must name the file
     model.save_pretrained(hf)
     os.truncate(hf / "model.safetensors", 1000)
