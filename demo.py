@@ -503,33 +503,29 @@ def cka_section(plan):
 
 
 def losses_section(plan):
-    """Each run's validation losses at the end of phase 1 and after the decay, and loss.png of the arms' runs."""
+    """Each run's validation losses at the end of phase 1 and after the decay; loss.png, its validation MLM loss."""
     import matplotlib.pyplot as plt
     plt.switch_backend("Agg")
-    runs = {name: metrics.records(at(plan, name, "metrics.jsonl"))
-            for name in ["base"] * (not plan.base) + list(runs_of(plan))}
     both = lambda rows: f"{rows[-1]['val_mlm_loss']:.3f} / {rows[-1]['val_clm_loss']:.3f}" if rows else "-"  # noqa
     lines = ["## Validation losses (MLM at 15% / CLM; the base on the general text, the runs on the domain's)", "",
              "| run | tokens | end of phase 1 | after the decay |", "|---|---|---|---|"]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4))
-    for name, records in runs.items():
-        val = {phase: [r for r in records if r["phase"] == phase and "val_mlm_loss" in r]
-               for phase in ("main", "decay")}
-        lines.append(f"| {name} | {records[-1]['tokens']:,} | {both(val['main'])} | {both(val['decay'])} |")
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name in ["base"] * (not plan.base) + list(runs_of(plan)):
+        records = metrics.records(at(plan, name, "metrics.jsonl"))
+        val = [r for r in records if "val_mlm_loss" in r]
+        lines.append(f"| {name} | {records[-1]['tokens']:,} | {both([r for r in val if r['phase'] == 'main'])} | "
+                     f"{both([r for r in val if r['phase'] == 'decay'])} |")
         if name != "base":  # a color per arm, a line style per seed
             arm, seed = runs_of(plan)[name]
-            style = dict(color=f"C{list(plan.arms).index(arm)}", ls="-:-."[plan.seeds[arm].index(seed) % 3], lw=1)
-            for ax, rows, key in ((axes[0], records, "loss"), (axes[1], val["main"] + val["decay"], "val_mlm_loss")):
-                ax.plot([r["tokens"] / 1e3 for r in rows], [r[key] for r in rows], label=name, **style)
-    for ax, title in zip(axes, ("training loss (phase 1: the arm's objective; decay: MLM 15%)",
-                                "validation MLM loss (15% masking, fixed seed)")):
-        ax.axvline(plan.arm_tokens / 1e3, color="k", ls="--", lw=1, label="start of the decay")
-        ax.set(xlabel="tokens of continued pretraining (thousands)", title=title)
-        ax.legend(fontsize=7)
+            ax.plot([r["tokens"] / 1e3 for r in val], [r["val_mlm_loss"] for r in val], label=name, lw=1,
+                    color=f"C{list(plan.arms).index(arm)}", ls="-:-."[plan.seeds[arm].index(seed) % 3])
+    ax.axvline(plan.arm_tokens / 1e3, color="k", ls="--", lw=1, label="start of the decay")
+    ax.set(xlabel="tokens of continued pretraining (thousands)", title="validation MLM loss (15% masking)")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(at(plan, "loss.png"), dpi=110)
     plt.close(fig)
-    return lines + ["", "![loss curves](loss.png)", ""]
+    return lines + ["", "![validation MLM loss](loss.png)", ""]
 
 
 def report(plan):
@@ -568,26 +564,22 @@ def report(plan):
 def forecast(plan, pilot, spread):
     """The plan's tokens and GPU-hours at the throughput it names; the difference it finds with 80% power, and the
     pretraining seeds that find the paper's English gain (+0.3 to +0.8 points), at the spread of the D_s a pilot's
-    variance components give for this plan's fine-tuning seeds (a finished study) or at `spread`."""
+    variance components give for this plan's fine-tuning seeds (a finished study), or at `spread`."""
     seeds, tasks = suite.load_suite(plan.suite) if plan.suite else (None, [])
-    n_ft = len(plan.finetune.get("seeds") or seeds)
+    n_ft, runs = len(plan.finetune.get("seeds") or seeds), len(runs_of(plan))
     n_pre = min(len(set(s) & set(plan.seeds[plan.baseline])) for a, s in plan.seeds.items() if a != plan.baseline)
-    runs = len(runs_of(plan))
     hours = lambda tokens, rate: (f"{tokens / rate / 3600:,.2f} GPU-hours at {rate:,.0f} tokens/s a GPU" if rate  # noqa
                                   else "GPU-hours unknown (no throughput in the plan)")
-    pretraining = 1.1 * (plan.base_tokens * (not plan.base) + runs * plan.arm_tokens)  # each with its 10% decay
-    print(f"pretraining: {pretraining / 1e6:,.1f}M tokens ({runs} runs of {plan.arm_tokens / 1e6:,.1f}M + 10%"
+    tokens = 1.1 * (plan.base_tokens * (not plan.base) + runs * plan.arm_tokens)  # each with its 10% decay
+    print(f"pretraining: {tokens / 1e6:,.1f}M tokens ({runs} runs of {plan.arm_tokens / 1e6:,.1f}M + 10%"
           + (f", the base {plan.base_tokens / 1e6:,.1f}M + 10%" if not plan.base else "") + "): "
-          + hours(pretraining, plan.train_tokens_per_s))
-    if tasks and all(os.path.isdir(t["data"]) for t in tasks):  # a task's tokens: about its bytes / 4
-        size = sum(os.path.getsize(os.path.join(t["data"], n)) for t in tasks for n in os.listdir(t["data"])
-                   if n.startswith("train")) / 4
+          + hours(tokens, plan.train_tokens_per_s))
+    if tasks and all(os.path.isdir(t["data"]) for t in tasks):  # a task's tokens: about its training split's bytes / 4
         epochs = sum(plan.finetune.get("epochs", t["epochs"]) for t in tasks) / len(tasks)
-        tokens = size * epochs * n_ft * runs
+        tokens = epochs * n_ft * runs * sum(os.path.getsize(os.path.join(t["data"], n)) / 4 for t in tasks
+                                            for n in os.listdir(t["data"]) if n.startswith("train"))
         print(f"fine-tuning: about {tokens / 1e6:,.0f}M tokens ({runs} runs x {len(tasks)} tasks x {n_ft} seeds x "
               f"{epochs:.0f} epochs): " + hours(tokens, plan.finetune_tokens_per_s))
-    else:
-        print("fine-tuning: no estimate (the built-in task, or the tasks' folders are not there yet)")
     spreads = {"given": spread} if spread else pilot_spreads(plan, pilot, n_ft)
     print(f"| | sd of D_s | found with 80% power at {n_pre} pretraining seed(s) | seeds for +0.3 | +0.5 | +0.8 |\n"
           "|---|---|---|---|---|---|")
