@@ -8,13 +8,10 @@ The study runner: the paper's study as a plan, one command on a laptop, one GPU 
     python demo.py plans/en_base.py --slurm      # the paper's English study as SLURM jobs
 
 A plan is plain Python, as a config is: `Plan` holds the demo's values, plan files and --key=value override them.
-Its steps, each a command a user could type, printed as it runs, its output in OUT/logs/: corpora (the texts, the
-held-out texts for CKA, the study's suite.py); prepare_* (data.py: token shards); base (train.py: MLM from scratch
-on the general text, the stand-in for "a pretrained ModernBERT"); ARM_sSEED (train.py from the base on the domain
-text: an arm at one of its pretraining seeds, then the MLM decay); cka_A-B (cka.py: each arm against the baseline
-at each seed both have; the baseline's seeds against each other, the control) and trajectory; eval_RUN (eval.py
---suite); report. A step whose output is there is not run again: the same command continues a study stopped
-anywhere. OUT/study.json records the plan, the code's commit and the environment before the first step.
+Its steps are the commands a user would type (steps_of): the corpora, data.py's shards, the base (MLM from scratch,
+the stand-in for "a pretrained ModernBERT"), each arm at each of its pretraining seeds, cka.py on each pair and
+control, eval.py --suite on each run, the report. A step whose output is there is not run again: the same command
+continues a study stopped anywhere. OUT/study.json records the plan, the code's commit and the environment.
 """
 
 import argparse
@@ -179,11 +176,8 @@ def steps_of(plan, argv):
         steps += [prepare("general", [at(plan, "text", "general.jsonl")], plan.tokenizer, ["corpora"]),
                   train("base", [*plan.config, *plan.base_config], "general", "scratch", plan.base_tokens,
                         plan.base_train, ["prepare_general"])]
-    mixture = []
-    if plan.domain_weights:
-        mixture += ["--weights", *map(str, plan.domain_weights)]
-    if plan.domain_tokens:
-        mixture += ["--tokens", plan.domain_tokens]
+    mixture = (["--weights", *map(str, plan.domain_weights)] if plan.domain_weights else []) + (
+        ["--tokens", plan.domain_tokens] if plan.domain_tokens else [])
     steps.append(prepare("domain", plan.domain if plan.heldout_texts else [at(plan, "text", "domain.jsonl")],
                          plan.base or at(plan, "data", "general"), ["corpora" if plan.base else "prepare_general"],
                          mixture))
@@ -230,9 +224,9 @@ def die_with_parent():  # in a step's process: SIGTERM when the runner dies, eve
 
 def run_here(plan, steps):
     """Run the steps not done, each once those it needs are done, plan.parallel at a time (0: all that can), each
-    command echoed, its output to logs/NAME.log, every 30 s the latest line of the oldest one running. Side by side,
-    they share the CPUs unless OMP_NUM_THREADS says otherwise. SIGTERM or SIGINT stop the steps that run (train.py
-    checkpoints) and then the runner: the same command continues."""
+    command echoed with its log (tail -f it to follow a step). Side by side, they share the CPUs unless
+    OMP_NUM_THREADS says otherwise. SIGTERM or SIGINT stop the steps that run (train.py checkpoints) and then the
+    runner: the same command continues."""
     done = {s.name for s in steps if os.path.exists(s.output)}
     waiting = [s for s in steps if s.name not in done]
     parallel = plan.parallel or len(waiting) or 1
@@ -241,14 +235,15 @@ def run_here(plan, steps):
            **os.environ, "PYTHONUNBUFFERED": "1"}  # unbuffered: each line reaches the log when the child prints it
     if done:
         print(f"done earlier: {', '.join(s.name for s in steps if s.name in done)}")
-    running, shown, failed = {}, time.time(), None
+    running, failed = {}, None
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         while (waiting and not failed) or running:
             for step in [s for s in waiting if set(s.needs) <= done][:parallel - len(running)] if not failed else []:
                 waiting.remove(step)
-                print("$ " + shlex.join(["python", *step.cmd]).replace(ROOT + os.sep, ""))
-                with open(log := at(plan, "logs", f"{step.name}.log"), "a") as f:  # a rerun's after the last's
+                log = at(plan, "logs", f"{step.name}.log")
+                print("$ " + shlex.join(["python", *step.cmd]).replace(ROOT + os.sep, "") + f"\n  log: {log}")
+                with open(log, "a") as f:  # a rerun's after the last's
                     running[step.name] = (step, subprocess.Popen([sys.executable, *step.cmd], cwd=ROOT, stdout=f,
                                                                  stderr=subprocess.STDOUT, env=env,
                                                                  preexec_fn=die_with_parent), log, time.time())
@@ -256,13 +251,10 @@ def run_here(plan, steps):
             for step, p, log, t0 in [r for r in running.values() if r[1].poll() is not None]:
                 del running[step.name]
                 ok = p.returncode == 0 and os.path.exists(step.output)
-                print(f"  {step.name} {'done' if ok else 'failed'} in {time.time() - t0:.0f}s, log: {log}")
+                print(f"  {step.name} {'done' if ok else 'failed'} in {time.time() - t0:.0f}s")
                 if ok:
                     done.add(step.name)
                 failed = failed or (None if ok else (step.name, p.returncode, log))
-            if running and time.time() - shown >= 30:
-                print(status(running))
-                shown = time.time()
     finally:
         for _, p, _, _ in running.values():  # stopped: train.py writes a checkpoint, which the same command resumes
             p.terminate()
@@ -272,15 +264,6 @@ def run_here(plan, steps):
         name, code, log = failed
         raise SystemExit(f"step {name} failed (exit {code}); the same command runs it again. The end of {log}:\n"
                          + open(log).read()[-3000:])
-
-
-def status(running):
-    """The latest line of the oldest step running (tqdm rewrites its bar with \\r), after its seconds."""
-    step, _, log, t0 = next(iter(running.values()))
-    with open(log, "rb") as f:
-        f.seek(max(0, os.path.getsize(log) - 2000))
-        lines = [x.strip() for x in f.read().decode(errors="replace").replace("\r", "\n").split("\n")]
-    return f"  {step.name} {time.time() - t0:.0f}s  " + next((x for x in reversed(lines) if x), "")
 
 
 def submit(plan, steps):
