@@ -78,14 +78,14 @@ def check_type(key, value, typ, where):
 POSITIVE = ("seq_len", "global_batch_size", "micro_batch_size", "lr", "eps", "log_interval", "eval_interval",
             "eval_windows", "ckpt_interval", "max_ckpts", "dist_timeout_minutes")
 NOT_NEGATIVE = ("weight_decay", "ckpt_every_minutes", "keep_every", "peak_tflops", "skip_tokens")
-PROBABILITIES = ("embedding_dropout", "attention_dropout", "attn_out_dropout", "mlp_dropout")  # in [0, 1)
+DROPOUTS = ("embedding_dropout", "attention_dropout", "attn_out_dropout", "mlp_dropout")  # probabilities, in [0, 1)
 
 
 def check_config(c, phase_names, world):
     """Every value of the config in its range, and the names it gives (phases, layers to freeze) exist."""
     bad = ([f"{k}={getattr(c, k)} must be positive" for k in POSITIVE if not getattr(c, k) > 0]
            + [f"{k}={getattr(c, k)} must be 0 or more" for k in NOT_NEGATIVE if getattr(c, k) < 0]
-           + [f"{k}={getattr(c, k)} must be in [0, 1)" for k in PROBABILITIES if not 0 <= getattr(c, k) < 1])
+           + [f"{k}={getattr(c, k)} must be in [0, 1)" for k in DROPOUTS if not 0 <= getattr(c, k) < 1])
     if len(c.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in c.betas):
         bad.append(f"betas={c.betas} must be two numbers in [0, 1), e.g. (0.9, 0.98)")
     if bad:
