@@ -101,8 +101,7 @@ def batch_lengths(case, batch_size, seq_len, rng):
 
 
 def make_inputs(lengths, vocab, objective, device, rng):
-    """The same batch as both implementations take it: padded ids, mask and labels (transformers), flat tokens,
-    cu_seqlens and target rows (ours)."""
+    """The batch in both forms: padded ids, mask, labels (transformers); flat tokens, cu_seqlens, target rows (ours)."""
     B, S = len(lengths), max(lengths)
     ids, mask = torch.zeros(B, S, dtype=torch.long), torch.zeros(B, S, dtype=torch.long)
     for b, n in enumerate(lengths):

@@ -369,8 +369,7 @@ class ModernBertForMaskedLM(PreTrained):
         if targets is None:
             return flat.restore(self.decoder(self.head(hidden)))
         if flat.shape is not None:
-            raise ValueError("targets need the unpadded call: flat ids with cu_seqlens, max_seqlen and the rows that "
-                             "have a target (see data.py's Batch)")
+            raise ValueError("targets need the unpadded call: flat ids, cu_seqlens, max_seqlen, rows (data.py's Batch)")
         return self.cross_entropy_sum(hidden, targets, max_rows=input_ids.shape[0])  # T: fixed between steps
 
     def cross_entropy_sum(self, hidden, targets, chunk_rows=kernels.CHUNK_ROWS, max_rows=None):
@@ -404,8 +403,7 @@ class Classifier(PreTrained):
 
 class ModernBertForSequenceClassification(Classifier):
     def forward(self, input_ids, attention_mask=None, *, cu_seqlens=None, max_seqlen=None):
-        """(B, S) padded or flat (T,) with cu_seqlens -> (B, num_labels) logits: pooled (mean over tokens, or [CLS]),
-        then the classifier."""
+        """(B, S) padded or flat (T,) with cu_seqlens -> (B, num_labels) logits of the pooled tokens (mean or [CLS])."""
         flat = Flat.of(input_ids, attention_mask, cu_seqlens, max_seqlen)
         hidden = self.encode(flat)
         cls = self.config.classifier_pooling == "cls"

@@ -256,9 +256,8 @@ class Checkpointer:
         self.exit_code = None  # set when a signal stopped the run
 
     def watch_signals(self):
-        """As the training starts (and ckpt_every_minutes' clock): from now on a signal only raises a flag (after_step
-        acts on it; a second one changes nothing), and out_dir's lock says "stopping": a requeued job that finds it
-        held waits for this run's checkpoint."""
+        """As the training (and ckpt_every_minutes' clock) starts: from now on a signal only raises a flag (after_step
+        acts on it; a second changes nothing), and out_dir's lock says "stopping": a requeued job waits for the save."""
         def caught(signum, frame):
             if not self.caught and self.hold:
                 self.hold.stopping()

@@ -99,8 +99,7 @@ def check_config(c, phase_names, world):
         fits = [m for m in range(c.micro_batch_size, 0, -1) if c.global_batch_size % (m * world) == 0]
         fix = f"e.g. --micro_batch_size={fits[0]}" if fits else f"a global_batch_size that {world} ranks share"
         raise SystemExit(f"global_batch_size={c.global_batch_size} is not a multiple of micro_batch_size="
-                         f"{c.micro_batch_size} x world size {world}: each step must give every rank whole micro "
-                         f"batches; {fix}")
+                         f"{c.micro_batch_size} x world size {world}: every rank needs whole micro batches; {fix}")
     run, frozen = c.run_phases.split(","), c.freeze_phase.split(",")
     if run != ["all"] and not any(phase_names[i:i + len(run)] == run for i in range(len(phase_names))):
         raise SystemExit(f"run_phases={c.run_phases!r}: write 'all' or consecutive phase names in order, "
@@ -158,8 +157,7 @@ def check_phase(p):
     problems = [(p.objective not in ("clm", "mlm"), f"objective={p.objective!r}: choose 'clm' or 'mlm'"),
                 (not (p.tokens > 0 or p.steps > 0) or min(p.tokens, p.steps, p.warmup_tokens, p.warmup_steps) < 0,
                  f"{given}: a phase needs a positive length, a warmup of 0 or more"),
-                (p.warmup_tokens > 0 and p.warmup_steps > 0, f"{given}: give the warmup in tokens or in steps, "
-                 "not both"),
+                (p.warmup_tokens > 0 and p.warmup_steps > 0, f"{given}: give the warmup in tokens or steps, not both"),
                 (p.objective == "mlm" and not 0 < p.mask_prob < 1, f"mask_prob={p.mask_prob}: choose it in (0, 1)"),
                 (p.objective == "clm" and p.mask_prob != 0,
                  "mask_prob is for mlm phases: a CLM phase predicts every next token"),

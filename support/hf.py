@@ -151,8 +151,7 @@ def load_weights(model, path):
         raise ValueError(f"{file}: refused: it holds objects other than tensors, and loading them would run code; "
                          "take the model from a source you trust, as model.safetensors") from None
     except (SafetensorError, RuntimeError, EOFError, KeyError, ValueError) as e:  # a truncated or malformed file
-        raise ValueError(f"cannot load {file} ({type(e).__name__}: {e}): is the file complete? Copy it "
-                         "again.") from None
+        raise ValueError(f"cannot load {file} ({type(e).__name__}: {e}): is the file complete? Copy it again") from None
     if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(t) for k, t in state.items()):
         raise ValueError(f"{file} holds a {type(state).__name__}, not named tensors: it is no model's weights")
     if not any(k.startswith("model.") for k in state):  # a bare ModernBertModel: keys without the prefix

@@ -104,8 +104,7 @@ def split_tokens(data_dir, split, meta, seq_len, micro_batch_size, world):
 
 def check_data(data_dir, seq_len, micro_batch_size, world, windows):
     """-> meta.json of a run's data_dir, once its tokenizer files are those each checkpoint will copy and both splits
-    make a micro batch on every rank of `world`; a note where the run reads `windows` windows, more than train.bin
-    holds (the data repeats)."""
+    make a micro batch on every rank of `world`; a note where the run's `windows` outnumber train.bin's (it repeats)."""
     if not data_dir:
         raise SystemExit("data_dir is not set: point it at a directory made by `python data.py`")
     meta = load_meta(data_dir)
