@@ -290,7 +290,11 @@ class PredictionHead(nn.Module):
 
 
 class PreTrained(nn.Module):
-    """What the three task models share: ModernBERT's init, the encoder call, Hugging Face checkpoints."""
+    """What the three task models share: the encoder and its head, ModernBERT's init, Hugging Face checkpoints."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config, self.model, self.head = config, ModernBertModel(config), PredictionHead(config)
 
     def _init_weights(self, module):
         """ModernBERT's init: truncated normal cut at 2 std; 0.02 in, 0.02/sqrt(2L) for the output
@@ -349,10 +353,7 @@ class ModernBertForMaskedLM(PreTrained):
     """Encoder + LM head (dense, GELU, LayerNorm, decoder tied to the embeddings), the same for MLM and CLM."""
 
     def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.model = ModernBertModel(config)
-        self.head = PredictionHead(config)
+        super().__init__(config)
         self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=True)
         self.apply(self._init_weights)
         self.decoder.weight = self.model.embeddings.tok_embeddings.weight  # tied: one tensor
@@ -392,10 +393,7 @@ class Classifier(PreTrained):
     """Encoder -> PredictionHead -> dropout -> linear (a logit per label of id2label, else 2), as transformers'."""
 
     def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.model = ModernBertModel(config)
-        self.head = PredictionHead(config)
+        super().__init__(config)
         self.drop = nn.Dropout(config.classifier_dropout)
         self.classifier = nn.Linear(config.hidden_size, len(config.id2label) if config.id2label else 2)
         self.apply(self._init_weights)
