@@ -221,7 +221,7 @@ class Freeze:
 
 
 # -----------------------------------------------------------------------------
-# One step: the phase's batches, forward and backward with its mask (the head only on rows with a target); evaluation
+# One step (the phase's batches; forward and backward with its mask, the head only on rows with a target); evaluation
 
 
 def make_batch(windows, phase, meta, seed, split_docs):
@@ -315,7 +315,7 @@ def restore(c, process, resumed, optimizer, loader, first_step):
     if resumed is None:
         skipped = loader.skip(c.skip_tokens)  # where the phases before this run left the data
         if skipped and process.rank == 0:
-            print(f"data: starting {skipped:,} tokens into the stream ({skipped // c.seq_len:,} windows: skip_tokens)")
+            print(f"data: starting {skipped:,} tokens into the stream ({skipped // c.seq_len:,} windows; skip_tokens)")
         return TrainState(step=first_step, loader=loader.state_dict(), loss=torch.zeros((), device=process.device))
     state = TrainState(**checkpoint.load_train_state(resumed, optimizer, loader, process))
     if state.step < first_step:
