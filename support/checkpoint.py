@@ -276,8 +276,7 @@ class Checkpointer:
             latest = latest_valid_checkpoint(self.c.out_dir)
             return os.path.basename(latest) if latest else None
 
-        name = on_rank0(choose, self.process)
-        if name:
+        if name := on_rank0(choose, self.process):
             self.saved = os.path.join(self.c.out_dir, name)
             every_rank_sees(self.saved, self.process)
         elif continue_from and os.path.isfile(os.path.join(continue_from, TRAIN_STATE)):
@@ -354,8 +353,7 @@ def every_rank_sees(path, process):
         return
     views = [None] * process.world
     dist.all_gather_object(views, (socket.gethostname(), checkpoint_problem(path, checksums=False)))
-    blind = [f"rank {r} on {host} ({problem})" for r, (host, problem) in enumerate(views) if problem]
-    if blind:
+    if blind := [f"rank {r} on {host} ({problem})" for r, (host, problem) in enumerate(views) if problem]:
         raise SystemExit(f"not every rank can read checkpoint {path}: {', '.join(blind)}. out_dir must be on a "
                          "filesystem shared by all nodes: rank 0 writes the checkpoints, every rank resumes from them.")
 

@@ -172,8 +172,7 @@ def check_phase(p):
 def check_model_config(c):
     """model_config names ModernBertConfig fields, and from scratch makes a model that hf.check_config passes."""
     keys = [f.name for f in dataclasses.fields(ModernBertConfig)]
-    unknown = sorted(set(c.model_config) - set(keys))
-    if unknown:
+    if unknown := sorted(set(c.model_config) - set(keys)):
         raise SystemExit(f"model_config: unknown key(s) {', '.join(unknown)}; ModernBertConfig has {', '.join(keys)}")
     defaults = ModernBertConfig()
     numbers = [k for k, v in c.model_config.items() if isinstance(getattr(defaults, k), (int, float))
@@ -234,8 +233,7 @@ def check_same_run(c):
                          "holds the run's config), or choose a new out_dir") from None
     new = run_config(c)
     keep = RUN_SETTINGS | {k.strip() for k in c.resume_changes.split(",")}
-    changed = [k for k in new if k in old and k not in keep and old[k] != new[k]]
-    if changed:
+    if changed := [k for k in new if k in old and k not in keep and old[k] != new[k]]:
         raise SystemExit(f"{c.out_dir} holds a run with other settings: "
                          f"{'; '.join(d for k in changed for d in differences(k, old[k], new[k]))}. Resuming would "
                          f"change what the run is: choose a new out_dir, or, if the change is deliberate, "

@@ -48,8 +48,7 @@ def load_config(cls, path, **overrides):
         if key in d and d[key] != want:
             raise ValueError(f"config.json has {key}={d[key]!r}; ModernBERT as written here needs {want!r}")
     kw = {k: v for k, v in d.items() if k in {f.name for f in fields(cls)} - {"attn_backend"}}  # a run's choice
-    layer_types = d.get("layer_types")
-    if layer_types:  # transformers 5: an explicit list; it must be "global every n layers"
+    if layer_types := d.get("layer_types"):  # transformers 5: an explicit list; it must be "global every n layers"
         listed = layer_types if isinstance(layer_types, list) else []  # anything else fails the comparison below
         n = next((i for i, t in enumerate(listed[1:], 1) if t == "full_attention"), len(listed))
         if layer_types != ["full_attention" if i % n == 0 else "sliding_attention" for i in range(len(listed))]:
