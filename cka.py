@@ -404,7 +404,6 @@ def trajectory_figure(results, plt):
 
 def write(out, stem, results, table, figure_of):
     """out/STEM.json, out/STEM.md (printed too) and, with matplotlib, the figure figure_of(results, pyplot)."""
-    os.makedirs(out, exist_ok=True)
     replace_file(os.path.join(out, f"{stem}.json"), json.dumps(results, indent=2))
     replace_file(os.path.join(out, f"{stem}.md"), table)
     print(table)

@@ -607,7 +607,6 @@ def run_task(args, process, autocast, dtype):
         table = "\n".join([f"| metric (test, {len(runs)} seeds) | mean ± std |", "|---|---|"]
                           + [f"| {k} | {suite.pct(v)} |" for k, v in summary.items()]) + "\n"
         print(table)
-        os.makedirs(args.out, exist_ok=True)
         replace_file(os.path.join(args.out, "results.json"), json.dumps(
             {"settings": {**vars(args), "labels": labels, "world_size": world, "model_info": about},
              "summary": summary, "runs": runs}, indent=2))

@@ -143,7 +143,6 @@ def announce(c, model, schedule, process, dtype, resumed_at):
     placed, for the form its batches take)."""
     if process.rank != 0:
         return
-    os.makedirs(c.out_dir, exist_ok=True)
     config = json.dumps(run_config(c), indent=2)
     replace_file(os.path.join(c.out_dir, "config.json"), config)
     print(config)
