@@ -101,8 +101,7 @@ def batch_lengths(case, batch_size, seq_len, rng):
 
 
 def make_inputs(lengths, vocab, objective, device, rng):
-    """The same batch as both implementations take it: padded ids, mask and labels (transformers), flat tokens,
-    cu_seqlens and target rows (ours)."""
+    """The batch in both forms: padded ids, mask, labels (transformers); flat tokens, cu_seqlens, target rows (ours)."""
     B, S = len(lengths), max(lengths)
     ids, mask = torch.zeros(B, S, dtype=torch.long), torch.zeros(B, S, dtype=torch.long)
     for b, n in enumerate(lengths):
@@ -327,8 +326,7 @@ def attention_section(args, device, dtype):
 def attention_cell(name, qkvd, ref, flops, packing, layer_type, packed, min_time):
     """One kernel on one cell of the attention section -> its columns, or a note saying why it cannot attend there."""
     q, k, v, dout = qkvd
-    why = kernels.refusal(name, layer_type, q.device, q.dtype, 0.0, packed)
-    if why is not None:
+    if why := kernels.refusal(name, layer_type, q.device, q.dtype, 0.0, packed):
         return {"note": why.removeprefix(f"attention backend {name!r} ")}
     x, packing = [t.detach().requires_grad_() for t in (q, k, v)], packing(name)
     run = lambda: attention(*x, packing, layer_type, 0.0)  # noqa: E731

@@ -136,8 +136,7 @@ def common_tokenizer_and_depth(paths, override, max_len):
         with user_error(f"--tokenizer {override}"):
             return load_tokenizer(override), n_layers
     if missing := [p for p in paths if not os.path.isfile(os.path.join(p, "tokenizer.json"))]:
-        raise SystemExit(f"{missing[0]} has no tokenizer.json; pass --tokenizer (the tokenizer its data was prepared "
-                         "with)")
+        raise SystemExit(f"{missing[0]} has no tokenizer.json; pass --tokenizer (the one its data was prepared with)")
     hashes = {p: sha256(os.path.join(p, "tokenizer.json")) for p in paths}
     if len(set(hashes.values())) > 1:
         raise SystemExit("the checkpoints do not share a tokenizer (their tokenizer.json files differ): "
@@ -154,8 +153,7 @@ def ratio(pair, control):
 
 def sample_texts(args, paths, process):
     """The texts every model sees, fixed by the texts and seeds alone: tok and n_layers (common_tokenizer_and_depth),
-    the seeds, draws (seed -> n text indices), mine (the indices this rank encodes: the draws' union sharded) and
-    their ids."""
+    the seeds, draws (seed -> n text indices), mine (the draws' union, sharded: this rank's to encode), their ids."""
     tok, n_layers = common_tokenizer_and_depth(paths, args.tokenizer, args.max_len)
     texts = list(read_documents([args.texts], args.text_field))
     if len(texts) < args.n:
@@ -406,7 +404,6 @@ def trajectory_figure(results, plt):
 
 def write(out, stem, results, table, figure_of):
     """out/STEM.json, out/STEM.md (printed too) and, with matplotlib, the figure figure_of(results, pyplot)."""
-    os.makedirs(out, exist_ok=True)
     replace_file(os.path.join(out, f"{stem}.json"), json.dumps(results, indent=2))
     replace_file(os.path.join(out, f"{stem}.md"), table)
     print(table)

@@ -1,12 +1,9 @@
 """
-Data for the CLM detour: token shards, the packed loader, and the two objectives'
-batches. The tokenizers are in support/tokenizer.py.
+Token shards, the packed loader and the two objectives' batches for the CLM detour (tokenizers: support/tokenizer.py).
 
-One direction: text files -> `python data.py` -> train.bin / val.bin
-(token ids, documents separated by the tokenizer's end-of-document id) +
-meta.json -> Loader (fixed-length windows in an order fixed by data_seed, sharded
-by rank, resumable) -> mlm_batch / clm_batch (the flat unpadded form the model
-takes). Knows nothing of the model.
+One direction: text files -> `python data.py` -> train.bin / val.bin (token ids, documents separated by the tokenizer's
+end-of-document id) + meta.json -> Loader (fixed-length windows in an order fixed by data_seed, sharded by rank,
+resumable) -> mlm_batch / clm_batch (the flat unpadded form the model takes). Knows nothing of the model.
 
     python data.py --input corpus.txt --tokenizer path/to/ModernBERT-base --out data/bio
     python data.py --demo general --tokenizer bpe:4096 --out data/general
@@ -33,7 +30,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from support.files import check_out_dir, fresh_dir, json_lines, open_file, remove, sha256
+from support.files import check_out_dir, fresh_dir, json_lines, open_file, remove, sha256, user_error
 from support.shards import load_meta, split_tokens
 from support.tokenizer import SPECIAL_NAMES, TOKENIZER_FILES, load_tokenizer, tokenizer_file, train_bpe
 
@@ -73,8 +70,7 @@ def read_documents(paths, text_field="text", blank_line_docs=False):
                 if ext.startswith(".jsonl"):
                     for n, obj in json_lines(f, path):
                         if not isinstance(obj, dict) or text_field not in obj:
-                            raise SystemExit(f"{path}:{n}: no {text_field!r} field; choose the text field with "
-                                             "--text_field")
+                            raise SystemExit(f"{path}:{n}: no {text_field!r} field; choose the field with --text_field")
                         yield _text(obj[text_field], f"{path}:{n}")
                 elif blank_line_docs:  # a document per run of non-blank lines
                     for blank, lines in itertools.groupby(f, key=lambda line: not line.strip()):
@@ -148,8 +144,7 @@ def demo_documents(part):
 
 def _tokenized(keyed_docs, tok, chunk_docs, n_docs, desc):
     """(key, ids with an eos after each document, each document's length with its eos) for the non-empty texts of
-    keyed_docs, (key, text) pairs, in chunks of up to chunk_docs documents of one key: Hugging Face tokenizers
-    encodes each chunk on every core."""
+    keyed_docs ((key, text) pairs), in chunks of up to chunk_docs documents of one key, each encoded on every core."""
     with tqdm(total=n_docs, desc=desc, unit="doc", disable=None) as bar:
         for key, group in itertools.groupby(((k, doc) for k, doc in keyed_docs if doc), key=lambda kd: kd[0]):
             docs = (doc for _, doc in group)
@@ -488,8 +483,7 @@ def parse_args(argv=None):
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--input", nargs="+", help=".txt / .jsonl (either may be .xz-compressed) / .parquet files")
     src.add_argument("--demo", choices=["general", "domain"], help="the built-in docstring corpus")
-    p.add_argument("--tokenizer", required=True,
-                    help="tokenizer.json, a checkpoint directory holding one, or bpe:N to train one here")
+    p.add_argument("--tokenizer", required=True, help="tokenizer.json, a folder holding one, or bpe:N to train one")
     p.add_argument("--out", required=True)
     p.add_argument("--val_docs", type=int, default=1000)
     p.add_argument("--text_field", default="text", help="the text field of .jsonl / .parquet")
@@ -501,8 +495,7 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=token_count,
                     help="the mixture's training tokens (10B, 400M, 2500000): a source is repeated (whole "
                          "documents) or sampled to its share; default: the largest mixture that repeats nothing")
-    p.add_argument("--seed", type=int,
-                   help="the mixture's seed (default 0): its validation documents, samples and order")
+    p.add_argument("--seed", type=int, help="the mixture's seed (default 0): its validation docs, samples, order")
     return p.parse_args(argv)
 
 
@@ -567,19 +560,15 @@ def check_args(args):
         if not all(math.isfinite(w) and w > 0 for w in weights):
             raise SystemExit(f"--weights {' '.join(f'{w:g}' for w in weights)}: every weight must be a positive number")
         if args.val_docs < n:
-            raise SystemExit(f"--val_docs {args.val_docs}: a mixture draws at least one validation document from each "
-                             f"of its {n} sources")
+            raise SystemExit(f"--val_docs {args.val_docs}: a mixture of {n} sources needs a validation doc from each")
     check_out_dir(args.out)
     spec = args.tokenizer
     if spec.startswith("bpe:"):
         if not spec[4:].isdigit() or int(spec[4:]) < 262:
-            raise SystemExit(f"--tokenizer {spec}: write bpe:N with N a vocabulary size above 261 (its 256 bytes "
-                             "and 5 special tokens), e.g. bpe:4096")
+            raise SystemExit(f"--tokenizer {spec}: write bpe:N, N > 261 (256 bytes and 5 special tokens): bpe:4096")
         return
-    try:
+    with user_error(f"--tokenizer {spec}: cannot load it"):
         load_tokenizer(spec)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"--tokenizer {spec}: cannot load it ({e})") from None
 
 
 if __name__ == "__main__":

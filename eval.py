@@ -131,8 +131,7 @@ def read_split(path, task):
                     first, where = forms.setdefault(label, (str(label), n))
                     if first != str(label):
                         raise SystemExit(f"{path}:{n}: label {label!r} is label {first} (line {where}) written "
-                                         "another way, which would make two classes of one; write every label the "
-                                         "same way")
+                                         "another way, which would make two classes of one; write labels alike")
     if not examples:
         raise SystemExit(f"{path}: the split is empty")
     return examples
@@ -148,8 +147,7 @@ def example_problem(ex, task):
         if not (isinstance(tokens, list) and isinstance(tags, list) and all(isinstance(x, str) for x in tokens + tags)):
             return "tokens and tags must be lists of strings"
         if len(tokens) != len(tags):
-            return (f"{len(tokens)} tokens but {len(tags)} tags; every token needs its tag (every later sentence "
-                    "would be shifted)")
+            return f"{len(tokens)} tokens but {len(tags)} tags; every token needs its tag (later sentences would shift)"
         return None if tokens else "an empty sentence (no tokens); remove the line"
     if not isinstance(ex["text"], str) or not ex["text"].strip():
         return f"the text is {ex['text']!r}, not a text; remove the line or give it its text"
@@ -247,10 +245,9 @@ def micro_batches(items, max_tokens, max_items=None, padded=False):
 def flat_batch(items, task, device):
     """A list of (ids, target) -> (the model's Flat batch, the targets: one per token for ner, else per item)."""
     lengths = [len(x) for x, _ in items]
-    flat = Flat(torch.tensor([t for x, _ in items for t in x], device=device), cu_seqlens_of(lengths).to(device),
-                max(lengths))
-    return flat, torch.tensor([t for _, y in items for t in y] if task == "ner" else [y for _, y in items],
-                              device=device)
+    tokens = torch.tensor([t for x, _ in items for t in x], device=device)
+    targets = [t for _, y in items for t in y] if task == "ner" else [y for _, y in items]
+    return Flat(tokens, cu_seqlens_of(lengths).to(device), max(lengths)), torch.tensor(targets, device=device)
 
 
 # -----------------------------------------------------------------------------
@@ -541,8 +538,7 @@ def parse_args(argv):
                                     f"{suite.PROTOCOL['select']}{per_task})")
     p.add_argument("--pooling", choices=["mean", "cls"], help="ModernBERT's sequence classification pooling "
                    "(default mean); another family has its own head's")
-    p.add_argument("--tokenizer", help="when a ModernBERT checkpoint carries no tokenizer.json (another family uses "
-                                       "its own directory's)")
+    p.add_argument("--tokenizer", help="for a ModernBERT checkpoint without tokenizer.json (another family: its own)")
     p.add_argument("--device", default="auto")
     p.add_argument("--compile", default="auto", help="torch.compile of ModernBERT's fine-tuning, as train.py's: auto "
                    "(inductor on GPU, eager on CPU), true, false, or a backend (aot_eager); other families run eager")
@@ -611,7 +607,6 @@ def run_task(args, process, autocast, dtype):
         table = "\n".join([f"| metric (test, {len(runs)} seeds) | mean ± std |", "|---|---|"]
                           + [f"| {k} | {suite.pct(v)} |" for k, v in summary.items()]) + "\n"
         print(table)
-        os.makedirs(args.out, exist_ok=True)
         replace_file(os.path.join(args.out, "results.json"), json.dumps(
             {"settings": {**vars(args), "labels": labels, "world_size": world, "model_info": about},
              "summary": summary, "runs": runs}, indent=2))

@@ -290,7 +290,11 @@ class PredictionHead(nn.Module):
 
 
 class PreTrained(nn.Module):
-    """What the three task models share: ModernBERT's init, the encoder call, Hugging Face checkpoints."""
+    """What the three task models share: the encoder and its head, ModernBERT's init, Hugging Face checkpoints."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config, self.model, self.head = config, ModernBertModel(config), PredictionHead(config)
 
     def _init_weights(self, module):
         """ModernBERT's init: truncated normal cut at 2 std; 0.02 in, 0.02/sqrt(2L) for the output
@@ -349,10 +353,7 @@ class ModernBertForMaskedLM(PreTrained):
     """Encoder + LM head (dense, GELU, LayerNorm, decoder tied to the embeddings), the same for MLM and CLM."""
 
     def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.model = ModernBertModel(config)
-        self.head = PredictionHead(config)
+        super().__init__(config)
         self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=True)
         self.apply(self._init_weights)
         self.decoder.weight = self.model.embeddings.tok_embeddings.weight  # tied: one tensor
@@ -369,8 +370,7 @@ class ModernBertForMaskedLM(PreTrained):
         if targets is None:
             return flat.restore(self.decoder(self.head(hidden)))
         if flat.shape is not None:
-            raise ValueError("targets need the unpadded call: flat ids with cu_seqlens, max_seqlen and the rows that "
-                             "have a target (see data.py's Batch)")
+            raise ValueError("targets need the unpadded call: flat ids, cu_seqlens, max_seqlen, rows (data.py's Batch)")
         return self.cross_entropy_sum(hidden, targets, max_rows=input_ids.shape[0])  # T: fixed between steps
 
     def cross_entropy_sum(self, hidden, targets, chunk_rows=kernels.CHUNK_ROWS, max_rows=None):
@@ -393,10 +393,7 @@ class Classifier(PreTrained):
     """Encoder -> PredictionHead -> dropout -> linear (a logit per label of id2label, else 2), as transformers'."""
 
     def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.model = ModernBertModel(config)
-        self.head = PredictionHead(config)
+        super().__init__(config)
         self.drop = nn.Dropout(config.classifier_dropout)
         self.classifier = nn.Linear(config.hidden_size, len(config.id2label) if config.id2label else 2)
         self.apply(self._init_weights)
@@ -404,8 +401,7 @@ class Classifier(PreTrained):
 
 class ModernBertForSequenceClassification(Classifier):
     def forward(self, input_ids, attention_mask=None, *, cu_seqlens=None, max_seqlen=None):
-        """(B, S) padded or flat (T,) with cu_seqlens -> (B, num_labels) logits: pooled (mean over tokens, or [CLS]),
-        then the classifier."""
+        """(B, S) padded or flat (T,) with cu_seqlens -> (B, num_labels) logits of the pooled tokens (mean or [CLS])."""
         flat = Flat.of(input_ids, attention_mask, cu_seqlens, max_seqlen)
         hidden = self.encode(flat)
         cls = self.config.classifier_pooling == "cls"

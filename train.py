@@ -5,11 +5,10 @@ Continued pretraining of ModernBERT with the CLM detour (or its MLM twin).
     torchrun --nproc_per_node=4 train.py configs/fr_base.py       # DDP
     python train.py configs/fr_base.py configs/mlm_baseline.py --lr=1e-4
 
-Training is a list of phases (Phase: an objective, a length, an lr shape); the model, its head and the optimizer
-state carry on across every boundary. The paper's recipe is two phases built from one flag, `objective`: "main" (the
-detour, or the MLM arm), then "decay" (MLM 15%, lr 1-sqrt to 0.1 lr); any other list is a config's `phases`
-(configs/biphasic_scratch.py). Re-running a command resumes from out_dir's latest valid checkpoint, exactly. SIGTERM
-or SIGINT finish the step, write a checkpoint and exit with 128 + the signal number.
+Training is a list of phases; the model, its head and the optimizer state carry on across every boundary. The paper's
+recipe is two phases built from one flag, `objective`: "main" (the detour, or the MLM arm), then "decay" (MLM 15%, lr
+1-sqrt to 0.1 lr); any other list is a config's `phases`. Re-running a command resumes from out_dir's latest valid
+checkpoint, exactly. SIGTERM or SIGINT finish the step, write a checkpoint and exit with 128 + the signal number.
 """
 
 import math
@@ -24,19 +23,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data import Loader, clm_batch, mlm_batch, prefetch
 from model import ModernBertConfig, ModernBertForMaskedLM
-from support import checkpoint, config, kernels, processes, shards
-from support.checkpoint import Checkpointer
-from support.files import user_error
+from support import checkpoint, config, files, kernels, metrics, processes, shards
 from support.flops import batch_flops
-from support.metrics import Logger, announce
-from support.tokenizer import SPECIAL_NAMES
 
 # -----------------------------------------------------------------------------
 # Defaults. A config file (plain Python, `key = value` lines) or --key=value overrides any of them; anything else is an
-# error. Each default of the method names its source: "the paper" (its text gives the budgets, batch, sequence length,
-# warmup, decay share and shape, masking rates and seeds), "ModernBERT's recipe" (its pretraining, which the paper
-# follows where its text is silent), or "our choice". The system, logging and checkpoint settings at the end are our
-# choice and change no number the method computes.
+# error. Each default of the method names its source: "the paper", "ModernBERT's recipe" (its pretraining, which the
+# paper follows where its text is silent), or "our choice". The system, logging and checkpoint settings at the end are
+# our choice and change no number the method computes.
 
 
 @dataclass
@@ -54,20 +48,17 @@ class Config:
     decay_frac: float = 0.1  # decay length as a fraction of `tokens` (the paper); 0: no decay phase
     decay_mask_prob: float = 0.15  # (the paper)
     final_lr_frac: float = 0.1  # the decay ends at final_lr_frac * lr (the paper)
-    # ... or any list of phases, written by hand: dicts of Phase's fields (they replace the keys above)
-    phases: list = field(default_factory=list)
+    phases: list = field(default_factory=list)  # or any phases: dicts of Phase's fields (they replace the keys above)
     run_phases: str = "all"  # "all", or the consecutive phases this run does ("decay": from a "main" checkpoint)
     resume_changes: str = ""  # keys a resumed run changes on purpose, e.g. "tokens" (others must match config.json)
     skip_tokens: int = 0  # with no train state (a decay from a Hugging Face directory): the data starts this far in
     split_docs: bool = False  # restart attention and positions at each document (the paper does not)
     lr: float = 2e-4  # peak, shared by every phase (ModernBERT's recipe, as the optimizer below)
-    # decoupled AdamW, no decay on biases and norm weights: ModernBERT's recipe, numbers included (the paper's text
-    # elides them; its model card gives the same lr and betas)
+    # AdamW: ModernBERT's recipe (make_optimizer; the paper's text elides it, its model card gives the same lr, betas)
     betas: tuple = (0.9, 0.98)
     eps: float = 1e-6
     weight_decay: float = 1e-5  # decoupled: p <- p * (1 - weight_decay * lr_t / lr)
-    # freezing: these layers compute no weight gradient during the phases named in freeze_phase
-    freeze_layers: str = ""  # e.g. "0-7" or "8-14,20"; empty for none
+    freeze_layers: str = ""  # layers with no weight gradient in the freeze_phase phases: "0-7", "8-14,20"; "": none
     freeze_phase: str = "main"  # phase names, e.g. "main" or "clm,mlm"; "all" for every phase
     freeze_mode: str = "exact"  # "exact" (our choice): no update at all (bit-identical); "zero_grad" (the paper's
     # freeze, configs/freeze_*.py): gradients zeroed, so decoupled AdamW still decays them and its moments move them
@@ -148,17 +139,13 @@ def parse_config(argv):
 
 
 class Schedule:
-    """The phases laid end to end, in optimizer steps. At a boundary only the lr shape restarts."""
+    """The config's phases laid end to end, in optimizer steps. At a boundary only the lr shape restarts."""
 
-    def __init__(self, phases, tokens_per_step, lr):
-        self.phases, self.lr = phases, lr
-        self.steps = [p.steps or math.ceil(p.tokens / tokens_per_step) for p in phases]  # each phase in steps
-        self.warmup_steps = [p.warmup_steps or math.ceil(p.warmup_tokens / tokens_per_step) for p in phases]
-        self.starts = [sum(self.steps[:i]) for i in range(len(phases) + 1)]  # each phase's first step, then the end
-
-    @classmethod
-    def from_config(cls, c):
-        return cls(phases_of(c), c.global_batch_size * c.seq_len, c.lr)
+    def __init__(self, c):
+        self.phases, self.lr, per_step = phases_of(c), c.lr, c.global_batch_size * c.seq_len
+        self.steps = [p.steps or math.ceil(p.tokens / per_step) for p in self.phases]  # each phase in steps
+        self.warmup_steps = [p.warmup_steps or math.ceil(p.warmup_tokens / per_step) for p in self.phases]
+        self.starts = [sum(self.steps[:i]) for i in range(len(self.phases) + 1)]  # each phase's start, then the end
 
     def index(self, step):
         return max(i for i, start in enumerate(self.starts[:-1]) if start <= step)
@@ -176,9 +163,7 @@ class Schedule:
 
     def span(self, names):
         """range(first, last): the steps of the named phases ("all", or consecutive names "mlm,decay")."""
-        if names == "all":
-            return range(0, self.starts[-1])
-        chosen = [[p.name for p in self.phases].index(name) for name in names.split(",")]
+        chosen = [i for i, p in enumerate(self.phases) if names == "all" or p.name in names.split(",")]
         return range(self.starts[chosen[0]], self.starts[chosen[-1] + 1])
 
 
@@ -187,10 +172,8 @@ class Schedule:
 
 
 def build_model(c, meta, path):
-    """From scratch (path "scratch"), or from a checkpoint directory: Hugging Face ModernBERT or ours.
-    Dropout and the attention backend come from the training config, not the checkpoint."""
-    dropout = dict(embedding_dropout=c.embedding_dropout, attention_dropout=c.attention_dropout,
-                   attn_out_dropout=c.attn_out_dropout, mlp_dropout=c.mlp_dropout, attn_backend=c.attn_backend)
+    """From scratch (path "scratch"), or from a checkpoint directory: Hugging Face ModernBERT or ours."""
+    dropout = {k: getattr(c, k) for k in (*config.DROPOUTS, "attn_backend")}  # the run's, not the checkpoint's
     if path == "scratch":
         size = ModernBertConfig.large if c.model_size == "large" else ModernBertConfig  # or "base" (config.py)
         vocab = 64 * math.ceil(meta["vocab_size"] / 64)  # a multiple of 64 for fast matmuls
@@ -198,7 +181,7 @@ def build_model(c, meta, path):
                    bos_token_id=meta["cls_id"], eos_token_id=meta["sep_id"])
         torch.manual_seed(c.seed)
         return ModernBertForMaskedLM(size(**{"vocab_size": vocab, **ids, **c.model_config, **dropout}))
-    with user_error(f"init_from={path}"):  # a weights file cut short is named
+    with files.user_error(f"init_from={path}"):  # a weights file cut short is named
         return ModernBertForMaskedLM.from_pretrained(path, **dropout)
 
 
@@ -238,16 +221,14 @@ class Freeze:
 
 
 # -----------------------------------------------------------------------------
-# One step: the phase's batches, forward and backward with its mask. The head runs only on the rows that have a
-# target; each loss sum is divided by the global batch's number of targets: every target weighs the same.
+# One step (the phase's batches; forward and backward with its mask, the head only on rows with a target); evaluation
 
 
 def make_batch(windows, phase, meta, seed, split_docs):
     """(B, S) windows -> the phase's flat Batch: next-token targets (clm) or BERT masking (mlm)."""
     if phase.objective == "clm":
         return clm_batch(windows, meta["eos_id"], split_docs)
-    return mlm_batch(windows, phase.mask_prob, {k: meta[k] for k in SPECIAL_NAMES}, meta["vocab_size"], seed,
-                     split_docs)
+    return mlm_batch(windows, phase.mask_prob, meta, meta["vocab_size"], seed, split_docs)  # meta: the special ids
 
 
 def step_batches(step, phase, loader, meta, c, process, model_config):
@@ -274,27 +255,24 @@ def forward_backward(model, batches, causal, process, autocast):
     total = 0.0
     for k, batch in enumerate(batches):
         batch = batch.to(process.device, non_blocking=True)
-        last = k == len(batches) - 1
-        with (model.no_sync() if dist.is_initialized() and not last else nullcontext()), autocast:
+        with (model.no_sync() if dist.is_initialized() and k < len(batches) - 1 else nullcontext()), autocast:
             loss = batch_loss(model, batch, causal) * process.world / n_targets  # * world: DDP averages ranks
         loss.backward()
         total = total + loss.detach() / process.world
     return total
 
 
-def wrap(model, compiled, ddp, device):
+def wrap(model, process):
     """The model the steps call: compiled (one graph, one more when causal flips), then in DDP, whose all-reduce then
     follows the whole backward instead of overlapping it: a few ms a step against seconds of micro batches."""
-    if compiled:
-        model = kernels.compile_model(model, compiled)
-    if ddp:
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if process.compiled:  # the torch.compile backend, or None (eager)
+        model = kernels.compile_model(model, process.compiled)
+    if dist.is_initialized():
+        model = DDP(model, device_ids=[process.device.index] if process.device.type == "cuda" else None)
     return model
 
 
-# -----------------------------------------------------------------------------
 # Evaluation (our choice): MLM loss at 15% and CLM loss on val.bin, a fixed mask seed, both arms alike so they compare
-
 VALIDATION = [Phase("val_mlm", "mlm", 0, mask_prob=0.15), Phase("val_clm", "clm", 0)]
 
 
@@ -305,10 +283,9 @@ def evaluate(model, c, meta, process, autocast):
     n_steps = max(1, min(c.eval_windows, val.n_windows) // (c.micro_batch_size * process.world))
     sums = torch.zeros(len(VALIDATION), 2, device=process.device, dtype=torch.float64)  # (loss sum, targets)
     for k in range(n_steps):
-        windows = val.next()
+        windows, seed = val.next(), [0, k * process.world + process.rank]
         for i, phase in enumerate(VALIDATION):
-            batch = make_batch(windows, phase, meta, [0, k * process.world + process.rank], c.split_docs)
-            batch = batch.to(process.device)
+            batch = make_batch(windows, phase, meta, seed, c.split_docs).to(process.device)
             with autocast:
                 sums[i, 0] += batch_loss(model, batch, phase.causal)
             sums[i, 1] += batch.targets.numel()
@@ -338,8 +315,7 @@ def restore(c, process, resumed, optimizer, loader, first_step):
     if resumed is None:
         skipped = loader.skip(c.skip_tokens)  # where the phases before this run left the data
         if skipped and process.rank == 0:
-            print(f"data: starting {skipped:,} tokens into the stream ({skipped // c.seq_len:,} windows; "
-                  f"skip_tokens={c.skip_tokens:,})")
+            print(f"data: starting {skipped:,} tokens into the stream ({skipped // c.seq_len:,} windows; skip_tokens)")
         return TrainState(step=first_step, loader=loader.state_dict(), loss=torch.zeros((), device=process.device))
     state = TrainState(**checkpoint.load_train_state(resumed, optimizer, loader, process))
     if state.step < first_step:
@@ -349,11 +325,10 @@ def restore(c, process, resumed, optimizer, loader, first_step):
 
 
 def start(argv):
-    """The config and everything it names, checked (a mistake is one line, said once under torchrun); then this
-    process set up: its rank and device, its CPU threads, its compiler (support/processes.py)."""
+    """The config and all it names, checked (a mistake: one line, said once under torchrun); then this Process."""
     with processes.said_once():
         c = parse_config(argv)
-        schedule = Schedule.from_config(c)
+        schedule = Schedule(c)
         run = schedule.span(c.run_phases)  # the steps this run does
         meta = shards.check_data(c.data_dir, c.seq_len, c.micro_batch_size, int(os.environ.get("WORLD_SIZE", 1)),
                                  len(run) * c.global_batch_size)
@@ -363,20 +338,19 @@ def start(argv):
 
 def main(argv):
     c, schedule, run, meta, process = start(argv)
-    device, compiled = process.device, process.compiled  # compiled: the torch.compile backend, or None (eager)
-    autocast, dtype = processes.autocast(device, c.dtype)
+    autocast, dtype = processes.autocast(process.device, c.dtype)
     # The loop's state: from the checkpoint this run resumes (out_dir's newest, or init_from's), else fresh.
-    checkpointer = Checkpointer(c, process, schedule)
+    checkpointer = checkpoint.Checkpointer(c, process, schedule)
     resumed = checkpointer.resume(continue_from=c.init_from if run.start > 0 else None)
-    model = build_model(c, meta, resumed or c.init_from).place(device, dtype)  # its attention kernels chosen
+    model = build_model(c, meta, resumed or c.init_from).place(process.device, dtype)  # its attention kernels chosen
     freeze = Freeze(c, model, [p.name for p in schedule.phases])
-    optimizer = make_optimizer(model, c, device)
+    optimizer = make_optimizer(model, c, process.device)
     loader = Loader(c.data_dir, "train", c.seq_len, c.micro_batch_size, c.data_seed, process.rank, process.world)
     state = restore(c, process, resumed, optimizer, loader, first_step=run.start)
-    announce(c, model, schedule, process, dtype, state.step if resumed else None)
+    metrics.announce(c, model, schedule, process, dtype, state.step if resumed else None)
     freeze.enter(schedule.at(state.step))  # before DDP, which all-reduces what requires a gradient when built
-    raw_model, model = model, wrap(model, compiled, dist.is_initialized(), device)
-    logger = Logger(c, process, checkpointer, run, state.step)
+    raw_model, model = model, wrap(model, process)
+    logger = metrics.Logger(c, process, checkpointer, run, state.step)
     stream = prefetch(lambda step: step_batches(step, schedule.at(step), loader, meta, c, process, raw_model.config),
                       range(state.step, run.stop))  # built ahead by a thread, off the training step's path
     checkpointer.watch_signals()  # from here on, SIGTERM and SIGINT stop the run at a step boundary
@@ -388,7 +362,7 @@ def main(argv):
             for group in optimizer.param_groups:
                 group["lr"] = lr
             if freeze.enter(phase):  # frozen layers: no weight gradients to compute or all-reduce
-                model = wrap(raw_model, compiled, dist.is_initialized(), device)
+                model = wrap(raw_model, process)
             batches, loader_state, flops = next(stream)
             state.loss += forward_backward(model, batches, phase.causal, process, autocast)
             freeze.after_backward()

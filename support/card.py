@@ -21,8 +21,7 @@ def base_model(init_from):
     one of our checkpoints' cards. None for a run from scratch or an unnamed local copy."""
     if init_from == "scratch":
         return None
-    cached = re.search(r"models--([\w.-]+?)--([\w.-]+)", init_from)
-    if cached:
+    if cached := re.search(r"models--([\w.-]+?)--([\w.-]+)", init_from):
         return f"{cached[1]}/{cached[2]}"
     try:
         name = read_json(os.path.join(init_from, "config.json")).get("_name_or_path", "")

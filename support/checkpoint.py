@@ -256,9 +256,8 @@ class Checkpointer:
         self.exit_code = None  # set when a signal stopped the run
 
     def watch_signals(self):
-        """As the training starts (and ckpt_every_minutes' clock): from now on a signal only raises a flag (after_step
-        acts on it; a second one changes nothing), and out_dir's lock says "stopping": a requeued job that finds it
-        held waits for this run's checkpoint."""
+        """As the training (and ckpt_every_minutes' clock) starts: from now on a signal only raises a flag (after_step
+        acts on it; a second changes nothing), and out_dir's lock says "stopping": a requeued job waits for the save."""
         def caught(signum, frame):
             if not self.caught and self.hold:
                 self.hold.stopping()
@@ -277,8 +276,7 @@ class Checkpointer:
             latest = latest_valid_checkpoint(self.c.out_dir)
             return os.path.basename(latest) if latest else None
 
-        name = on_rank0(choose, self.process)
-        if name:
+        if name := on_rank0(choose, self.process):
             self.saved = os.path.join(self.c.out_dir, name)
             every_rank_sees(self.saved, self.process)
         elif continue_from and os.path.isfile(os.path.join(continue_from, TRAIN_STATE)):
@@ -355,8 +353,7 @@ def every_rank_sees(path, process):
         return
     views = [None] * process.world
     dist.all_gather_object(views, (socket.gethostname(), checkpoint_problem(path, checksums=False)))
-    blind = [f"rank {r} on {host} ({problem})" for r, (host, problem) in enumerate(views) if problem]
-    if blind:
+    if blind := [f"rank {r} on {host} ({problem})" for r, (host, problem) in enumerate(views) if problem]:
         raise SystemExit(f"not every rank can read checkpoint {path}: {', '.join(blind)}. out_dir must be on a "
                          "filesystem shared by all nodes: rank 0 writes the checkpoints, every rank resumes from them.")
 

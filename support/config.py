@@ -78,14 +78,14 @@ def check_type(key, value, typ, where):
 POSITIVE = ("seq_len", "global_batch_size", "micro_batch_size", "lr", "eps", "log_interval", "eval_interval",
             "eval_windows", "ckpt_interval", "max_ckpts", "dist_timeout_minutes")
 NOT_NEGATIVE = ("weight_decay", "ckpt_every_minutes", "keep_every", "peak_tflops", "skip_tokens")
-PROBABILITIES = ("embedding_dropout", "attention_dropout", "attn_out_dropout", "mlp_dropout")  # in [0, 1)
+DROPOUTS = ("embedding_dropout", "attention_dropout", "attn_out_dropout", "mlp_dropout")  # probabilities, in [0, 1)
 
 
 def check_config(c, phase_names, world):
     """Every value of the config in its range, and the names it gives (phases, layers to freeze) exist."""
     bad = ([f"{k}={getattr(c, k)} must be positive" for k in POSITIVE if not getattr(c, k) > 0]
            + [f"{k}={getattr(c, k)} must be 0 or more" for k in NOT_NEGATIVE if getattr(c, k) < 0]
-           + [f"{k}={getattr(c, k)} must be in [0, 1)" for k in PROBABILITIES if not 0 <= getattr(c, k) < 1])
+           + [f"{k}={getattr(c, k)} must be in [0, 1)" for k in DROPOUTS if not 0 <= getattr(c, k) < 1])
     if len(c.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in c.betas):
         bad.append(f"betas={c.betas} must be two numbers in [0, 1), e.g. (0.9, 0.98)")
     if bad:
@@ -99,8 +99,7 @@ def check_config(c, phase_names, world):
         fits = [m for m in range(c.micro_batch_size, 0, -1) if c.global_batch_size % (m * world) == 0]
         fix = f"e.g. --micro_batch_size={fits[0]}" if fits else f"a global_batch_size that {world} ranks share"
         raise SystemExit(f"global_batch_size={c.global_batch_size} is not a multiple of micro_batch_size="
-                         f"{c.micro_batch_size} x world size {world}: each step must give every rank whole micro "
-                         f"batches; {fix}")
+                         f"{c.micro_batch_size} x world size {world}: every rank needs whole micro batches; {fix}")
     run, frozen = c.run_phases.split(","), c.freeze_phase.split(",")
     if run != ["all"] and not any(phase_names[i:i + len(run)] == run for i in range(len(phase_names))):
         raise SystemExit(f"run_phases={c.run_phases!r}: write 'all' or consecutive phase names in order, "
@@ -158,8 +157,7 @@ def check_phase(p):
     problems = [(p.objective not in ("clm", "mlm"), f"objective={p.objective!r}: choose 'clm' or 'mlm'"),
                 (not (p.tokens > 0 or p.steps > 0) or min(p.tokens, p.steps, p.warmup_tokens, p.warmup_steps) < 0,
                  f"{given}: a phase needs a positive length, a warmup of 0 or more"),
-                (p.warmup_tokens > 0 and p.warmup_steps > 0, f"{given}: give the warmup in tokens or in steps, "
-                 "not both"),
+                (p.warmup_tokens > 0 and p.warmup_steps > 0, f"{given}: give the warmup in tokens or steps, not both"),
                 (p.objective == "mlm" and not 0 < p.mask_prob < 1, f"mask_prob={p.mask_prob}: choose it in (0, 1)"),
                 (p.objective == "clm" and p.mask_prob != 0,
                  "mask_prob is for mlm phases: a CLM phase predicts every next token"),
@@ -174,8 +172,7 @@ def check_phase(p):
 def check_model_config(c):
     """model_config names ModernBertConfig fields, and from scratch makes a model that hf.check_config passes."""
     keys = [f.name for f in dataclasses.fields(ModernBertConfig)]
-    unknown = sorted(set(c.model_config) - set(keys))
-    if unknown:
+    if unknown := sorted(set(c.model_config) - set(keys)):
         raise SystemExit(f"model_config: unknown key(s) {', '.join(unknown)}; ModernBertConfig has {', '.join(keys)}")
     defaults = ModernBertConfig()
     numbers = [k for k, v in c.model_config.items() if isinstance(getattr(defaults, k), (int, float))
@@ -236,8 +233,7 @@ def check_same_run(c):
                          "holds the run's config), or choose a new out_dir") from None
     new = run_config(c)
     keep = RUN_SETTINGS | {k.strip() for k in c.resume_changes.split(",")}
-    changed = [k for k in new if k in old and k not in keep and old[k] != new[k]]
-    if changed:
+    if changed := [k for k in new if k in old and k not in keep and old[k] != new[k]]:
         raise SystemExit(f"{c.out_dir} holds a run with other settings: "
                          f"{'; '.join(d for k in changed for d in differences(k, old[k], new[k]))}. Resuming would "
                          f"change what the run is: choose a new out_dir, or, if the change is deliberate, "

@@ -150,8 +150,7 @@ def open_fd(path, flags):
         if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):  # a link (O_NOFOLLOW), a directory, a FIFO unread
             refuse(path, kind(path, os.lstat(path)))
         raise
-    what = kind(path, os.fstat(fd))
-    if what:
+    if what := kind(path, os.fstat(fd)):
         os.close(fd)
         refuse(path, what)
     return fd

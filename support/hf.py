@@ -48,8 +48,7 @@ def load_config(cls, path, **overrides):
         if key in d and d[key] != want:
             raise ValueError(f"config.json has {key}={d[key]!r}; ModernBERT as written here needs {want!r}")
     kw = {k: v for k, v in d.items() if k in {f.name for f in fields(cls)} - {"attn_backend"}}  # a run's choice
-    layer_types = d.get("layer_types")
-    if layer_types:  # transformers 5: an explicit list; it must be "global every n layers"
+    if layer_types := d.get("layer_types"):  # transformers 5: an explicit list; it must be "global every n layers"
         listed = layer_types if isinstance(layer_types, list) else []  # anything else fails the comparison below
         n = next((i for i, t in enumerate(listed[1:], 1) if t == "full_attention"), len(listed))
         if layer_types != ["full_attention" if i % n == 0 else "sliding_attention" for i in range(len(listed))]:
@@ -151,8 +150,7 @@ def load_weights(model, path):
         raise ValueError(f"{file}: refused: it holds objects other than tensors, and loading them would run code; "
                          "take the model from a source you trust, as model.safetensors") from None
     except (SafetensorError, RuntimeError, EOFError, KeyError, ValueError) as e:  # a truncated or malformed file
-        raise ValueError(f"cannot load {file} ({type(e).__name__}: {e}): is the file complete? Copy it "
-                         "again.") from None
+        raise ValueError(f"cannot load {file} ({type(e).__name__}: {e}): is the file complete? Copy it again") from None
     if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(t) for k, t in state.items()):
         raise ValueError(f"{file} holds a {type(state).__name__}, not named tensors: it is no model's weights")
     if not any(k.startswith("model.") for k in state):  # a bare ModernBertModel: keys without the prefix

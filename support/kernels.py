@@ -82,8 +82,7 @@ def compile_model(model, backend="inductor", regional=False):
 
 
 def dynamic_rows(module, args, kwargs):
-    """The rows that have a target, and their targets: one dynamic size, so that MLM's count, new every step, reuses
-    one graph."""
+    """The rows with a target, and their targets: one dynamic size, so MLM's count, new every step, reuses one graph."""
     for name in ("rows", "targets"):
         if kwargs.get(name) is not None:
             torch._dynamo.mark_dynamic(kwargs[name], 0)
@@ -141,14 +140,12 @@ def refusal(name, layer_type, device, dtype, dropout_p, packed):
     if name == "flash" and (flash_attn_varlen_func is None or not here):
         return "attention backend 'flash' needs CUDA and `pip install flash-attn --no-build-isolation`"
     if name == "varlen" and (varlen_attn is None or not here):
-        return ("attention backend 'varlen' needs CUDA and a PyTorch whose torch.nn.attention.varlen.varlen_attn has "
-                "window_size (2.10+)")
+        return "attention backend 'varlen' needs CUDA and a PyTorch whose varlen_attn has window_size (2.10+)"
     if name == "cudnn" and not (here and CUDNN):
         return "attention backend 'cudnn' (SDPA's cuDNN kernel) needs CUDA and a PyTorch built with NVIDIA's cuDNN"
     if name == "cudnn" and (layer_type == "local" or not packed):
-        return ("attention backend 'cudnn' (SDPA's cuDNN kernel) attends the global layers of packed batches only: it "
-                "has no window, and no bounds for documents kept apart; give it those alone (global=cudnn,local=varlen)"
-                " or use 'auto'")
+        return ("attention backend 'cudnn' (SDPA's cuDNN kernel) attends the global layers of packed batches only (no "
+                "window, no document bounds): give it those alone (global=cudnn,local=varlen) or use 'auto'")
     if name in ("flash", "varlen", "cudnn") and dtype not in KERNEL_DTYPES:
         return (f"attention backend {name!r} takes float16 or bfloat16 q, k, v, but this forward runs in {dtype}: run "
                 "it under bf16 autocast (--dtype=bfloat16) or use attn_backend 'auto' or 'sdpa'")
@@ -246,8 +243,7 @@ def chunked_cross_entropy(x, weight, bias, targets, chunk_rows=CHUNK_ROWS, max_r
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """The rows are padded to n_chunks equal chunks with ignored targets; one chunk's (rows, V) logits and their
-    gradient exist at a time."""
+    """The rows, padded with ignored targets to n_chunks equal chunks; one chunk's logits and gradient at a time."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, targets, n_chunks, want_grad):

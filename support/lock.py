@@ -69,8 +69,7 @@ class Hold:
                 os.fsync(self.fd)  # so that another node reads it (NFS: close-to-open)
         except OSError as e:
             if not self.failed:
-                print(f"warning: cannot write the lock file of the output directory ({e}); the run goes on",
-                      file=sys.stderr)
+                print(f"warning: cannot write the output directory's lock file ({e}); the run goes on", file=sys.stderr)
             self.failed = True
 
     def beat(self):
@@ -106,9 +105,8 @@ def waiting_for(info, seen, now, where, what):
     if info["state"] == "stopping":
         return who, "stopping", "stopping: it is writing its last checkpoint"
     if age < STALE or seen["moves"]:
-        raise SystemExit(f"{where} is in use by {who}: one run writes a directory at a time. Wait for it to end (or "
-                         f"stop it: kill -TERM {info['pid']} on {info['host']}, or scancel its job), or choose another "
-                         f"{what}.")
+        raise SystemExit(f"{where} is in use by {who}: one run writes a directory at a time. Wait for it (or stop it: "
+                         f"kill -TERM {info['pid']} on {info['host']}, or scancel its job), or choose another {what}.")
     if now - seen["moved"] > STALE:
         return who, "silent", f"silent for {now - seen['moved']:.0f} s: its node may be lost"
     return who, "watched", f"its heartbeat {age:.0f} s old by its clock (lost, or its clock is not ours)"

@@ -143,7 +143,6 @@ def announce(c, model, schedule, process, dtype, resumed_at):
     placed, for the form its batches take)."""
     if process.rank != 0:
         return
-    os.makedirs(c.out_dir, exist_ok=True)
     config = json.dumps(run_config(c), indent=2)
     replace_file(os.path.join(c.out_dir, "config.json"), config)
     print(config)
@@ -234,8 +233,7 @@ def trim_metrics(path, step):
         return
     refuse_link(path)  # before its lines are read: they are not the run's
     kept = [(n, line, r) for n, (line, r) in enumerate(lines(path), 1) if r is None or r["step"] <= step]
-    other = [n for n, _, r in kept if r is None]
-    if other:
+    if other := [n for n, _, r in kept if r is None]:
         print(f"warning: {path}: line(s) {', '.join(map(str, other[:10]))}{' ...' if len(other) > 10 else ''} hold "
               "no record (a JSON object with an integer step): kept as they are; readers skip them", file=sys.stderr)
     replace_file(path, b"".join(line for _, line, _ in kept))

@@ -30,8 +30,7 @@ def load_meta(data_dir):
                          f"`python data.py --input FILES --tokenizer SPEC --out {data_dir}`")
     try:
         meta = read_json(path)
-        problem = meta_problem(meta)
-        if problem:
+        if problem := meta_problem(meta):
             raise ValueError(f"{path}: {problem}")
         check_companions(data_dir)
     except (OSError, ValueError) as e:
@@ -63,8 +62,7 @@ def tokenizer_files(data_dir):
 
 def meta_problem(meta):
     """What is wrong with the fields of a meta.json (a dict), or None."""
-    missing = [k for k in ("vocab_size", "dtype", *SPECIAL_NAMES) if k not in meta]
-    if missing:
+    if missing := [k for k in ("vocab_size", "dtype", *SPECIAL_NAMES) if k not in meta]:
         return f"lacks {', '.join(missing)}"
     dtype, vocab = meta["dtype"], meta["vocab_size"]
     if dtype not in list(DTYPES):  # a list: a hostile value may be unhashable
@@ -104,8 +102,7 @@ def split_tokens(data_dir, split, meta, seq_len, micro_batch_size, world):
 
 def check_data(data_dir, seq_len, micro_batch_size, world, windows):
     """-> meta.json of a run's data_dir, once its tokenizer files are those each checkpoint will copy and both splits
-    make a micro batch on every rank of `world`; a note where the run reads `windows` windows, more than train.bin
-    holds (the data repeats)."""
+    make a micro batch on every rank of `world`; a note where the run's `windows` outnumber train.bin's (it repeats)."""
     if not data_dir:
         raise SystemExit("data_dir is not set: point it at a directory made by `python data.py`")
     meta = load_meta(data_dir)

@@ -20,8 +20,7 @@ def load_tokenizer(spec):
     """spec: a tokenizer.json path, or a directory holding one."""
     path = tokenizer_file(spec)
     if path is None:
-        raise FileNotFoundError(f"tokenizer {spec!r} not found: give a tokenizer.json or a checkpoint directory "
-                                "holding one")
+        raise FileNotFoundError(f"tokenizer {spec!r} not found: give a tokenizer.json or a directory holding one")
     d = read_json(path)
     try:  # Hugging Face's own reader checks every field of the format
         tok = tokenizers.Tokenizer.from_str(json.dumps(d))

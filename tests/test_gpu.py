@@ -175,8 +175,8 @@ def test_a_new_mask_rate_compiles_no_new_graph():
     torch._dynamo.reset()
     counters.clear()
     config = ModernBertConfig(**{**CONFIG, "hidden_size": 768, "intermediate_size": 1152, "num_attention_heads": 12})
-    model = train.wrap(randomized(config).place(PROCESS.device, torch.bfloat16).train(), "inductor", False,
-                       PROCESS.device)
+    model = train.wrap(randomized(config).place(PROCESS.device, torch.bfloat16).train(),
+                       SimpleNamespace(device=PROCESS.device, compiled="inductor"))
     for step, rate in enumerate((0.3, 0.15, 0.3)):
         batch = mlm_batch(config, rate, length=8192, seed=step)
         train.forward_backward(model, [batch], False, PROCESS, torch.autocast("cuda", dtype=torch.bfloat16))

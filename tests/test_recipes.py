@@ -43,9 +43,9 @@ def test_a_phase_in_steps_has_the_schedule_of_the_same_phase_in_tokens():
     """512 tokens a step: 8,192 tokens are 16 steps, a 2,048-token warmup 4 steps, a 25% decay 4 steps; 8,000
     tokens round up to the same 16 steps. Written in steps, the schedule is the same step for step."""
     per_step = dict(global_batch_size=8, seq_len=64, lr=3e-3)
-    tokens = Schedule.from_config(Config(tokens=8192, warmup_tokens=2048, decay_frac=0.25, **per_step))
-    rounded = Schedule.from_config(Config(tokens=8000, warmup_tokens=2000, decay_frac=0.256, **per_step))
-    steps = Schedule.from_config(Config(phases=STEPS, **per_step))
+    tokens = Schedule(Config(tokens=8192, warmup_tokens=2048, decay_frac=0.25, **per_step))
+    rounded = Schedule(Config(tokens=8000, warmup_tokens=2000, decay_frac=0.256, **per_step))
+    steps = Schedule(Config(phases=STEPS, **per_step))
     for s in (tokens, rounded, steps):
         assert (s.steps, s.warmup_steps, s.starts) == ([16, 4], [4, 0], [0, 16, 20])
         assert [s.at(k).name for k in range(20)] == ["main"] * 16 + ["decay"] * 4
@@ -54,8 +54,8 @@ def test_a_phase_in_steps_has_the_schedule_of_the_same_phase_in_tokens():
         assert [s.lr_at(k) for k in range(20)] == pytest.approx(expect, rel=1e-12)
     # steps do not move with the batch: twice the tokens per step halves a token phase, not a steps phase
     wide = dict(per_step, global_batch_size=16)
-    assert Schedule.from_config(Config(tokens=8192, warmup_tokens=2048, decay_frac=0.25, **wide)).steps == [8, 2]
-    assert Schedule.from_config(Config(phases=STEPS, **wide)).steps == [16, 4]
+    assert Schedule(Config(tokens=8192, warmup_tokens=2048, decay_frac=0.25, **wide)).steps == [8, 2]
+    assert Schedule(Config(phases=STEPS, **wide)).steps == [16, 4]
 
 
 def run_record(out_dir):
@@ -97,7 +97,7 @@ def test_biphasic_and_mlm_from_clm_configs_are_their_schedules(argv):
     lr) only in the final 2,000 steps; the 2,000-step warmup is our choice. Then their continued pretraining: 12,000
     MLM steps at 40% from the end of that CLM phase."""
     c = config("en_base.py", "biphasic_scratch.py", argv=argv)
-    s, peak = Schedule.from_config(c), 2e-4
+    s, peak = Schedule(c), 2e-4
     assert c.init_from == "scratch" and s.starts == [0, 10_500, 40_000, 42_000] and 10_500 / 42_000 == 0.25
     at = [0, 10_499, 10_500, 39_999, 40_000, 41_999]
     assert [(s.at(k).objective, s.at(k).mask_prob, s.at(k).causal) for k in at] == \
@@ -110,7 +110,7 @@ def test_biphasic_and_mlm_from_clm_configs_are_their_schedules(argv):
     assert s.lr_at(41_999) == pytest.approx(2.0045e-5, rel=1e-4)  # 0.1 lr + 0.9 lr x (1 - 0.99975)
 
     c = config("en_base.py", "mlm_from_clm.py", argv=argv)
-    s = Schedule.from_config(c)
+    s = Schedule(c)
     assert s.starts == [0, 10_000, 12_000] and {(p.objective, p.mask_prob) for p in s.phases} == {("mlm", 0.4)}
     assert s.lr_at(9_999) == peak and s.lr_at(11_000) == pytest.approx(peak * (0.1 + 0.9 * (1 - 0.5 ** 0.5)))
     assert c.init_from == "out/en_base_biphasic_scratch/ckpt-10500" and c.out_dir == "out/en_base_mlm_from_clm"

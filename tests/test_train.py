@@ -343,7 +343,7 @@ def test_frozen_layers_compute_no_weight_gradient(data_dir):
     meta = load_meta(data_dir)
     model = tiny_model()
     c = Config(freeze_layers="1-2", freeze_phase="main")
-    freeze, phases = Freeze(c, model, ["main", "decay"]), Schedule.from_config(c).phases
+    freeze, phases = Freeze(c, model, ["main", "decay"]), Schedule(c).phases
     batch = clm_batch(Loader(data_dir, "train", 64, 2, data_seed=1).next(), meta["eos_id"])
     assert freeze.enter(phases[0]) and not freeze.enter(phases[0])
     forward_backward(model, [batch], True, Process(0, 1, torch.device("cpu")), torch.autocast("cpu", enabled=False))
