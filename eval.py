@@ -467,7 +467,7 @@ def suite_runs(args, seeds, tasks, names, device, dtype, compiled):
 
 
 def run_suite(args, process, autocast, dtype):
-    """eval.py --suite FILE --models DIR ...: every task x model x seed, then results.md/.json/.png."""
+    """eval.py --suite FILE --models DIR ...: every task x model x seed, then results.md/.json."""
     rank, world, device = process.rank, process.world, process.device
     seeds, tasks = suite.load_suite(args.suite)
     names = suite.model_names(args.models)

@@ -4,7 +4,7 @@ tell a real gain from noise. The suite file is plain Python: `seeds = [...]` and
 "cls" | "multilabel" | "ner", data=DIR relative to the file, ...), ...]`, PROTOCOL filling what a task leaves out.
 Each finished run is OUT/runs/TASK/MODEL/seedN.json, stored with the options that determine it, so a killed
 suite goes on where it stopped; one stored with other options stops the suite before any training (reusing it
-would mix two protocols in one table). The table (results.md/.json/.png): per task and model, test macro F1 (the
+would mix two protocols in one table). The table (results.md/.json): per task and model, test macro F1 (the
 paper's metric) and the metric other papers report, mean ± std over seeds; their average over tasks; each model's
 difference to the first, paired over seeds, with a 95% t interval. For a study (demo.py), the difference of two arms
 over both seed levels, pretraining and fine-tuning (nested_delta), and what a design finds with 80% power.
@@ -18,7 +18,7 @@ import numpy as np
 from scipy import optimize, stats
 
 from support.config import check_type, load_file
-from support.files import make_dirs, number, open_file, read_json, replace_file
+from support.files import make_dirs, number, read_json, replace_file
 
 # The fine-tuning protocol: what a task dict (or eval.py's command line) does not say, each with its source: the
 # paper, the protocol it follows (BioClinical-ModernBERT: the Hugging Face Trainer's defaults), or our choice.
@@ -263,7 +263,7 @@ def summarize(suite, seeds, tasks, models, scores):
 
 
 # -----------------------------------------------------------------------------
-# results.md, results.json, results.png
+# results.md, results.json
 
 
 def markdown(results):
@@ -291,46 +291,13 @@ def markdown(results):
              "|---" * (1 + 2 * len(names) + len(names) - 1) + "|"]
     lines += [row(f"{name} ({t['task']}; upstream: {UPSTREAM_NAME[t['task']]})", t["models"], t["upstream"])
               for name, t in results["tasks"].items()]
-    lines += [row(f"**average** ({len(results['tasks'])} tasks)", results["average"]), "",
-              "![macro F1 per task](results.png)", ""]
+    lines += [row(f"**average** ({len(results['tasks'])} tasks)", results["average"]), ""]
     return "\n".join(lines)
 
 
-def figure(results, path):
-    """Per-task bars of macro F1 with the std over seeds as error bars, models side by side, the average last."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names, groups = list(results["models"]), [*results["tasks"], "average"]
-    width = 0.8 / len(names)
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.3 * len(groups) * (len(names) + 1) + 2.5), 4.5))
-    x, top = np.arange(len(groups)), 0.0
-    for j, m in enumerate(names):
-        stats = [results["tasks"][g]["models"][m][METRIC] for g in groups[:-1]] + [results["average"][m][METRIC]]
-        mean, std = 100 * np.array([s["mean"] for s in stats]), 100 * np.array([s["std"] for s in stats])
-        at = x + (j - (len(names) - 1) / 2) * width
-        ax.bar(at, mean, width, yerr=std, capsize=3, label=m)
-        for xi, y, label in zip(at, mean + std, mean):  # the value above its error bar, where nothing crosses it
-            ax.text(xi, y + 1, f"{label:.1f}", ha="center", va="bottom", fontsize=7)
-        top = max(top, float((mean + std).max()))
-    ax.axvline(len(groups) - 1.5, color="gray", lw=0.8, ls=":")  # the tasks | their average
-    ax.set_xticks(x, groups, rotation=30 if len(groups) > 5 else 0, ha="right" if len(groups) > 5 else "center")
-    ax.set_ylabel("test macro F1 (%)")
-    ax.set_ylim(0, top + 8)
-    ax.set_title(f"{os.path.basename(results['suite'])}: mean ± std over {len(results['seeds'])} seeds", fontsize=10)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    with open_file(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=110)
-    plt.close(fig)
-
-
 def write_results(out, results):
-    """results.json, results.md and results.png under out; returns the markdown."""
-    os.makedirs(out, exist_ok=True)
+    """results.json and results.md under out (made by eval.py's hold on it); returns the markdown."""
     replace_file(os.path.join(out, "results.json"), json.dumps(results, indent=2))
     md = markdown(results)
     replace_file(os.path.join(out, "results.md"), md)
-    figure(results, os.path.join(out, "results.png"))
     return md
