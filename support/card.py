@@ -1,18 +1,13 @@
 """
 The model card: README.md in every checkpoint directory (ckpt-STEP/ and final/), as the Hugging Face hub renders it.
-
-Front matter (base_model where init_from names a hub model, tags), then the recipe, the data, the seeds, the latest
-validation losses from metrics.jsonl, and how to load it.
 """
 
 import os
 import re
 
-from support.files import open_file, read_bytes, read_json
+from support.files import number, open_file, read_bytes, read_json
 from support.metrics import METRICS, lr_shape, records
 from support.shards import COUNTS, load_meta
-
-HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
 def base_model(init_from):
@@ -25,7 +20,7 @@ def base_model(init_from):
         return f"{cached[1]}/{cached[2]}"
     try:
         name = read_json(os.path.join(init_from, "config.json")).get("_name_or_path", "")
-        if isinstance(name, str) and HUB_ID.fullmatch(name) and not os.path.exists(name):
+        if isinstance(name, str) and re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not os.path.exists(name):
             return name
         card = read_bytes(os.path.join(init_from, "README.md"), 1 << 20).decode("utf-8", errors="replace")
         found = re.search(r"^base_model: (\S+)$", card.split("\n---", 1)[0], re.M)
@@ -39,15 +34,11 @@ def latest_records(out_dir, step):
     without the numbers the card prints (a hand-edited one) is passed over."""
     last = val = None
     for record in records(os.path.join(out_dir, METRICS)):
-        if record["step"] <= step and numbers(record, "loss"):
+        if record["step"] <= step and number(record.get("loss")):
             last = record
-            has_val = numbers(record, "val_mlm_loss", "val_clm_loss", "tokens") and isinstance(record.get("phase"), str)
-            val = record if has_val else val
+            has_val = all(number(record.get(k)) for k in ("val_mlm_loss", "val_clm_loss", "tokens"))
+            val = record if has_val and isinstance(record.get("phase"), str) else val
     return last, val
-
-
-def numbers(record, *keys):
-    return all(isinstance(record.get(k), (int, float)) and not isinstance(record[k], bool) for k in keys)
 
 
 def recipe_rows(schedule, c, step):

@@ -21,15 +21,13 @@ PEAK_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H
 
 def attention_pairs(n, left, right):
     """The (query, key) pairs attention computes on one sequence of n tokens when each query sees up to `left`
-    keys before it and `right` after it (-1: unlimited), clipped at the sequence's ends: the n pairs (i, i),
-    plus on each side, for every distance d = 1 .. m with m = min(window, n - 1), the n - d queries that have
-    a key at distance d: m * n - m * (m + 1) / 2."""
+    keys before it and `right` after it (-1: unlimited), clipped at the sequence's ends."""
 
-    def side(window):
+    def side(window):  # for each distance d = 1 .. m, the n - d queries that have a key at distance d
         m = n - 1 if window < 0 else min(window, n - 1)
         return m * n - m * (m + 1) // 2
 
-    return n + side(left) + side(right)
+    return n + side(left) + side(right)  # the n pairs (i, i), then each side
 
 
 def training_flops(config, seqlens, causal, n_rows):

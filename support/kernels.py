@@ -31,7 +31,6 @@ LAYER_TYPES = ("global", "local")
 # varlen_attn's 11.2 and 6.1; elsewhere (cuDNN has no window, nor bounds for documents kept apart) varlen_attn.
 AUTO = {"global": ("cudnn", "flash", "varlen", "sdpa"), "local": ("flash", "varlen", "sdpa")}
 KERNEL_DEVICE = "cuda"  # where the fused kernels run; they take float16 / bfloat16 q, k, v only
-KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 SDPA_KERNELS = {"cudnn": [SDPBackend.CUDNN_ATTENTION], "sdpa": None}  # the kernels SDPA may choose from (None: any)
 CUDNN = torch.backends.cudnn.is_available() and torch.version.hip is None  # NVIDIA's cuDNN (ROCm's "cudnn" is MIOpen)
 
@@ -146,7 +145,7 @@ def refusal(name, layer_type, device, dtype, dropout_p, packed):
     if name == "cudnn" and (layer_type == "local" or not packed):
         return ("attention backend 'cudnn' (SDPA's cuDNN kernel) attends the global layers of packed batches only (no "
                 "window, no document bounds): give it those alone (global=cudnn,local=varlen) or use 'auto'")
-    if name in ("flash", "varlen", "cudnn") and dtype not in KERNEL_DTYPES:
+    if name in ("flash", "varlen", "cudnn") and dtype not in (torch.float16, torch.bfloat16):
         return (f"attention backend {name!r} takes float16 or bfloat16 q, k, v, but this forward runs in {dtype}: run "
                 "it under bf16 autocast (--dtype=bfloat16) or use attn_backend 'auto' or 'sdpa'")
     if name == "varlen" and dropout_p > 0:

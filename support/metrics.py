@@ -38,8 +38,7 @@ TIMINGS = ("tokens_per_s", "mfu", "eval_s", "checkpoint_s", "compile_s")  # of a
 
 class Logger:
     def __init__(self, c, process, checkpointer, run, step):
-        """`run`: the steps this run does; `step`: where it starts, and metrics.jsonl is cut back to (a killed run may
-        have logged past its last checkpoint)."""
+        """`run`: the steps this run does; `step`: where it starts, and metrics.jsonl is cut back to (trim_metrics)."""
         self.c, self.process, self.checkpointer, self.compiled = c, process, checkpointer, process.compiled
         if process.rank == 0:
             trim_metrics(os.path.join(c.out_dir, METRICS), step)
@@ -227,8 +226,7 @@ def records(path):
 
 
 def trim_metrics(path, step):
-    """Keep the records of metrics.jsonl up to `step`, the resume point: a killed run may have logged past its last
-    checkpoint, or died in the middle of a line. Lines that hold no record stay where they are."""
+    """Cut metrics.jsonl back to `step`, the resume point: records past it go, lines that hold no record stay."""
     if not os.path.lexists(path):
         return
     refuse_link(path)  # before its lines are read: they are not the run's

@@ -14,7 +14,6 @@ import torch.distributed as dist
 from support import kernels, threads
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-QUIET = 5.0  # seconds a rank > 0 waits before it exits for a mistake rank 0 reports (see quiet_exit)
 
 
 @dataclass(frozen=True)
@@ -66,7 +65,7 @@ def said_once():
 def quiet_exit():
     """A rank > 0 stops for a mistake that rank 0 says, after rank 0 has had time to say it: torchrun stops every
     process as soon as one exits (so also this wait, once rank 0 exits)."""
-    time.sleep(QUIET)
+    time.sleep(5.0)
     raise SystemExit(1) from None
 
 

@@ -39,7 +39,6 @@ EPOCHS = {"cls": 10, "multilabel": 10, "ner": 20}  # the paper
 SEEDS = [42, 43, 44, 45, 46]  # the paper: 5 seeds for English; which five is our choice (the French 42-50 begin so)
 TASK_KEYS = {"name": str, "task": str, "data": str, "epochs": int, "lr": float, "batch_size": int, "max_len": int,
              "max_tokens": int, "warmup_ratio": float, "weight_decay": float, "pooling": str, "select": str}
-OPTIONAL = {"max_len", "max_tokens"}  # None: the model's or the device's, known when the suite runs
 SELECT = {"cls": ("macro_f1", "micro_f1", "weighted_f1", "accuracy"),  # what `select` may name, per task type
           "multilabel": ("macro_f1", "micro_f1", "subset_accuracy"), "ner": ("macro_f1", "micro_f1")}
 
@@ -88,13 +87,12 @@ def load_suite(path):
             raise SystemExit(f"{where}: task={t['task']!r}; it must be one of {', '.join(EPOCHS)}")
         task = {**PROTOCOL, "epochs": EPOCHS[t["task"]], **t}
         for key, typ in TASK_KEYS.items():
-            if key in OPTIONAL and task[key] is None:
+            if task[key] is None and key in ("max_len", "max_tokens"):  # the model's or the device's, known later
                 continue
             task[key] = check_type(key, task[key], typ, where)
-            if typ is int and task[key] <= 0:
-                raise SystemExit(f"{where}: {key} must be a positive int, got {task[key]!r}")
-        if task["max_len"] is not None and task["max_len"] <= 2:
-            raise SystemExit(f"{where}: max_len must be above 2 (it holds [CLS] and [SEP] too), got {task['max_len']}")
+            least = 3 if key == "max_len" else 1  # max_len holds [CLS] and [SEP] too
+            if typ is int and task[key] < least:
+                raise SystemExit(f"{where}: {key} must be an int of at least {least}, got {task[key]!r}")
         if task["select"] not in SELECT[task["task"]]:
             raise SystemExit(f"{where}: select={task['select']!r}; for a {task['task']} task it is one of "
                              f"{', '.join(SELECT[task['task']])}")
