@@ -47,10 +47,6 @@ def one_line(e):
     return " ".join(str(e).split())
 
 
-# -----------------------------------------------------------------------------
-# The checks before any training
-
-
 def check_encoder(path, where):
     """-> (its Tokenizers, what the table records of it), once the directory loads as a transformers encoder with
     both classification heads, weights that fill its encoder and a fast tokenizer that fits its embedding."""
@@ -143,10 +139,6 @@ def load_tokenizers(path, refuse):
         refuse(f"gives words pre-split other sub-tokens than in running text ({type(text).__name__}: a byte-level "
                "BPE needs add_prefix_space, which this class ignores); NER labels would sit on other tokens")
     return Tokenizers(text, words)
-
-
-# -----------------------------------------------------------------------------
-# The model
 
 
 class Padded(nn.Module):

@@ -17,7 +17,6 @@ from safetensors.torch import load_file, save_file
 
 from support.files import number, read_json, whole
 
-WEIGHTS = ("model.safetensors", "pytorch_model.bin")  # the weights file names, in the order they are looked for
 # Settings transformers' ModernBERT has and this one implements in one way only.
 FIXED = {"hidden_activation": "gelu", "norm_bias": False, "attention_bias": False, "mlp_bias": False,
          "decoder_bias": True, "classifier_bias": False, "classifier_activation": "gelu"}
@@ -132,10 +131,10 @@ def config_to_hf(config, architecture):
 
 def weights_file(path):
     """The directory's weights file: model.safetensors, else pytorch_model.bin."""
-    found = [os.path.join(path, name) for name in WEIGHTS if os.path.isfile(os.path.join(path, name))]
-    if not found:
-        raise FileNotFoundError(f"{path}: no model.safetensors (or pytorch_model.bin)")
-    return found[0]
+    for file in (os.path.join(path, "model.safetensors"), os.path.join(path, "pytorch_model.bin")):
+        if os.path.isfile(file):
+            return file
+    raise FileNotFoundError(f"{path}: no model.safetensors (or pytorch_model.bin)")
 
 
 def load_weights(model, path):

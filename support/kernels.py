@@ -220,14 +220,12 @@ def window_mask(offset, left, right):
     return ((offset >= -left) | (left < 0)) & ((offset <= right) | (right < 0))
 
 
-# -----------------------------------------------------------------------------
 # The LM loss in chunks of rows, never holding the (rows, vocab) logits (at 32k CLM rows and V = 50368: 6.6 GB in
 # float32, which autograd would keep and then double with their gradient). The loss is the last op of the step, so its
 # gradient with respect to a chunk's logits, softmax - onehot, is known as soon as the chunk's forward is: forward
 # computes each chunk's gradients right away and drops its logits, and backward only scales them by the incoming scalar
 # (Liger-Kernel's fused linear cross-entropy, in torch ops: nothing is recomputed). 2048 rows per chunk: 394 MiB of
 # float32 logits at V = 50368, and a (2048 x 768) @ (768 x V) matmul still keeps the tensor cores busy.
-
 CHUNK_ROWS = 2048
 
 
@@ -252,9 +250,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         x, targets = F.pad(x, (0, 0, 0, pad)), F.pad(targets, (0, pad), value=-100)  # (n_chunks * chunk, ...)
         loss = torch.zeros((), device=x.device, dtype=torch.float32)
         if want_grad:  # accumulated in float32 whatever the matmul dtype, cast to the inputs' dtype in backward
-            grad_x = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
-            grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
-            grad_b = torch.zeros(bias.shape, device=bias.device, dtype=torch.float32)
+            grad_x, grad_w, grad_b = [torch.zeros_like(t, dtype=torch.float32) for t in (x, weight, bias)]
         for i in range(n_chunks):
             xc, yc = x[i * chunk:(i + 1) * chunk], targets[i * chunk:(i + 1) * chunk]  # (c, H), (c,)
             valid = yc >= 0  # (c,) False on the padding rows

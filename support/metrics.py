@@ -32,7 +32,6 @@ from support.files import open_file, read_bytes, refuse_link, replace_file
 from support.flops import peak_flops
 
 METRICS = "metrics.jsonl"
-LIMIT = 1 << 30  # bytes: a million logged steps take about 300 MB
 TIMINGS = ("tokens_per_s", "mfu", "eval_s", "checkpoint_s", "compile_s")  # of a record's fields, the machine's speed
 
 
@@ -197,10 +196,6 @@ def wandb_run(c):
                       dir=c.out_dir)
 
 
-# -----------------------------------------------------------------------------
-# metrics.jsonl
-
-
 def record(line):
     """The record on `line` (bytes), or None if it holds none."""
     try:
@@ -215,7 +210,7 @@ def lines(path):
     if not os.path.lexists(path):
         return []
     try:
-        data = read_bytes(path, LIMIT)
+        data = read_bytes(path, 1 << 30)  # bytes: a million logged steps take about 300 MB
     except (OSError, ValueError) as e:
         raise SystemExit(f"{e}: {path} is the run's log; move it away to start a new one") from None
     return [(line + b"\n", record(line)) for line in data.split(b"\n")[:-1]]

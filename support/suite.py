@@ -58,10 +58,6 @@ def max_tokens(device):
     return MAX_TOKENS["cuda" if device.type == "cuda" else "cpu"]
 
 
-# -----------------------------------------------------------------------------
-# The suite file
-
-
 def load_suite(path):
     """-> (seeds, tasks): the suite file's seeds, and its tasks with every key filled in."""
     if not os.path.isfile(path):
@@ -116,10 +112,6 @@ def model_names(paths):
         names = ["/".join(p[-k:]).lstrip("/") for p in parts]
         if len(set(names)) == len(names):
             return names
-
-
-# -----------------------------------------------------------------------------
-# Finished runs on disk
 
 
 def run_file(out, task, model_name, seed):
@@ -258,10 +250,6 @@ def summarize(suite, seeds, tasks, models, scores):
     per_seed = {m: np.mean([[r[METRIC] for r in scores[t["name"], m]] for t in tasks], axis=0) for m in names}
     results["average"] = compared((METRIC,), {m: [{METRIC: v} for v in per_seed[m]] for m in names})
     return results
-
-
-# -----------------------------------------------------------------------------
-# results.md, results.json
 
 
 def markdown(results):

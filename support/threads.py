@@ -7,9 +7,8 @@ libgomp's default) before it sleeps: beside other jobs, the thread it waits for 
 its own time slice, so the run takes many times its fair share of the machine. Waiting passively
 (OMP_WAIT_POLICY=PASSIVE) still pays a wake-up per op; one thread has no barrier at all.
 
-So: as many threads as the usable CPUs (affinity mask, capped by the cgroup's CPU quota) that the other processes
-leave free, re-counted every second: all of them on a quiet machine, one beside busy jobs. A count the user set is
-left alone; with a fixed one (OMP_NUM_THREADS=2) a CPU run is bit-for-bit repeatable whatever the load.
+So: as many threads as the usable CPUs that the other processes leave free, re-counted every second (all of them on
+a quiet machine, one beside busy jobs); a count the user set is left alone: OMP_NUM_THREADS=2 repeats a run bit for bit.
 """
 
 import math
@@ -108,9 +107,8 @@ def describe(before=", "):
 
 
 def follow():
-    """Once per step, on the thread that runs the ops (OpenMP's thread count is its caller's): every INTERVAL, as many
-    threads as CPUs the other processes left free over the last one (/proc/stat's busy time on this process's CPUs
-    less its own CPU time), at least one, at most the usable ones."""
+    """Once per step, on the thread that runs the ops (OpenMP's thread count is its caller's): every INTERVAL, the CPUs
+    the other processes left free over the last one (/proc/stat's busy time on this process's CPUs less its own)."""
     global last
     if not following:
         return
