@@ -74,9 +74,8 @@ def check_encoder(path, where):
             refuse(f"cannot load it: {one_line(e)}")
         # Only the task head may be new: an encoder weight the checkpoint lacks would be trained from random.
         # (BERT's pooler is the head's first layer: an MLM-only checkpoint has none, as in transformers.)
-        missing = sorted(k for k in info["missing_keys"] if k.startswith(model.base_model_prefix + ".")
-                         and ".pooler." not in k)
-        if missing:
+        if missing := sorted(k for k in info["missing_keys"] if k.startswith(model.base_model_prefix + ".")
+                             and ".pooler." not in k):
             refuse(f"finds no weights for its encoder's {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
         tok = load_tokenizers(path, refuse)
     check_vocab(len(tok.text), model.config, f"the tokenizer of {path}", where, "give the model its own tokenizer")

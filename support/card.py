@@ -11,9 +11,8 @@ from support.shards import COUNTS, load_meta
 
 
 def base_model(init_from):
-    """The hub id of the model this run continues, where it can be known: a hub cache path
-    (.../models--ORG--NAME/snapshots/...), a config.json whose _name_or_path is a hub id, or the base_model of
-    one of our checkpoints' cards. None for a run from scratch or an unnamed local copy."""
+    """The hub id of the model this run continues, where it can be known (a hub cache path .../models--ORG--NAME/...,
+    a config.json's _name_or_path, our card's base_model); None from scratch or from an unnamed local copy."""
     if init_from == "scratch":
         return None
     if cached := re.search(r"models--([\w.-]+?)--([\w.-]+)", init_from):
@@ -53,8 +52,7 @@ def recipe_rows(schedule, c, step):
 
 
 def write_card(directory, c, step, tokens, model, schedule=None):
-    """README.md in the checkpoint directory being written, for the run of config `c` at `step`; `schedule`
-    (train.py's) gives the recipe's phases."""
+    """README.md in the checkpoint directory being written, for the run of config `c` at `step` of `schedule`."""
     meta = load_meta(c.data_dir)  # as the run's start-up checked it
     # where the directory ends up (it is written under a temporary name, then renamed)
     path = os.path.join(c.out_dir, os.path.basename(directory).removeprefix(".tmp-"))

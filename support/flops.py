@@ -50,9 +50,8 @@ def batch_flops(config, batches, causal):
 
 def convention_flops(config, n_params, tokens, seq_len):
     """The usual count, which other codebases' MFU figures use (PaLM's appendix B, nanoGPT): 6N + 12 x L x H x Q x T
-    FLOPs per token, N the parameters (the tied embedding once), L layers of H heads of Q dimensions, T the sequence
-    length. It counts the head on every token and every layer as global and bidirectional, so it reads higher than
-    training_flops: about twice as high for Base's MLM at 4 x 8192."""
+    FLOPs per token, N the parameters (the tied embedding once). It counts the head on every token and every layer as
+    global and bidirectional, so it reads higher than training_flops: about twice as high for Base's MLM at 4 x 8192."""
     L, H, Q = config.num_hidden_layers, config.num_attention_heads, config.head_dim
     return tokens * (6 * n_params + 12 * L * H * Q * seq_len)
 

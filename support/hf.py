@@ -33,8 +33,7 @@ PROBLEM_TYPES = (None, "single_label_classification", "multi_label_classificatio
 
 
 def load_config(cls, path, **overrides):
-    """The config dataclass `cls` from the checkpoint directory's config.json, old style or transformers-5 style;
-    `overrides` set fields the file does not decide."""
+    """The config dataclass `cls` of the checkpoint's config.json (old or transformers-5 style), `overrides` on top."""
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
         raise FileNotFoundError("not a checkpoint directory (no config.json): give a run's final/ or ckpt-STEP/, or "

@@ -23,6 +23,14 @@ try:
     from flash_attn import flash_attn_varlen_func
 except ImportError:
     flash_attn_varlen_func = None
+# PyTorch's varlen_attn where it has the sliding window ModernBERT needs (2.10+), else None. Looked up where CUDA is
+# only: its module imports torch._dynamo, seconds at every start of a CPU run.
+varlen_attn = None
+if torch.cuda.is_available():
+    with contextlib.suppress(ImportError):
+        from torch.nn.attention.varlen import varlen_attn
+    if varlen_attn is not None and "window_size" not in inspect.signature(varlen_attn).parameters:
+        varlen_attn = None
 
 BACKENDS = ("flash", "varlen", "cudnn", "sdpa")
 LAYER_TYPES = ("global", "local")
@@ -35,23 +43,9 @@ SDPA_KERNELS = {"cudnn": [SDPBackend.CUDNN_ATTENTION], "sdpa": None}  # the kern
 CUDNN = torch.backends.cudnn.is_available() and torch.version.hip is None  # NVIDIA's cuDNN (ROCm's "cudnn" is MIOpen)
 
 
-def find_varlen_attn():
-    """torch.nn.attention.varlen.varlen_attn if this PyTorch has it with a sliding window (2.10+), else None."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn as fn
-    except ImportError:
-        return None
-    return fn if "window_size" in inspect.signature(fn).parameters else None  # ModernBERT needs the window
-
-
-# Looked up where CUDA is, once: its module imports torch._dynamo, seconds at every start of a CPU run.
-varlen_attn = find_varlen_attn() if torch.cuda.is_available() else None
-
-
 def compiler(setting, device):
-    """train.py's `compile` -> the torch.compile backend its steps run, or None (eager). "auto": inductor on CUDA,
-    eager on CPU (where inductor builds C++ for minutes); True: inductor; or a backend's name: "aot_eager" traces
-    and guards as inductor does without generating code, which tells a compiler's bug from the model's."""
+    """train.py's `compile` -> the torch.compile backend its steps run, or None (eager). "auto": eager on CPU (inductor
+    builds C++ there for minutes); "aot_eager" traces as inductor does, no code: a compiler's bug or the model's?"""
     named = {"auto": "inductor" if device.type == "cuda" else None, "true": "inductor", "false": None}
     return named.get(setting.lower(), setting)
 
@@ -110,9 +104,8 @@ class Kernels:
 
 
 def choose(requested, device, dtype, dropout_p):
-    """-> the Kernels on `device` for q, k, v of `dtype`, attention dropout `dropout_p`, as MODERNBERT_ATTN or else
-    `requested` names them: one for all layers ("varlen"), or one per layer type ("global=cudnn,local=varlen");
-    "auto": the first of AUTO that runs here."""
+    """-> the Kernels on `device` for `dtype` q, k, v and dropout `dropout_p`, as MODERNBERT_ATTN or else `requested`
+    names them: one for all layers ("varlen") or per layer type ("global=cudnn,local=varlen"); "auto": AUTO's first."""
     name = os.environ.get("MODERNBERT_ATTN") or requested
     parts = [part.partition("=") for part in name.split(",")]
     asked = {t: b for t, _, b in parts} if "=" in name else dict.fromkeys(LAYER_TYPES, name)
@@ -162,7 +155,6 @@ class SDPAView:
 
     def __init__(self, packing):
         cu_seqlens, positions = packing.cu_seqlens, packing.positions
-        # The layer types that attend here -> the kernels SDPA may choose from
         self.kernels = {t: SDPA_KERNELS[b] for t, b in packing.backend.items() if b in SDPA_KERNELS}
         lengths = cu_seqlens.diff()  # (B,)
         B, S, T, dev = lengths.numel(), packing.max_seqlen, positions.numel(), cu_seqlens.device

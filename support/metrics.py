@@ -122,9 +122,8 @@ class Logger:
 
 
 def compile_stats():
-    """What torch.compile did in this process so far: seconds compiling (forward and backward graphs), graphs,
-    graph breaks, and why each recompile happened (TORCH_LOGS=recompiles says it as it happens). Dynamo's own
-    records: torch has no public API for them, so a torch that moves them costs these figures, never the run."""
+    """What torch.compile did in this process so far: seconds compiling, graphs, graph breaks, why each recompile
+    happened. Dynamo's own records (no public API): a torch that moves them costs these figures, never the run."""
     try:
         from torch._dynamo.utils import calculate_time_spent, counters, get_compilation_metrics
         reasons = [m.recompile_reason.split("\n")[0].split(": ", 1)[-1].split(" #")[0].strip()  # "0/0: guard  # src"
@@ -137,8 +136,7 @@ def compile_stats():
 
 
 def announce(c, model, schedule, process, dtype, resumed_at):
-    """At the start, on rank 0: config.json in out_dir, and what this run is (its attention kernels: as the model was
-    placed, for the form its batches take)."""
+    """At the start, on rank 0: config.json in out_dir, and what this run is (its batches' attention kernels)."""
     if process.rank != 0:
         return
     config = json.dumps(run_config(c), indent=2)
@@ -191,9 +189,8 @@ def wandb_run(c):
         run_id = read_bytes(id_file, 64).decode().strip()
     except (OSError, ValueError) as e:  # a decoding error is a ValueError
         raise SystemExit(f"{e}: it names this run's W&B run; remove it to start a new W&B run") from None
-    name = c.wandb_run_name or os.path.basename(os.path.abspath(c.out_dir))
-    return wandb.init(project=c.wandb_project, name=name, id=run_id, resume="allow", config=run_config(c),
-                      dir=c.out_dir)
+    return wandb.init(project=c.wandb_project, name=c.wandb_run_name or os.path.basename(os.path.abspath(c.out_dir)),
+                      id=run_id, resume="allow", config=run_config(c), dir=c.out_dir)
 
 
 def record(line):

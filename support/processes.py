@@ -52,8 +52,7 @@ def setup(device="auto", timeout_minutes=60.0, compile="false"):
 
 @contextlib.contextmanager
 def said_once():
-    """For the checks before the process group exists: every torchrun process runs them on the same files and
-    stops alike, so rank 0 alone says why (the others exit 1 quietly) and a mistake reads as one line."""
+    """For the checks before the process group, which every torchrun process runs alike: rank 0 alone says why."""
     try:
         yield
     except SystemExit as e:
@@ -63,8 +62,7 @@ def said_once():
 
 
 def quiet_exit():
-    """A rank > 0 stops for a mistake that rank 0 says, after rank 0 has had time to say it: torchrun stops every
-    process as soon as one exits (so also this wait, once rank 0 exits)."""
+    """A rank > 0 exits 1 once rank 0 has had time to say why (torchrun ends this wait as soon as rank 0 exits)."""
     time.sleep(5.0)
     raise SystemExit(1) from None
 

@@ -22,8 +22,7 @@ COUNTS = ("train_docs", "train_tokens", "val_docs", "val_tokens")
 
 
 def load_meta(data_dir):
-    """meta.json of a data directory, once its fields are of their types and ranges and its tokenizer files well
-    formed (tokenizer.json's hash: tokenizer_files)."""
+    """meta.json of a data directory, once it and its tokenizer files are well formed (the hash: tokenizer_files)."""
     path = os.path.join(data_dir, "meta.json")
     if not os.path.lexists(path):
         raise SystemExit(f"{data_dir}: no meta.json; make the shards first with "
@@ -40,8 +39,7 @@ def load_meta(data_dir):
 
 def tokenizer_files(data_dir):
     """{name: bytes} of the data's tokenizer files, which every checkpoint copies: tokenizer.json once its sha256 is
-    meta.json's (wherever a link there leads), another file once it is no link (a link would copy a file from
-    elsewhere into every checkpoint, which travels)."""
+    meta.json's (wherever a link there leads), another once it is no link (one would copy a file from elsewhere)."""
     files = {}
     try:
         sha = read_json(os.path.join(data_dir, "meta.json")).get("tokenizer_sha256")

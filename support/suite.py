@@ -149,10 +149,6 @@ def store_run(path, options, result, out=None):
     replace_file(path, json.dumps({"options": options, "result": result}, indent=1))
 
 
-# -----------------------------------------------------------------------------
-# Seed statistics. Student's t and the noncentral t come from scipy.stats.
-
-
 def pct(stats):
     """A mean_std as the tables print it: "mean ± std" in %."""
     return f"{100 * stats['mean']:.2f} ± {100 * stats['std']:.2f}"
@@ -226,8 +222,7 @@ def design_sd(delta, finetune_seeds):
 
 
 def seeds_needed(delta, sd, level=0.8, most=200):
-    """The fewest pretraining seeds whose D_s, of spread sd > 0, find a true difference delta with `level` power; None
-    beyond `most`."""
+    """The fewest pretraining seeds (None past `most`) whose D_s, of spread sd > 0, find delta with `level` power."""
     return next((n for n in range(2, most + 1) if power(sd, n, delta) >= level), None)
 
 

@@ -18,8 +18,7 @@ MAX_VOCAB = 1 << 22  # ids: 16 times the largest vocabularies in use (250k); bey
 
 def load_tokenizer(spec):
     """spec: a tokenizer.json path, or a directory holding one."""
-    path = tokenizer_file(spec)
-    if path is None:
+    if (path := tokenizer_file(spec)) is None:
         raise FileNotFoundError(f"tokenizer {spec!r} not found: give a tokenizer.json or a directory holding one")
     d = read_json(path)
     try:  # Hugging Face's own reader checks every field of the format
@@ -42,11 +41,10 @@ class Tokenizer:
 
     def __init__(self, tok, where):
         self.tok = tok
-        self.special_ids = {}
-        for name, token in zip(SPECIAL_NAMES, ["[CLS]", "[SEP]", "[PAD]", "[MASK]", "[SEP]"]):
-            if tok.token_to_id(token) is None:
-                raise ValueError(f"{where}: the tokenizer has no {token} token, which MLM training needs")
-            self.special_ids[name] = tok.token_to_id(token)
+        tokens = ["[CLS]", "[SEP]", "[PAD]", "[MASK]", "[SEP]"]  # of SPECIAL_NAMES
+        if missing := [token for token in tokens if tok.token_to_id(token) is None]:
+            raise ValueError(f"{where}: the tokenizer has no {missing[0]} token, which MLM training needs")
+        self.special_ids = {name: tok.token_to_id(token) for name, token in zip(SPECIAL_NAMES, tokens)}
         self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1  # ids may leave gaps
         if self.vocab_size > MAX_VOCAB:
             raise ValueError(f"{where}: ids up to {self.vocab_size - 1:,}, more than a vocabulary holds (at most "
@@ -109,8 +107,7 @@ def check_companions(directory):
     for name in TOKENIZER_FILES[1:]:
         path = os.path.join(directory, name)
         if os.path.lexists(path):
-            d = read_json(path)
-            for key, token in d.items():
+            for key, token in read_json(path).items():
                 if key.endswith("_token") and not (isinstance(token, str) or isinstance(token, dict)
                                                    and isinstance(token.get("content"), str)):
                     raise ValueError(f"{path}: {key}={str(token)[:60]} must be a token: a string, or an object "
