@@ -72,7 +72,6 @@ def write_card(directory, c, step, tokens, model, schedule=None):
     if last and last is not val:
         losses += ["", f"Latest training loss: {last['loss']:.4f} at step {last['step']:,}."]
     frozen = f"; layers {c.freeze_layers} frozen in {c.freeze_phase}" if c.freeze_layers else ""
-    sources = meta.get("sources") or ["(not recorded)"]
     sha = meta.get("tokenizer_sha256")
     counts = (f"{meta['train_tokens']:,} training tokens in {meta['train_docs']:,} documents; {meta['val_tokens']:,} "
               f"validation tokens in {meta['val_docs']:,} documents. " if all(k in meta for k in COUNTS) else "")
@@ -87,7 +86,7 @@ def write_card(directory, c, step, tokens, model, schedule=None):
              f"AdamW (decoupled weight decay {c.weight_decay:g}, betas {tuple(c.betas)}, eps {c.eps:g}); "
              f"{c.global_batch_size} sequences of {c.seq_len} tokens per step ({per_step:,} tokens){frozen}.", "",
              "## Data", "",
-             *(f"- {s}" for s in sources), "",
+             *(f"- {s}" for s in meta.get("sources") or ["(not recorded)"]), "",
              f"{counts}Tokenizer `{meta.get('tokenizer', '(not recorded)')}` ({meta['vocab_size']:,} tokens"
              f"{f', sha256 {sha}' if sha else ''}).", "",
              "## Seeds", "", f"seed {c.seed} (init, masking, dropout), data_seed {c.data_seed} (data order).", "",

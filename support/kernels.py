@@ -44,8 +44,8 @@ CUDNN = torch.backends.cudnn.is_available() and torch.version.hip is None  # NVI
 
 
 def compiler(setting, device):
-    """train.py's `compile` -> the torch.compile backend its steps run, or None (eager). "auto": eager on CPU (inductor
-    builds C++ there for minutes); "aot_eager" traces as inductor does, no code: a compiler's bug or the model's?"""
+    """train.py's `compile` -> the torch.compile backend its steps run, or None (eager). "auto": eager on CPU, where
+    inductor builds C++ for minutes; "aot_eager" traces as inductor does with no code, telling its bugs from ours."""
     named = {"auto": "inductor" if device.type == "cuda" else None, "true": "inductor", "false": None}
     return named.get(setting.lower(), setting)
 

@@ -18,7 +18,8 @@ MAX_VOCAB = 1 << 22  # ids: 16 times the largest vocabularies in use (250k); bey
 
 def load_tokenizer(spec):
     """spec: a tokenizer.json path, or a directory holding one."""
-    if (path := tokenizer_file(spec)) is None:
+    path = tokenizer_file(spec)
+    if path is None:
         raise FileNotFoundError(f"tokenizer {spec!r} not found: give a tokenizer.json or a directory holding one")
     d = read_json(path)
     try:  # Hugging Face's own reader checks every field of the format
