@@ -46,8 +46,7 @@ class Hold:
     """This process's hold on a directory: the open, locked .lock file, rewritten with each heartbeat."""
 
     def __init__(self, fd):
-        # The heartbeat thread and stopping() both write, stopping() also from a signal handler on a main thread that
-        # may be writing already: a reentrant lock.
+        # The heartbeat and stopping() both write, stopping() also from a signal handler mid-write: a reentrant lock.
         self.fd, self.writing, self.failed = fd, threading.RLock(), False
         command = " ".join(sys.argv)
         self.info = dict(host=socket.gethostname()[:100], pid=os.getpid(),
