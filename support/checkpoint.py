@@ -47,8 +47,7 @@ PROGRESS = "progress.json"  # where a checkpoint is in its run: step, tokens, ph
 
 def save_checkpoint(path, model, optimizer, state, c, schedule=None):
     """Write the checkpoint directory `path`, its model card naming the run's phases (`schedule`); with optimizer
-    None, weights-only (no train state: not a resume point). If a write fails (a full disk, a quota) the partial
-    copy is removed, the previous checkpoints stay intact, and the run stops saying how much space it needs."""
+    None, weights-only (no train state: not a resume point). A failed write leaves the previous checkpoints intact."""
     out_dir = os.path.dirname(path)
     tmp = os.path.join(out_dir, ".tmp-" + os.path.basename(path))
     try:
@@ -106,8 +105,7 @@ def read_manifest(path):
 
 
 def weights_only(path):
-    """A checkpoint whose manifest lists no train state (a keep_every one): weights for analysis, not a
-    resume point. One with an unreadable manifest is not: it is damaged, and resume says so."""
+    """A keep_every checkpoint: its manifest lists no train state (one with an unreadable manifest is damaged)."""
     try:
         return TRAIN_STATE not in read_manifest(path)
     except (OSError, ValueError):
@@ -160,22 +158,18 @@ def latest_valid_checkpoint(out_dir):
     newer one gets a warning; if all are damaged the run stops rather than start over silently."""
     damaged = []
     for path in reversed(full_checkpoints(out_dir)):
-        problem = checkpoint_problem(path)
-        if problem is None:
+        if (problem := checkpoint_problem(path)) is None:
             return path
         print(f"warning: checkpoint {path} is damaged ({problem}); trying the one before it", file=sys.stderr)
         damaged.append(path)
     if damaged:
         raise SystemExit(f"no valid checkpoint in {out_dir}: {', '.join(damaged)} are damaged (see the warnings). "
                          "Restore one from a copy, or move them away to start over from init_from.")
-    return None
 
 
 def prune(out_dir, max_ckpts, keep_every, phase_ends=()):
     """Retention (see above): the checkpoints at the `phase_ends` steps stay too."""
-    for old in full_checkpoints(out_dir)[:-max_ckpts]:
-        if step_of(old) in phase_ends:
-            continue
+    for old in [p for p in full_checkpoints(out_dir)[:-max_ckpts] if step_of(p) not in phase_ends]:
         if keep_every and step_of(old) % keep_every == 0:
             drop_train_state(old)
         else:
@@ -247,13 +241,11 @@ class Checkpointer:
 
     def __init__(self, c, process, schedule):
         self.c, self.process, self.schedule = c, process, schedule
-        # rank 0's; says "stopping" once a signal stops the run. The same-run check runs under it: a run that held
-        # out_dir before has written all it will (its last checkpoint and config.json), and no other run starts.
+        # rank 0's; says "stopping" once a signal stops the run. check_same_run runs under it (see there).
         self.hold = hold(c.out_dir, process, "out_dir", check=lambda: check_same_run(c))
         self.saved, self.saved_at = None, time.monotonic()  # where the state at the current step already is
         self.written = []  # the seconds of each checkpoint this process wrote: not training time
-        self.caught = 0  # the signal that reached this rank, if any
-        self.exit_code = None  # set when a signal stopped the run
+        self.caught, self.exit_code = 0, None  # the signal that reached this rank, if any; the run's exit code then
 
     def watch_signals(self):
         """As the training (and ckpt_every_minutes' clock) starts: from now on a signal only raises a flag (after_step
@@ -268,15 +260,14 @@ class Checkpointer:
         self.saved_at = time.monotonic()
 
     def resume(self, continue_from=None):
-        """The newest valid checkpoint in out_dir, else `continue_from` if it has a train state (a phase-1
-        checkpoint for a run of the later phases), else None (init_from)."""
+        """out_dir's newest valid checkpoint, else `continue_from` if it has a train state, else None (init_from)."""
         def choose():
             for tmp in glob.glob(os.path.join(self.c.out_dir, ".tmp-*")):  # a save that a kill cut short
                 remove(tmp)
             latest = latest_valid_checkpoint(self.c.out_dir)
             return os.path.basename(latest) if latest else None
 
-        if name := on_rank0(choose, self.process):
+        if name := on_rank0(choose, self.process):  # each rank's out_dir: one that is not shared is said
             self.saved = os.path.join(self.c.out_dir, name)
             every_rank_sees(self.saved, self.process)
         elif continue_from and os.path.isfile(os.path.join(continue_from, TRAIN_STATE)):
@@ -317,22 +308,18 @@ class Checkpointer:
             return bool(self.caught), late
         flags = torch.tensor([self.caught, late], dtype=torch.float32, device=self.process.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        stopping, late = flags.tolist()  # waits for the step, as the next step's batch copy would
-        return bool(stopping), bool(late)
+        return tuple(bool(f) for f in flags.tolist())  # waits for the step, as the next step's batch copy would
 
     def save(self, path, model, optimizer, state):
-        """Every rank: rank 0 writes the checkpoint and prunes, every rank checks that it sees the result. With the
-        optimizer, a resume point (every rank's random streams and loss sum gathered); without (None), weights-only."""
+        """Write `path`, then prune: a resume point with the optimizer (every rank's streams), else weights-only."""
         started = time.time()  # the phase of the last step done:
         saved = dict(step=state.step, tokens=state.tokens, phase=self.schedule.at(max(state.step - 1, 0)).name)
         if optimizer is not None:
             mine = dict(rng=rng_state(self.process.device), loss_acc=state.loss.item())
-            ranks = [mine]
+            ranks = [mine] * self.process.world  # every rank's entry, once gathered
             if dist.is_initialized():
-                ranks = [None] * self.process.world
                 dist.all_gather_object(ranks, mine)
-            bad = [r["loss_acc"] for r in ranks if not math.isfinite(r["loss_acc"])]
-            if bad:  # a checkpoint between two logs: its loss was not checked yet
+            if bad := [r["loss_acc"] for r in ranks if not math.isfinite(r["loss_acc"])]:  # not yet checked by a log
                 raise self.loss_error(bad[0], state.step)
             saved.update(loader=state.loader, loss_steps=state.loss_steps, ranks=ranks)
 
@@ -386,16 +373,14 @@ def check_start(c, meta, first_step):
 
 
 def check_init_from(path, meta, data_dir, seq_len):
-    """init_from is a checkpoint directory this process can read, intact (one of ours has a manifest), with the
-    data's tokenizer (the data's meta.json) and positions for seq_len."""
+    """init_from is a readable, intact checkpoint directory with the data's tokenizer and positions for seq_len."""
     if not os.path.isdir(path):
         raise SystemExit(f"init_from={path!r} is neither 'scratch' nor a checkpoint directory "
                          "(edit the path at the top of the config)")
-    problem = checkpoint_problem(path, train_state=False) if os.path.isfile(os.path.join(path, MANIFEST)) else None
-    if problem:
+    if os.path.isfile(os.path.join(path, MANIFEST)) and (problem := checkpoint_problem(path, train_state=False)):
         raise SystemExit(f"init_from={path} is damaged: {problem}. Copy it again, or use another checkpoint.")
-    config = checkpoint_config(path, f"init_from={path}")
     with user_error(f"init_from={path}"):
+        config = hf.load_config(ModernBertConfig, path)
         open(hf.weights_file(path), "rb").close()
     check_seq_len(config, seq_len, f"a checkpoint with {seq_len} positions or more", f"init_from={path}'s ")
     fix = f"prepare the data with the checkpoint's tokenizer: python data.py --tokenizer {path}"

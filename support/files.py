@@ -1,8 +1,7 @@
 """
 Reading and writing files that travel between people: two rules, kept here once, and where each file is checked.
 
-Checkpoints, data directories, tokenizers, locks and results travel between people and sit on shared filesystems
-where others can write, so every script reads and writes them by these rules:
+Such files sit on shared filesystems where others can write, so every script reads and writes them by these rules:
 - reading: only a regular file of a size such a file can have (a FIFO would block), and JSON only of the shape its
   reader expects; anything else is a ValueError that names the file, which the caller turns into its one line;
 - writing: nothing is written, renamed or deleted through a symbolic link that the project did not make.
@@ -17,7 +16,6 @@ naming the file, the field and the fix, before any work, nothing on disk changed
 - .lock: support/lock.py (a record of another shape names no holder).
 - metrics.jsonl: support/metrics.py (a line that is no record is kept and skipped, with a warning).
 - stored suite runs, task .jsonl/.tsv: support/suite.py, eval.py.
-- every file or folder the project writes, renames or deletes: the Writing section below.
 """
 
 import errno
@@ -97,8 +95,7 @@ def number(value, lo=-math.inf, hi=math.inf):
 
 @contextmanager
 def user_error(where=""):
-    """What a library call raises for a bad input (a file that is missing, unreadable or of another format)
-    becomes the one line a user reads: `where: the problem`."""
+    """A bad input, as a library call reports it (OSError, ValueError) -> the one line a user reads: `where: why`."""
     try:
         yield
     except (OSError, ValueError) as e:
@@ -166,9 +163,8 @@ def open_file(path, mode="w"):
 
 
 def replace_file(path, data):
-    """Write the file `path` whole or not at all: `data` (str or bytes) into PATH.tmp, synced, then renamed over
-    `path`. A rename replaces a link rather than write through it; one there is refused all the same, as the sign
-    that someone else writes in the directory."""
+    """Write the file `path` whole or not at all: `data` (str or bytes) into PATH.tmp, synced, renamed over `path`. A
+    link there, which the rename would replace, is refused all the same: someone else writes in the directory."""
     refuse_link(path)
     remove(path + ".tmp")  # a killed write's
     with os.fdopen(open_fd(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as f:
@@ -182,21 +178,15 @@ def remove(path):
     """Delete the file or directory tree `path`, if there is one; a link there is refused. Inside a tree a link is
     deleted itself, never what it points to (shutil.rmtree works through directory descriptors). A tree is removed
     as far as it can be: what stays makes the rename that follows fail, with its own line."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISLNK(st.st_mode):
-        refuse(path, kind(path, st))
-    if stat.S_ISDIR(st.st_mode):
+    refuse_link(path)
+    if os.path.isdir(path):
         shutil.rmtree(path, ignore_errors=True)
-    else:
+    elif os.path.lexists(path):
         os.unlink(path)
 
 
 def fresh_dir(path):
-    """An empty directory at `path`, made now by this process (what was there removed first, see remove), for the
-    project to fill; the folders above it are the user's path, made if missing. -> path"""
+    """-> `path`: an empty directory made now (what was there removed first, the folders above made if missing)."""
     remove(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     os.mkdir(path)

@@ -1,15 +1,13 @@
 """
 One writer per output directory (train.py's out_dir, eval.py's and cka.py's --out): an exclusive flock on DIR/.lock.
 
-The kernel drops the flock when the process ends, however it ends (SIGKILL, the OOM killer): the same command run
-again after a crash needs no manual step. The file says who holds it (host, pid, command, since when), whether it is
-stopping, and a heartbeat, so that a second run is refused at once in one line naming the holder, and a requeued
-job tells a live holder from a dying or lost one:
+The kernel drops the flock when the process ends, however it ends (SIGKILL, the OOM killer): the same command run again
+after a crash needs no manual step. The file says who holds it, whether it is stopping, and a heartbeat, so that a
+second run is refused at once, naming the holder, and a requeued job tells a live holder from a dying or lost one:
   - stopping (train.py caught SIGTERM and is writing its last checkpoint): wait for it, then resume from it;
   - silent (its heartbeat has not moved for STALE seconds on this side's clock: its node is lost or frozen): wait
     for the filesystem to drop its lock;
-each wait at most WAIT seconds. Under torchrun rank 0 holds the directory for the job and every rank gets the same
-answer. A process holds a directory once, until it exits, however often it asks.
+each wait at most WAIT seconds. A process holds a directory once, until it exits, however often it asks.
 
 What this needs of the filesystem: flock shared by every node. Local disks: yes. NFS (flock becomes a POSIX lock
 the server arbitrates): yes, unless mounted `nolock` or `local_lock=flock|all`; a lost client's lock lasts until the
@@ -48,8 +46,7 @@ class Hold:
     """This process's hold on a directory: the open, locked .lock file, rewritten with each heartbeat."""
 
     def __init__(self, fd):
-        # The heartbeat thread and stopping() both write, stopping() also from a signal handler on a main thread that
-        # may be writing already: a reentrant lock.
+        # The heartbeat and stopping() both write, stopping() also from a signal handler mid-write: a reentrant lock.
         self.fd, self.writing, self.failed = fd, threading.RLock(), False
         command = " ".join(sys.argv)
         self.info = dict(host=socket.gethostname()[:100], pid=os.getpid(),
@@ -60,8 +57,7 @@ class Hold:
         threading.Thread(target=self.beat, daemon=True).start()
 
     def write(self):
-        """Rewrite the record in place. A failed write (a full disk, a stale NFS handle) is said once and tried
-        again at the next beat: the run goes on."""
+        """Rewrite the record in place; a failed write (full disk, stale NFS handle) is said once: the run goes on."""
         record = json.dumps({**self.info, "beat": time.time()}).ljust(RECORD).encode()
         try:
             with self.writing:
@@ -84,8 +80,7 @@ class Hold:
 
 
 def holder(path):
-    """What the lock file at `path` says of its holder: its record, or {} if it holds none (empty, cut, longer than
-    a record, not JSON, other fields or types)."""
+    """The lock file `path`'s record, or {} if it names no holder (empty, cut, too long, not JSON, other shape)."""
     try:
         info = read_json(path, dict, RECORD)
     except (OSError, ValueError):
@@ -112,7 +107,7 @@ def waiting_for(info, seen, now, where, what):
     return who, "watched", f"its heartbeat {age:.0f} s old by its clock (lost, or its clock is not ours)"
 
 
-def take(directory, what, check=None):
+def take(directory, what, check=lambda: None):
     """-> a Hold on `directory` (made if missing), or None where the filesystem has no locks (with a warning); a
     SystemExit naming the holder if another run holds it. check(): what must hold of the directory for this run,
     run once it is held and before its record is written: a refusal there leaves the lock file as it was."""
@@ -141,14 +136,12 @@ def take(directory, what, check=None):
             os.close(fd)
             print(f"warning: {what}={directory}: its filesystem has no file locks ({e.strerror}), so nothing stops a "
                   "second run from writing there too (Lustre: mount with -o flock)", file=sys.stderr)
-            if check:
-                check()
+            check()
             return None
         now, info = time.monotonic(), holder(path)
-        if not info:  # a holder that died before writing its record
-            if now - seen.setdefault("unreadable", now) > UNNAMED:
-                raise SystemExit(f"{what}={directory} is held by a process that {path} does not name. {gone}")
-        else:
+        if not info and now - seen.setdefault("unreadable", now) > UNNAMED:  # it died before writing its record
+            raise SystemExit(f"{what}={directory} is held by a process that {path} does not name. {gone}")
+        if info:
             who, state, why = waiting_for(info, seen, now, f"{what}={directory}", what)
             if said != state:
                 said = state
@@ -160,8 +153,7 @@ def take(directory, what, check=None):
     if said:
         print(f"{what}={directory}: its holder is gone after {time.monotonic() - started:.0f} s; going on")
     try:
-        if check:
-            check()
+        check()
     except SystemExit:
         os.close(fd)  # and the lock with it
         raise
@@ -169,7 +161,7 @@ def take(directory, what, check=None):
     return held[key]
 
 
-def hold(directory, process, what="--out", check=None):
+def hold(directory, process, what="--out", check=lambda: None):
     """Hold `directory` for this run, before any work: rank 0 takes it (check() under it, see take), every rank gets
     the outcome. -> the Hold on rank 0 (None elsewhere, or where the filesystem has no locks)."""
     on_rank0(lambda: take(directory, what, check) and None, process)  # only the outcome goes to the other ranks
