@@ -345,10 +345,6 @@ def every_rank_sees(path, process):
                          "filesystem shared by all nodes: rank 0 writes the checkpoints, every rank resumes from them.")
 
 
-# -----------------------------------------------------------------------------
-# Before any work: what a run starts from, and a checkpoint given to cka.py or eval.py
-
-
 def check_start(c, meta, first_step):
     """At step 0, what the run `c` writes and starts from: out_dir, init_from, or the model of the run it resumes (its
     positions for seq_len); a warning where a run of later phases (from `first_step`) would replay the data."""

@@ -70,9 +70,6 @@ def check_type(key, value, typ, where):
     return value
 
 
-# -----------------------------------------------------------------------------
-# train.py's config: each value in its range, each name it gives known
-
 POSITIVE = ("seq_len", "global_batch_size", "micro_batch_size", "lr", "eps", "log_interval", "eval_interval",
             "eval_windows", "ckpt_interval", "max_ckpts", "dist_timeout_minutes")
 NOT_NEGATIVE = ("weight_decay", "ckpt_every_minutes", "keep_every", "peak_tflops", "skip_tokens")
@@ -184,9 +181,6 @@ def check_seq_len(config, seq_len, fix, whose):
         config.check_positions(seq_len, "seq_len={}", f"use --seq_len={config.max_position_embeddings} or less, or "
                                f"{fix}", whose=whose)
 
-
-# -----------------------------------------------------------------------------
-# The run's config, and a resumed run's against it
 
 # The keys train.py builds the paper's two phases from: a `phases` list replaces them, so the config a run with
 # phases shows (config.json, the start-up dump, W&B) leaves them out.

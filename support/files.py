@@ -32,10 +32,6 @@ MAX_JSON = 1 << 28  # bytes: a tokenizer.json of a 250k vocabulary is about 20 M
 JSON_TYPES = {bool: "boolean", dict: "object", list: "array", str: "string", int: "number", float: "number"}
 
 
-# -----------------------------------------------------------------------------
-# Reading
-
-
 def read_bytes(path, limit):
     """The bytes of the regular file `path`, once it is no larger than `limit`; else a ValueError naming it."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens without waiting for a writer, then is refused
@@ -102,9 +98,6 @@ def user_error(where=""):
         raise SystemExit(f"{where}: {e}" if where else str(e)) from None
 
 
-# -----------------------------------------------------------------------------
-# Writing
-#
 # What a run writes lies in its output directory (out_dir, --out, a data set's folder): a path the user gave, a link
 # included, is theirs. Inside it the project makes every entry itself, so a link found there was put there by someone
 # else: a write through it would change the file it points to, anywhere this user (as root: anyone) may write. So a
@@ -175,9 +168,8 @@ def replace_file(path, data):
 
 
 def remove(path):
-    """Delete the file or directory tree `path`, if there is one; a link there is refused. Inside a tree a link is
-    deleted itself, never what it points to (shutil.rmtree works through directory descriptors). A tree is removed
-    as far as it can be: what stays makes the rename that follows fail, with its own line."""
+    """Delete the file or tree `path`, if any; a link there is refused, one inside the tree deleted itself (rmtree
+    works through directory descriptors). What stays of a tree makes the rename that follows fail, with its line."""
     refuse_link(path)
     if os.path.isdir(path):
         shutil.rmtree(path, ignore_errors=True)

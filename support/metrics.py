@@ -1,11 +1,10 @@
 """
 The training log: on the console, in out_dir/metrics.jsonl (written, read, cut back on resume) and in W&B.
 
-What a run is, at its start (and its config.json in out_dir); then one line per log step on the console (under a
-progress bar), in metrics.jsonl and in W&B (wandb_project): the loss averaged over the steps since the last log and
-over all ranks, the lr, tokens/s and MFU. Evaluations and checkpoint writes are left out of the time, so tokens/s and
-MFU measure training alone; a record gives their seconds since the last one (eval_s, checkpoint_s), and those of
-torch.compile, which are counted in (compile_s). At the end, where the time outside the steps went.
+What a run is, at its start; then one line per log step (console, metrics.jsonl, W&B): the loss averaged over the
+steps since the last log and over all ranks, the lr, tokens/s and MFU. tokens/s and MFU measure training alone: a
+record gives the seconds of evaluations and checkpoints apart (eval_s, checkpoint_s), torch.compile's counted in
+(compile_s). At the end, where the time outside the steps went.
 
 metrics.jsonl is the run's history: one JSON object per line, each with the integer `step` it was logged at, in the
 order logged. A resume cuts it back to the step it resumes at and no further. A line that is no such record (a hand

@@ -101,8 +101,7 @@ def autocast(device, dtype="auto"):
 
 
 def teardown():
-    """Leave the process group once the prefetch thread is joined and the DDP model is gone, so that its threads
-    (gloo's, rank 0's TCPStore server) are joined before the interpreter exits. Freed during finalization instead,
-    it sometimes aborted a rank after its last line (SIGABRT) and torchrun reported a finished run as failed."""
+    """Leave the process group after the prefetch thread and the DDP model, joining its threads (gloo's, the TCPStore)
+    before exit: freed at finalization, a rank sometimes aborted (SIGABRT) and torchrun said a finished run failed."""
     if dist.is_initialized():
         dist.destroy_process_group()
