@@ -162,8 +162,8 @@ def sample_texts(args, paths, process):
     seeds = parse_seeds(args.seeds)
     draws = {s: np.random.default_rng(s).choice(len(texts), size=args.n, replace=False) for s in seeds}
     mine = sorted(set(np.concatenate(list(draws.values())).tolist()))[process.rank::process.world]
-    return SimpleNamespace(tok=tok, n_layers=n_layers, seeds=seeds, draws=draws, mine=mine,
-                           ids=[[tok.cls_id] + tok.encode(texts[i])[:args.max_len - 2] + [tok.sep_id] for i in mine])
+    ids = [[tok.cls_id] + x[:args.max_len - 2] + [tok.sep_id] for x in tok.encode_batch([texts[i] for i in mine])]
+    return SimpleNamespace(tok=tok, n_layers=n_layers, seeds=seeds, draws=draws, mine=mine, ids=ids)
 
 
 def representations(path, sample, args, process):

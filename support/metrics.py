@@ -31,7 +31,6 @@ from support.files import open_file, read_bytes, refuse_link, replace_file
 from support.flops import peak_flops
 
 METRICS = "metrics.jsonl"
-TIMINGS = ("tokens_per_s", "mfu", "eval_s", "checkpoint_s", "compile_s")  # of a record's fields, the machine's speed
 
 
 class Logger:

@@ -37,7 +37,7 @@ def tokenizer_file(spec):
 
 
 class Tokenizer:
-    """A tokenizer.json on Hugging Face `tokenizers` (encode adds no special token), with the special ids of a
+    """A tokenizer.json on Hugging Face `tokenizers` (encode_batch adds no special token), with the special ids of a
     BERT-style vocabulary: cls_id, sep_id, pad_id, mask_id ([CLS] [SEP] [PAD] [MASK]), eos_id ([SEP] ends documents)."""
 
     def __init__(self, tok, where):
@@ -48,18 +48,11 @@ class Tokenizer:
         self.special_ids = {name: tok.token_to_id(token) for name, token in zip(SPECIAL_NAMES, tokens)}
         self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1  # ids may leave gaps
         if self.vocab_size > MAX_VOCAB:
-            raise ValueError(f"{where}: ids up to {self.vocab_size - 1:,}, more than a vocabulary holds (at most "
-                             f"{MAX_VOCAB:,})")
+            raise ValueError(f"{where}: ids up to {self.vocab_size - 1:,}, past any vocabulary (at most {MAX_VOCAB:,})")
         vars(self).update(self.special_ids)  # tok.cls_id, tok.sep_id, ...
-
-    def encode(self, text):
-        return self.encode_batch([text])[0]
 
     def encode_batch(self, texts):
         return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
-
-    def decode(self, ids):
-        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 def train_bpe(texts, vocab_size, path):

@@ -17,9 +17,8 @@ import cka
 from cka import linear_cka
 from model import ModernBertConfig, ModernBertForMaskedLM
 from support.checkpoint import latest_valid_checkpoint, step_checkpoints, weights_only
-from support.metrics import TIMINGS
 from support.tokenizer import train_bpe
-from test_train import base_ckpt, data_dir, launcher, metrics, train_here  # noqa: F401 (fixtures)
+from test_train import TIMINGS, base_ckpt, data_dir, launcher, metrics, train_here  # noqa: F401 (fixtures)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

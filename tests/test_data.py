@@ -211,7 +211,7 @@ def read_docs(out, split):
     ids = np.fromfile(out / f"{split}.bin", dtype=meta["dtype"])
     assert ids[-1] == tok.eos_id
     docs = np.split(ids, np.flatnonzero(ids == tok.eos_id)[:-1] + 1)
-    return [tok.decode(d[:-1].tolist()) for d in docs], [len(d) for d in docs]
+    return [tok.tok.decode(d[:-1].tolist(), skip_special_tokens=False) for d in docs], [len(d) for d in docs]
 
 
 def run_data(cwd, *args):

@@ -180,7 +180,7 @@ TOKENIZERS = [  # (id, the change to tokenizer.json, or a companion file's text;
     ("a model that is a string", lambda t: {**t, "model": "x"}, "tokenizer.json",
      "tokenizer.json is not a tokenizer.json that Hugging Face tokenizers reads"),
     ("an id of four billion", lambda t: t["model"]["vocab"].update(zz=4_000_000_000), "tokenizer.json",
-     "tokenizer.json: ids up to 4,000,000,000, more than a vocabulary holds (at most 4,194,304)"),
+     "tokenizer.json: ids up to 4,000,000,000, past any vocabulary (at most 4,194,304)"),
     ("tokenizer_config.json an array", "[1]", "tokenizer_config.json",
      "tokenizer_config.json holds a JSON array where a JSON object is expected"),
     ("a special token without content", "{\"cls_token\": {\"id\": 2}}", "tokenizer_config.json",

@@ -337,8 +337,8 @@ def long_documents(path, tok):
                 words += [KEYWORD[label] if rng.random() < 0.2 else rng.choice(FILLER) for _ in range(length - head)]
                 words[head] = KEYWORD[label]
                 text = " ".join(words)
-                ids = tok.encode(text)
-                assert len(ids) == length and tok.encode(" ".join(words[:head])) == ids[:head]
+                ids, start = tok.encode_batch([text, " ".join(words[:head])])
+                assert len(ids) == length and start == ids[:head]
                 f.write(json.dumps({"text": text, "label": label}) + "\n")
 
 

@@ -12,9 +12,8 @@ from safetensors.torch import load_file
 
 from model import ModernBertConfig, ModernBertForMaskedLM
 from support.config import differences
-from support.metrics import TIMINGS
 from train import Config, Schedule, parse_config
-from test_train import TINY, base_ckpt, config, data_dir, metrics, train_here  # noqa: F401 (fixtures)
+from test_train import TIMINGS, TINY, base_ckpt, config, data_dir, metrics, train_here  # noqa: F401 (fixtures)
 
 
 # -----------------------------------------------------------------------------

@@ -118,6 +118,9 @@ def train_here(out_dir, data_dir, *overrides, check=True):
     return r
 
 
+TIMINGS = ("tokens_per_s", "mfu", "eval_s", "checkpoint_s", "compile_s")  # a record's fields that time the machine
+
+
 def metrics(out_dir):
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
