@@ -40,7 +40,7 @@ from model import Flat, ModernBertForSequenceClassification, ModernBertForTokenC
 from support import baselines, processes, suite, threads
 from support.checkpoint import checkpoint_config
 from support.files import check_out_dir, fresh_dir, json_lines, replace_file, user_error
-from support.kernels import choose, compile_model
+from support.kernels import choose, compile_model, compiler
 from support.lock import hold
 from support.metrics import compile_stats
 from support.tokenizer import check_vocab, load_tokenizer
@@ -569,11 +569,10 @@ def parse_args(argv):
                     "positive, max_len above 2, and seeds integers like 42,43,44")
         if args.select not in suite.SELECT[args.task]:
             p.error(f"--select={args.select}: for --task {args.task} it is one of {', '.join(suite.SELECT[args.task])}")
-    if args.compile.lower() not in ("auto", "true", "false"):
-        from torch._dynamo import list_backends  # seconds to import: only for a backend's name
-        if args.compile not in list_backends(exclude_tags=()):
-            p.error(f"--compile={args.compile}: choose auto, true, false or a backend, e.g. aot_eager (all of them: "
-                    "torch._dynamo.list_backends(exclude_tags=()))")
+    try:
+        compiler(args.compile, torch.device("cpu"))
+    except ValueError as e:
+        p.error(f"--{e}")
     check_out_dir(args.out)  # before any training: results are written there at the end
     return args
 
@@ -617,7 +616,8 @@ def main(argv=None):
     args = parse_args(argv)
     process = processes.setup(args.device, compile=args.compile)
     autocast, dtype = processes.autocast(process.device, args.dtype)
-    with torch.compiler.config.patch(dynamic_sources=DYNAMIC):  # compiled: few graphs
+    # compiled: few graphs (torch.compiler.config is torch 2.6+; eager runs need none of it)
+    with torch.compiler.config.patch(dynamic_sources=DYNAMIC) if process.compiled else contextlib.nullcontext():
         (run_suite if args.suite else run_task)(args, process, autocast, dtype)
     if process.compiled and process.rank == 0:  # what compiling cost, in the epochs' seconds above
         s = compile_stats()

@@ -219,8 +219,7 @@ def load_train_state(path, optimizer, loader, process):
     return state
 
 
-# Random streams: every rank has its own (dropout; the CPU's, and on CUDA the GPU's, which is what
-# dropout draws from there). A checkpoint keeps them all, per rank, so a resume continues them exactly.
+# Each rank's random streams (dropout's: the CPU's, on CUDA the GPU's), kept per rank: a resume continues them exactly.
 
 def rng_state(device):
     state = {"cpu": torch.get_rng_state()}
@@ -375,8 +374,8 @@ def check_init_from(path, meta, data_dir, seq_len):
                          "(edit the path at the top of the config)")
     if os.path.isfile(os.path.join(path, MANIFEST)) and (problem := checkpoint_problem(path, train_state=False)):
         raise SystemExit(f"init_from={path} is damaged: {problem}. Copy it again, or use another checkpoint.")
+    config = checkpoint_config(path, f"init_from={path}")
     with user_error(f"init_from={path}"):
-        config = hf.load_config(ModernBertConfig, path)
         open(hf.weights_file(path), "rb").close()
     check_seq_len(config, seq_len, f"a checkpoint with {seq_len} positions or more", f"init_from={path}'s ")
     fix = f"prepare the data with the checkpoint's tokenizer: python data.py --tokenizer {path}"

@@ -85,11 +85,6 @@ def check_config(c, phase_names, world):
         bad.append(f"betas={c.betas} must be two numbers in [0, 1), e.g. (0.9, 0.98)")
     if bad:
         raise SystemExit(f"{'; '.join(bad)}: fix the config or the --key=value")
-    if c.compile.lower() not in ("auto", "true", "false"):
-        from torch._dynamo import list_backends  # seconds to import: only for a backend's name
-        if c.compile not in list_backends(exclude_tags=()):
-            raise SystemExit(f"compile={c.compile!r}: choose auto, True, False or a torch.compile backend, e.g. "
-                             "inductor or aot_eager (all: torch._dynamo.list_backends(exclude_tags=()))")
     if c.global_batch_size % (c.micro_batch_size * world):
         fits = [m for m in range(c.micro_batch_size, 0, -1) if c.global_batch_size % (m * world) == 0]
         fix = f"e.g. --micro_batch_size={fits[0]}" if fits else f"a global_batch_size that {world} ranks share"
@@ -107,6 +102,7 @@ def check_config(c, phase_names, world):
     frozen_layers(c.freeze_layers)
     with user_error():  # the names; whether each runs where the model is placed is said there
         kernels.choose(c.attn_backend, torch.device("cpu"), torch.float32, 0.0)
+        kernels.compiler(c.compile, torch.device("cpu"))
     check_model_config(c)
     if c.wandb_project and importlib.util.find_spec("wandb") is None:  # optional: said before any compute
         raise SystemExit(f"wandb_project={c.wandb_project!r} but wandb is not installed: pip install wandb "

@@ -44,20 +44,25 @@ CUDNN = torch.backends.cudnn.is_available() and torch.version.hip is None  # NVI
 
 
 def compiler(setting, device):
-    """train.py's `compile` -> the torch.compile backend its steps run, or None (eager). "auto": eager on CPU, where
-    inductor builds C++ for minutes; "aot_eager" traces as inductor does with no code, telling its bugs from ours."""
+    """`compile` (train.py's, eval.py's) -> the torch.compile backend, or None (eager); a ValueError if it names none.
+    "auto": eager on CPU (inductor builds C++ for minutes); "aot_eager" traces as inductor does, with no code."""
     named = {"auto": "inductor" if device.type == "cuda" else None, "true": "inductor", "false": None}
-    return named.get(setting.lower(), setting)
+    if setting.lower() in named:
+        return named[setting.lower()]
+    from torch._dynamo import list_backends  # seconds to import: only for a backend's name
+    if setting not in list_backends(exclude_tags=()):
+        raise ValueError(f"compile={setting!r}: choose auto, True, False or a torch.compile backend, e.g. inductor or "
+                         "aot_eager (all: torch._dynamo.list_backends(exclude_tags=()))")
+    return setting
 
 
 def compile_model(model, backend="inductor", regional=False):
-    """torch.compile(model), as train.py and bench.py run it. Inductor's fusion of LayerNorm backward's reductions
-    (torch 2.10+) guards by default on the sizes it fuses, the MLM head's row count among them (a new mask rate would
-    recompile the whole model): non-strict, it guards on none. regional: each block, and the head with its chunked
-    loss, compiled in place, the rest eager: a graph per kind of block whatever the depth, a shorter warm-up.
-    AOTAutograd's cache, which a resume reads, takes the chunked loss's autograd.Function only when allowed: it is
-    traced into the graph that keys the cache, so safe (pytorch#194007: DDP's graph and SDPA restricted to a kernel
-    still miss it)."""
+    """torch.compile(model), as train.py, eval.py and bench.py run it. Non-strict: inductor's fusion of LayerNorm
+    backward's reductions (torch 2.10+) otherwise guards on the sizes it fuses, the MLM head's row count among them (a
+    new mask rate would recompile the model). regional: each block (and the MLM head with its chunked loss) compiled
+    in place, the rest eager: a graph per kind of block, a shorter warm-up. AOTAutograd's cache (read on resume) takes
+    the chunked loss's autograd.Function only when allowed: traced into the graph that keys the cache, it is safe
+    (pytorch#194007: DDP's graph and SDPA restricted to a kernel still miss it)."""
     import torch._functorch.config as functorch
     import torch._inductor.config as inductor
     if hasattr(inductor.triton, "mix_order_reduction_non_strict_mode"):
@@ -67,7 +72,8 @@ def compile_model(model, backend="inductor", regional=False):
     if regional:
         for block in model.model.layers:
             block.compile(backend=backend)
-        model.cross_entropy_sum = torch.compile(model.cross_entropy_sum, backend=backend)
+        if hasattr(model, "cross_entropy_sum"):  # the MLM model's; a classifier's head runs eager
+            model.cross_entropy_sum = torch.compile(model.cross_entropy_sum, backend=backend)
     else:
         model = torch.compile(model, backend=backend)
     model.register_forward_pre_hook(dynamic_rows, with_kwargs=True)  # run eagerly, before the compiled forward

@@ -75,9 +75,8 @@ on_cpu, following, usable, fixed_by, ours, last = False, False, None, None, None
 
 
 def setup(device, compiled=False):
-    """Before the first op, on CPU: as many threads as usable CPUs that no other process runs on now, re-counted by
-    follow() from then on. Left alone: a count the user set (OMP_NUM_THREADS, MKL_NUM_THREADS, or
-    torch.set_num_threads before this call). Compiled code keeps the count inductor wrote into its loops: all usable."""
+    """Before the first op, on CPU: the count above, re-counted by follow(); a count the user set (OMP_NUM_THREADS,
+    MKL_NUM_THREADS, torch.set_num_threads before this call) stays. Compiled code keeps inductor's: all usable."""
     global on_cpu, following, usable, fixed_by, last
     on_cpu, usable, last = device.type == "cpu", min(usable_cpus(), DEFAULT), None
     fixed_by = (f"{USER[0]}={os.environ[USER[0]]}" if USER else "torch.set_num_threads"

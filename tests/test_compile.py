@@ -3,6 +3,8 @@ same tracing and guards as inductor, without its C++ build) through each kernel'
 compiled = eager, regional compilation; the chunked loss and the prefetch thread around it."""
 
 import contextlib
+import copy
+import dataclasses
 import os
 import re
 import signal
@@ -20,7 +22,7 @@ from torch._inductor.utils import run_and_get_code
 import cpu_kernels
 import data
 import train
-from model import ModernBertConfig, cu_seqlens_of
+from model import ModernBertConfig, ModernBertForSequenceClassification, cu_seqlens_of
 from support import kernels
 from support.kernels import chunked_cross_entropy
 from test_train import launcher
@@ -161,6 +163,18 @@ def test_regional_compilation_compiles_a_graph_per_kind_of_block():
         assert counters["stats"]["unique_graphs"] in graphs and not counters["graph_break"]
         assert abs(loss - ref) <= 1e-5 * abs(ref)
         assert_grads_close(grads, ref_grads)
+
+
+def test_regional_compilation_of_a_classifier_compiles_its_blocks():
+    """bench.py's fine-tuning row: a classifier, which has no chunked loss, compiled regionally; logits as eager's."""
+    config = dataclasses.replace(small(3).config, id2label={"0": "a", "1": "b"})
+    torch.manual_seed(0)
+    model = ModernBertForSequenceClassification(config)
+    eager = copy.deepcopy(model)
+    kernels.compile_model(model, "aot_eager", regional=True)
+    tokens, cu = torch.randint(3, 256, (20,), generator=torch.Generator().manual_seed(0)), cu_seqlens_of([12, 8])
+    logits, ref = (m(tokens, cu_seqlens=cu, max_seqlen=12) for m in (model, eager))
+    assert logits.shape == (2, 2) and torch.allclose(logits, ref, atol=1e-5)
 
 
 def test_the_chunked_loss_returns_a_tensor_never_updated_in_place():

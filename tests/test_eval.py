@@ -146,7 +146,7 @@ def test_learns_selects_the_first_best_epoch_refuses_bad_inputs(tiny_model, tmp_
     assert "--select=accuracy: for --task ner it is one of macro_f1, micro_f1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         eval_py.main(["--model", tiny_model, "--task", "cls", "--data", str(tmp_path / "task"), "--compile", "inductr"])
-    assert "--compile=inductr: choose auto, true, false or a backend, e.g. aot_eager" in capsys.readouterr().err
+    assert "--compile='inductr': choose auto, True, False or a torch.compile backend, e.g. inductor or aot_eager" in capsys.readouterr().err
 
     (tmp_path / "task" / "validation.jsonl").write_text("")  # (a split missing, a label unseen: test_suite.py)
     with pytest.raises(SystemExit, match="validation.jsonl: the split is empty"):

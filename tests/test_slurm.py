@@ -220,7 +220,9 @@ def test_a_study_as_jobs_cancelled_midway_and_resubmitted_reports_what_it_report
         next(j["command"] for j in record if j["name"] == "eval_clm_s17")
     assert "slurm/train.sbatch" in next(j["command"] for j in record if j["name"] == "clm_s17")
     queue = lambda: slurm_says(env, "squeue", "-h", "-o", "%i %j %T")  # noqa: E731
-    wait_until(lambda: job_state(ids["eval_mlm_s42"], env)[0] == "RUNNING", lambda: f"no fine-tuning ran:\n{queue()}",
+    # Cancelled once eval.py runs: SLURM says RUNNING before the script starts, and a SIGTERM sent before then is lost
+    log = jobs / "logs" / "eval_mlm_s42.slurm.log"
+    wait_until(lambda: log.exists() and "to run" in log.read_text(), lambda: f"no fine-tuning ran:\n{queue()}",
                timeout=600)
     subprocess.run(["scancel", ids["eval_mlm_s42"]], check=True, env=env)
     wait_until(lambda: not queue(), lambda: f"the queue did not empty:\n{queue()}", timeout=600)
