@@ -3,7 +3,7 @@ Can the tests fail? Plant one-line slips ("mutants"), one at a time, in a copy o
 tests that cover each, and print which ones no test notices. Not part of CI (pytest collects test_*.py only):
 run it by hand, before and after changing tests or the code they cover.
 
-    python tests/mutate.py                                  # every mutant (99): about 15 minutes on 2 cores
+    python tests/mutate.py                                  # every mutant (101): about 15 minutes on 2 cores
     python tests/mutate.py --only eval.best_by_reference data.epochs_repeat   # some of them
     python tests/mutate.py --without tests/test_data.py::test_two_epochs_are_two_permutations_of_every_window
                                                             # as if that test did not exist (node-id prefixes)
