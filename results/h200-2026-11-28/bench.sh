@@ -1,11 +1,7 @@
 #!/usr/bin/env bash
 # bench.py as rewritten on torch.utils.benchmark (its timing) and the profiler's own table, checked on an H200 in the
 # device time the study left: Base, 4 x 8192 packed, the CLM step of ours compiled against transformers eager, and
-# section 2's kernels on Base's heads; then liger.py, issue 78's point 2 (Liger-Kernel's norm, GeGLU, RoPE and loss
-# against inductor's fusions of ours, ~2 min). Before the call, here (.whl/ is ignored):
-#   python3 -m pip download --no-deps -d .whl liger-kernel==0.8.5
-# then, with `.whl` in the call's carry, from the repository root: bash results/h200-2026-11-28/bench.sh
-# (the three parts' limits: 120 + 60 + 190 s, so timeout_s 450 leaves the pip install its time).
+# section 2's kernels on Base's heads. From the repository root: bash results/h200-2026-11-28/bench.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/bench_out}
 mkdir -p "$OUT"
@@ -17,7 +13,3 @@ echo "step: exit ${PIPESTATUS[0]}" | tee -a "$OUT/step_clm.log"
 timeout -s INT 60 python3 bench.py --size base --seq_len 8192 --batch_size 4 --cases packed --skip step \
     --attn_kernels varlen cudnn sdpa --min_time 0.3 --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log"
 echo "attention: exit ${PIPESTATUS[0]}" | tee -a "$OUT/attention.log"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/liger_kernel-*.whl \
-    && PYTHONPATH=/tmp/site timeout -s INT -k 10 180 python3 results/h200-2026-11-28/liger.py \
-    --out "$OUT/liger.json" 2>&1 | tee "$OUT/liger.log"
-echo "liger: exit ${PIPESTATUS[0]}" | tee -a "$OUT/liger.log"
