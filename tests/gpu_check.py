@@ -2,12 +2,16 @@
 The GPU check: what a session with a lent GPU runs first, one command that writes one folder.
 
     python tests/gpu_check.py --parts c e --budget c=330 e=200 --out results/DEVICE-DATE/check_ce  # < 10 minutes
+    python tests/gpu_check.py --parts f --budget f=520 --out results/DEVICE-DATE/check_f     # the step's ceiling
     python tests/gpu_check.py --tiny --out /tmp/gpu_check     # the same code on CPU, tiny sizes
 
 It runs the project's scripts as a user does and tables what they wrote: a. tests/test_gpu.py; b. bench.py at the
 paper's shape; c. train.py compiled (Base, 4 x 8192 tokens, CLM -> MLM 30% -> MLM 15% decay), its phase-2 checkpoint
 resumed under torchrun, SIGTERM'd once it logs a step, resumed again; d. bench.py --largest; e. on c's runs, eval.py
-on a task of each type and cka.py --pair and --runs, each against the same under torchrun or on CPU; demo.py plans/quick.py.
+on a task of each type and cka.py --pair and --runs, each against the same under torchrun or on CPU; demo.py
+plans/quick.py; f. the step at the paper's shape against the GPU's ceiling: compiled whole (profiled) and by regions,
+cold and warm, each attention kernel, Liger-Kernel's fused kernels (with its wheel carried); g. ours compiled against
+transformers compiled, packed at 8,192 and 1,024 tokens and variable-length, CLM and MLM.
 --tiny: every part at tiny sizes on CPU (tests/test_bench.py). A part's time limit (BUDGETS, --budget) gains what
 the parts before left; at the limit the running command gets SIGINT (pytest writes its junit file), then SIGKILL with
 its process group, and the next part runs. Writes OUT/report.md, report.json, logs/; never imports torch or downloads.
@@ -16,6 +20,7 @@ its process group, and the next part runs. Writes OUT/report.md, report.json, lo
 import argparse
 import contextlib
 import glob
+import importlib.util
 import json
 import os
 import random
@@ -38,19 +43,21 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHON
 # Seconds per part, from the H200 runs (results/h200-2026-11-2[67]; a Base graph compiles in 45-75 s): a's 15 tests
 # cut at 280 s; b's bench.py processes 111-251 s each; c: data 11 s, the whole run 182 s, each torchrun resume 90 s
 # (its graph compiled for 60 s again); d 42 s; e: eval.py 22-32 s x 3, cka.py 10-12 s x 4, demo.py plans/quick.py ~150 s.
-BUDGETS = {"a": 330, "b": 780, "c": 390, "d": 60, "e": 290}
+# f, g: from those (ours compiled ~100 s a row, by regions ~50) and results/h200-2026-11-28 (attention 37 s,
+# transformers' compiled MLM over 114 s); g's rows of ours compile from f's cache on the same machine.
+BUDGETS = {"a": 330, "b": 780, "c": 390, "d": 60, "e": 290, "f": 560, "g": 1200}
 # c's train.py runs log what inductor's caches do, for caches() (2 s more at each start: those runs only), in these
 # words (found() takes them as patterns: they hold no regex characters)
 CACHE_LOGS = dict(TORCH_LOGS="torch._inductor.codecache,torch._functorch._aot_autograd.autograd_cache")
 CACHE_LINES = {"fx_graph hits": "fx graph cache hit for key", "fx_graph misses": "fx graph cache miss for key",
                "fx_graph bypassed": "Bypassing FX Graph Cache", "aot_autograd hits": "AOTAutograd cache hit",
                "aot_autograd misses": "AOTAutograd cache miss", "aot_autograd bypassed": "Bypassing autograd cache"}
-SIZES = {  # every: b's runs, all or the first; bench_s: the seconds each of its rows is timed; phases: c's steps, the
-    # decay outlasting a SIGTERM; examples: e's
-    "full": dict(bench="base", bench_s=3, every=1, seq_len=8192, micro=4, phases=(4, 4, 8), probe=["base", "large"],
+SIZES = {  # runs: b's, f's and g's bench.py runs, "all" or "first"; bench_s: the seconds each of its rows is timed;
+    # phases: c's steps, the decay outlasting a SIGTERM; examples: e's
+    "full": dict(bench="base", bench_s=3, runs="all", seq_len=8192, micro=4, phases=(4, 4, 8), probe=["base", "large"],
                  cap=64, examples=64, model={"vocab_size": 50368}),
-    "tiny": dict(bench="tiny", bench_s=0.02, every=4, seq_len=64, micro=2, phases=(4, 4, 60), probe=["tiny"], cap=4,
-                 examples=32,
+    "tiny": dict(bench="tiny", bench_s=0.02, runs="first", seq_len=64, micro=2, phases=(4, 4, 60), probe=["tiny"],
+                 cap=4, examples=32,
                  model=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2,
                             local_attention=16)),
 }
@@ -136,17 +143,21 @@ def correctness(ctx, deadline):
     return dict(ok=code == 0 if ctx.env["cuda"] or code != 0 else None, summary=why + count, tests=tests)
 
 
-def bench(ctx, deadline, name, *args):
-    """bench.py ARGS at this check's sizes -> (its JSON, {} if it failed; what ran)."""
+def bench(ctx, deadline, name, *args, env=None):
+    """bench.py ARGS (later ones win) at this check's sizes -> (its JSON, {} if it failed; what ran)."""
     s, out = ctx.size, ctx.log(f"{name}.json")
     code, seconds = run([PY, "bench.py", "--seq_len", str(s["seq_len"]), "--batch_size", str(s["micro"]), "--min_time",
-                         str(s["bench_s"]), "--warmup", "2", *args, "--out", out], ctx.log(f"{name}.log"), deadline)
+                         str(s["bench_s"]), "--warmup", "2", *args, "--out", out], ctx.log(f"{name}.log"), deadline, env)
     return json.load(open(out)) if code == 0 else {}, dict(run=name, outcome=outcome(code), seconds=round(seconds))
+
+
+def runs_of(ctx, each):  # tiny: the first only
+    return each if ctx.size["runs"] == "all" else each[:1]
 
 
 def speed(ctx, deadline):
     rows, runs, each = [], [], [("packed", "clm"), ("packed", "mlm"), ("variable", "mlm"), ("variable", "clm")]
-    for case, objective in each[::ctx.size["every"]]:  # a bench.py process each, train.py's packed batches first
+    for case, objective in runs_of(ctx, each):  # a bench.py process each, train.py's packed batches first
         out, ran = bench(ctx, deadline, f"b_{case}_{objective}", "--size", ctx.size["bench"], "--cases", case,
                          "--objectives", objective, "--skip", "attention")
         rows, runs = rows + out.get("step", []), runs + [ran]
@@ -293,9 +304,85 @@ def scripts(ctx, deadline):
     return dict(ok=not bad, steps=rows, summary="; ".join(f"NOT ok: {b}" for b in bad) or f"none of {len(rows)} failed")
 
 
+def ceiling(ctx, deadline):
+    """The step at the paper's shape, packed, ours alone, a bench.py process each: compiled whole (profiled:
+    logs/profile_packed_*.txt) and by regions, CLM then MLM, each compiling from a cold cache (a folder of this check's
+    own: inductor's and Triton's); Liger-Kernel's fused kernels against inductor's fusions of ours (tests/liger.py,
+    where liger_kernel is installed: it says how to bring it); the regions again, from that cache (what a resumed run
+    compiles); each attention kernel alone."""
+    s, rows, runs, objectives = ctx.size, [], [], runs_of(ctx, ("clm", "mlm"))
+    cache = dict(TORCHINDUCTOR_CACHE_DIR=os.path.join(ctx.work, "f_inductor_cache"))
+
+    def steps(name, *args):
+        nonlocal rows, runs
+        out, ran = bench(ctx, deadline, name, "--size", s["bench"], "--cases", "packed", "--skip", "attention", *args,
+                         env=cache)
+        rows, runs = rows + [dict(run=name, **r) for r in out.get("step", [])], runs + [ran]
+
+    for objective in objectives:
+        steps(f"f_packed_{objective}", "--objectives", objective, "--impls", "ours compiled", "ours regional",
+              "--profile", os.path.dirname(ctx.log("f")))
+    liger, said = [], "not run: liger_kernel is not installed"
+    if importlib.util.find_spec("liger_kernel"):  # found, not imported: this check never imports torch
+        code = run([PY, "tests/liger.py", "--out", ctx.log("f_liger.json"), *([] if ctx.env["cuda"] else ["--tiny"])],
+                   ctx.log("f_liger.log"), deadline)[0]
+        liger = [liger_row(r) for r in json.load(open(ctx.log("f_liger.json")))["rows"]] if os.path.isfile(
+            ctx.log("f_liger.json")) else []
+        said = f"{outcome(code)}: " + ", ".join(f"{r['piece']} {r['ours_over_liger']}" for r in liger)
+    steps("f_regional_warm", "--objectives", *objectives, "--impls", "ours regional")
+    out, ran = bench(ctx, deadline, "f_attention", "--size", s["bench"], "--cases", "packed", "--skip", "step",
+                     "--attn_kernels", "varlen", "cudnn", "sdpa", "--min_time", str(min(s["bench_s"], 0.3)))
+    attention, runs = out.get("attention", []), runs + [ran]
+    measured = "; ".join(f"{r['objective']} {r['impl']}{' warm' * r['run'].endswith('warm')}: MFU {r['MFU']}, "
+                         f"warm-up {r['warmup_s']} s" for r in rows)
+    kernels = {}  # the fastest forward on each layer type and mask
+    for r in sorted((r for r in attention if "fwd_ms" in r), key=lambda r: float(r["fwd_TFLOP/s"])):
+        kernels[f"{r['layer']} {'causal' if r['causal'] else 'bidirectional'}"] = r
+    done = sum(r["outcome"] == "done" for r in runs)
+    return dict(ok=False if "exit" in str(runs) else done == len(runs) or None, rows=rows, liger=liger,
+                attention=attention, runs=runs, summary=f"{done} of {len(runs)} bench.py runs; {measured}; Liger-"
+                f"Kernel (ours / Liger) {said}; attention (TFLOP/s, forward / backward 2.5x): " + ", ".join(
+                    f"{k} {r['backend']} {r['fwd_TFLOP/s']} / {r['bwd_TFLOP/s_2.5x']}" for k, r in kernels.items()))
+
+
+def liger_row(r):
+    """A row of tests/liger.py's JSON for the report: kernel time where it was measured (CUDA), else the call's."""
+    timed = "kernel_ms" if "ours_kernel_ms" in r and "liger_kernel_ms" in r else "ms"
+    cell = lambda key, fmt: format(r[key], fmt) if key in r else "-"  # noqa: E731
+    return dict(piece=r["piece"], timed=timed, ours=cell(f"ours_{timed}", ".3f"), liger=cell(f"liger_{timed}", ".3f"),
+                ours_over_liger=f"{r[f'ours_{timed}'] / r[f'liger_{timed}']:.2f}x" if f"liger_{timed}" in r and
+                f"ours_{timed}" in r else "-", rate=f"{cell('ours_rate', ',.0f')} / {cell('liger_rate', ',.0f')} "
+                f"{r['unit']}", error=f"{cell('ours_error', '.1e')} / {cell('liger_error', '.1e')}", failed="; ".join(
+                    f"{impl}: {r[f'{impl}_failed']}" for impl in ("ours", "liger") if f"{impl}_failed" in r)[:200])
+
+
+def rivals(ctx, deadline):
+    """Ours compiled against transformers' ModernBERT compiled (which runs CLM bidirectionally: it has no causal mask),
+    a bench.py process each: packed at the paper's shape, packed at ModernBERT's pretraining length (8 x the sequences
+    of an eighth the length: 32 x 1,024 at Base), then variable-length batches; CLM and MLM each."""
+    s, rows, runs = ctx.size, [], []
+    shapes = dict(packed=(s["seq_len"], s["micro"]), short=(s["seq_len"] // 8, 8 * s["micro"]),
+                  variable=(s["seq_len"], s["micro"]))
+    for shape, objective in runs_of(ctx, [(x, o) for x in shapes for o in ("clm", "mlm")]):
+        (seq, micro), name = shapes[shape], f"g_{shape}_{objective}"
+        out, ran = bench(ctx, deadline, name, "--size", s["bench"], "--seq_len", str(seq), "--batch_size", str(micro),
+                         "--cases", "variable" if shape == "variable" else "packed", "--objectives", objective,
+                         "--impls", "ours compiled", "transformers compiled", "--skip", "attention")
+        rows += [dict(run=name, shape=f"{micro} x {seq}", **r) for r in out.get("step", [])]
+        runs.append(ran)
+    ours = [r for r in rows if r["impl"] == "ours compiled"]
+    ahead = sum(r["vs_transformers"] != "-" and float(r["vs_transformers"][:-1]) > 1 for r in ours)
+    done = sum(r["outcome"] == "done" for r in runs)
+    return dict(ok=False if "exit" in str(runs) else done == len(runs) or None, rows=rows, runs=runs, summary=(
+        f"{done} of {len(runs)} bench.py runs; ahead of transformers compiled in {ahead} of {len(ours)} rows: "
+        + ", ".join(f"{r['run'][2:]} {r['shape']} {r['vs_transformers']}" for r in ours)))
+
+
 TITLES = {"a": "Correctness: tests/test_gpu.py", "b": "Speed: bench.py", "c": "train.py, and its resume under torchrun",
-          "d": "Memory: bench.py --largest", "e": "eval.py, cka.py and demo.py on the GPU"}
-PARTS = {"a": correctness, "b": speed, "c": training, "d": memory, "e": scripts}
+          "d": "Memory: bench.py --largest", "e": "eval.py, cka.py and demo.py on the GPU",
+          "f": "The step at the ceiling: compiled whole and by regions, attention, Liger-Kernel",
+          "g": "Against transformers compiled: packed 8,192 and 1,024, variable"}
+PARTS = {"a": correctness, "b": speed, "c": training, "d": memory, "e": scripts, "f": ceiling, "g": rivals}
 
 
 def md_table(rows):

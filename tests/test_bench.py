@@ -2,6 +2,7 @@
 the GPU check, runs end to end on CPU at tiny sizes: on a lent GPU the only new thing is the GPU. A part cut short by
 its time limit is recorded and the next part still runs; a pytest cut short keeps what the tests it finished printed."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -69,7 +70,7 @@ def test_a_failed_worker_loses_no_other_row(tmp_path, capsys, monkeypatch):
 def test_the_check_runs_every_part_on_cpu(tmp_path):
     out = tmp_path / "check"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "gpu_check.py"), "--tiny", "--out", str(out),
-                        "--budget", "a=1", "b=600", "c=600", "d=300", "e=600"],  # generous: a busy CPU
+                        "--budget", "a=1", "b=600", "c=600", "d=300", "e=600", "f=600", "g=600"],  # a busy CPU
                        cwd=ROOT, capture_output=True, text=True, timeout=2400,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -77,7 +78,7 @@ def test_the_check_runs_every_part_on_cpu(tmp_path):
     # a: its 1 s spent before pytest could start: recorded as cut short; b then runs with its own 600 s
     assert parts["a"]["status"] == "timeout" and parts["a"]["ok"] is False and "cut short" in parts["a"]["summary"]
     assert 600 <= parts["b"]["limit"] < 601
-    assert {k: p["status"] for k, p in parts.items()} == dict(a="timeout", **dict.fromkeys("bcde", "done")), r.stdout
+    assert {k: p["status"] for k, p in parts.items()} == dict(a="timeout", **dict.fromkeys("bcdefg", "done")), r.stdout
     # b: bench.py's rows, ours against transformers; tiny: one process, train.py's packed CLM (test_bench.py: all)
     assert [(r["case"], r["objective"], r["impl"]) for r in parts["b"]["rows"]] == [
         ("packed", "clm", "ours"), ("packed", "clm", "transformers")]
@@ -110,10 +111,38 @@ def test_the_check_runs_every_part_on_cpu(tmp_path):
         "test_scores: 0.00e+00; first_losses: 0.00e+00; first_losses_against_cpu_float32: 0.00e+00")
     assert all(steps[f"cka.py --{w}: GPU against CPU"]["figures"].startswith("max_abs_diff: 0.00e+00; numbers_compared")
                for w in ("pair", "runs"))
-    for title in ("## a. Correctness", "## b. Speed", "## c. train.py", "## d. Memory", "## e. eval.py"):
+    # f: ours compiled whole (profiled) and by regions, the regions again from inductor's cache; each attention
+    # kernel (cuDNN's needs CUDA); Liger-Kernel's pieces where it is installed
+    f = parts["f"]
+    assert [(x["run"], x["objective"], x["impl"]) for x in f["rows"]] == [
+        ("f_packed_clm", "clm", "ours compiled"), ("f_packed_clm", "clm", "ours regional"),
+        ("f_regional_warm", "clm", "ours regional")]
+    cold, warm = (float(x["warmup_s"]) for x in f["rows"][1:])  # the regions compiled, then read from f's cache
+    assert warm < cold / 2, f["rows"]
+    assert "packed clm, one step of 128 tokens" in (out / "logs" / "profile_packed_clm.txt").read_text()
+    assert {(x["layer"], x["causal"], x["backend"]) for x in f["attention"]} == {
+        (layer, causal, kernel) for layer in ("global", "local") for causal in (False, True)
+        for kernel in ("varlen", "cudnn", "sdpa")}
+    assert all("needs CUDA" in x["note"] for x in f["attention"] if x["backend"] == "cudnn")
+    assert "global causal" in f["summary"] and "local bidirectional" in f["summary"]
+    if importlib.util.find_spec("liger_kernel"):
+        assert [x["piece"] for x in f["liger"]] == ["norm + residual", "GeGLU", "RoPE (q, k)", "loss, CLM rows",
+                                                    "loss, MLM rows (30%)"]
+    else:
+        assert f["liger"] == [] and "liger_kernel is not installed" in f["summary"]
+    # g: ours compiled against transformers compiled, each row's ratio its tokens/s over transformers'
+    g = parts["g"]
+    assert [(x["run"], x["shape"], x["impl"]) for x in g["rows"]] == [
+        ("g_packed_clm", "2 x 64", "ours compiled"), ("g_packed_clm", "2 x 64", "transformers compiled")]
+    ratio = g["rows"][0]["raw"]["tokens_per_s"] / g["rows"][1]["raw"]["tokens_per_s"]
+    assert g["rows"][0]["vs_transformers"] == f"{ratio:.2f}x" and f"of 1 rows: packed_clm 2 x 64 {ratio:.2f}x" in g[
+        "summary"]
+    for title in ("## a. Correctness", "## b. Speed", "## c. train.py", "## d. Memory", "## e. eval.py",
+                  "## f. The step at the ceiling", "## g. Against transformers compiled"):
         assert title in md
     assert {"b_packed_clm.log", "c_whole.log", "c_resume_2.log", "d_tiny.json", "e_eval_torchrun.log",
-            "e_cka_runs_cpu.log"} <= set(os.listdir(out / "logs"))
+            "e_cka_runs_cpu.log", "f_regional_warm.log", "f_attention.json", "g_packed_clm.json"} <= set(os.listdir(
+                out / "logs"))
 
 
 def test_the_caches_table_reads_what_torch_logs(tmp_path):
