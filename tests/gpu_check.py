@@ -3,6 +3,7 @@ The GPU check: what a session with a lent GPU runs first, one command that write
 
     python tests/gpu_check.py --parts c e --budget c=330 e=200 --out results/DEVICE-DATE/check_ce  # < 10 minutes
     python tests/gpu_check.py --parts f --budget f=520 --out results/DEVICE-DATE/check_f     # the step's ceiling
+    python tests/gpu_check.py --parts g --budget g=520 --out results/DEVICE-DATE/check_g     # against transformers
     python tests/gpu_check.py --tiny --out /tmp/gpu_check     # the same code on CPU, tiny sizes
 
 It runs the project's scripts as a user does and tables what they wrote: a. tests/test_gpu.py; b. bench.py at the
@@ -10,8 +11,8 @@ paper's shape; c. train.py compiled (Base, 4 x 8192 tokens, CLM -> MLM 30% -> ML
 resumed under torchrun, SIGTERM'd once it logs a step, resumed again; d. bench.py --largest; e. on c's runs, eval.py
 on a task of each type and cka.py --pair and --runs, each against the same under torchrun or on CPU; demo.py
 plans/quick.py; f. the step at the paper's shape against the GPU's ceiling: compiled whole (profiled) and by regions,
-cold and warm, each attention kernel, Liger-Kernel's fused kernels (with its wheel carried); g. ours compiled against
-transformers compiled, packed at 8,192 and 1,024 tokens and variable-length, CLM and MLM.
+cold and warm, Liger-Kernel's fused kernels (with its wheel carried), each attention kernel; g. ours compiled against
+transformers compiled, packed at the paper's shape, CLM and MLM; h. the same at 32 x 1,024 tokens and variable-length.
 --tiny: every part at tiny sizes on CPU (tests/test_bench.py). A part's time limit (BUDGETS, --budget) gains what
 the parts before left; at the limit the running command gets SIGINT (pytest writes its junit file), then SIGKILL with
 its process group, and the next part runs. Writes OUT/report.md, report.json, logs/; never imports torch or downloads.
@@ -43,9 +44,9 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHON
 # Seconds per part, from the H200 runs (results/h200-2026-11-2[67]; a Base graph compiles in 45-75 s): a's 15 tests
 # cut at 280 s; b's bench.py processes 111-251 s each; c: data 11 s, the whole run 182 s, each torchrun resume 90 s
 # (its graph compiled for 60 s again); d 42 s; e: eval.py 22-32 s x 3, cka.py 10-12 s x 4, demo.py plans/quick.py ~150 s.
-# f, g: from those (ours compiled ~100 s a row, by regions ~50) and results/h200-2026-11-28 (attention 37 s,
-# transformers' compiled MLM over 114 s); g's rows of ours compile from f's cache on the same machine.
-BUDGETS = {"a": 330, "b": 780, "c": 390, "d": 60, "e": 290, "f": 560, "g": 1200}
+# f, g, h: from those (a bench.py process of ours compiled 110-190 s, by regions ~100) and results/h200-2026-11-28
+# (attention 37 s; transformers' compiled MLM over 114 s): h is two calls' work, its 1,024-token rows fit one.
+BUDGETS = {"a": 330, "b": 780, "c": 390, "d": 60, "e": 290, "f": 520, "g": 520, "h": 1000}
 # c's train.py runs log what inductor's caches do, for caches() (2 s more at each start: those runs only), in these
 # words (found() takes them as patterns: they hold no regex characters)
 CACHE_LOGS = dict(TORCH_LOGS="torch._inductor.codecache,torch._functorch._aot_autograd.autograd_cache")
@@ -144,11 +145,22 @@ def correctness(ctx, deadline):
 
 
 def bench(ctx, deadline, name, *args, env=None):
-    """bench.py ARGS (later ones win) at this check's sizes -> (its JSON, {} if it failed; what ran)."""
+    """bench.py ARGS (later ones win) at this check's sizes -> (its JSON: a failed worker's run writes the others'
+    rows, a cut one nothing; what ran)."""
     s, out = ctx.size, ctx.log(f"{name}.json")
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(out)  # an earlier check's, in the same folder
     code, seconds = run([PY, "bench.py", "--seq_len", str(s["seq_len"]), "--batch_size", str(s["micro"]), "--min_time",
-                         str(s["bench_s"]), "--warmup", "2", *args, "--out", out], ctx.log(f"{name}.log"), deadline, env)
-    return json.load(open(out)) if code == 0 else {}, dict(run=name, outcome=outcome(code), seconds=round(seconds))
+                         str(s["bench_s"]), "--warmup", "2", *args, "--out", out], ctx.log(f"{name}.log"), deadline,
+                        env)
+    return read_json(out), dict(run=name, outcome=outcome(code), seconds=round(seconds))
+
+
+def read_json(path):  # {} where a command cut short left none, or half of one
+    try:
+        return json.load(open(path))
+    except (FileNotFoundError, ValueError):
+        return {}
 
 
 def runs_of(ctx, each):  # tiny: the first only
@@ -305,31 +317,33 @@ def scripts(ctx, deadline):
 
 
 def ceiling(ctx, deadline):
-    """The step at the paper's shape, packed, ours alone, a bench.py process each: compiled whole (profiled:
-    logs/profile_packed_*.txt) and by regions, CLM then MLM, each compiling from a cold cache (a folder of this check's
-    own: inductor's and Triton's); Liger-Kernel's fused kernels against inductor's fusions of ours (tests/liger.py,
-    where liger_kernel is installed: it says how to bring it); the regions again, from that cache (what a resumed run
-    compiles); each attention kernel alone."""
+    """The step at the paper's shape, packed, ours alone, a bench.py process each: compiled whole, CLM then MLM (as
+    train.py's detour and decay: MLM's graph compiles beside CLM's kernels), profiled in logs/profile_packed_*.txt; by
+    regions, CLM, compiled from a cache of its own, then again from that cache (what a resumed run compiles); Liger-
+    Kernel's fused kernels against inductor's fusions of ours (tests/liger.py, where liger_kernel is installed: it says
+    how to bring it); each attention kernel alone. Each cache starts empty: a folder of this check's, inductor's and
+    Triton's."""
     s, rows, runs, objectives = ctx.size, [], [], runs_of(ctx, ("clm", "mlm"))
-    cache = dict(TORCHINDUCTOR_CACHE_DIR=os.path.join(ctx.work, "f_inductor_cache"))
 
-    def steps(name, *args):
+    def steps(name, impl, cache, *args):
         nonlocal rows, runs
-        out, ran = bench(ctx, deadline, name, "--size", s["bench"], "--cases", "packed", "--skip", "attention", *args,
-                         env=cache)
+        folder = os.path.join(ctx.work, f"f_cache_{cache}")
+        out, ran = bench(ctx, deadline, name, "--size", s["bench"], "--cases", "packed", "--skip", "attention",
+                         "--impls", impl, *args, env=dict(TORCHINDUCTOR_CACHE_DIR=folder,
+                                                          TRITON_CACHE_DIR=os.path.join(folder, "triton")))
         rows, runs = rows + [dict(run=name, **r) for r in out.get("step", [])], runs + [ran]
 
     for objective in objectives:
-        steps(f"f_packed_{objective}", "--objectives", objective, "--impls", "ours compiled", "ours regional",
-              "--profile", os.path.dirname(ctx.log("f")))
+        steps(f"f_packed_{objective}", "ours compiled", "whole", "--objectives", objective, "--profile",
+              os.path.dirname(ctx.log("f")))
+    for name in ("f_regions", "f_regions_warm"):
+        steps(name, "ours regional", "regions", "--objectives", objectives[0])
     liger, said = [], "not run: liger_kernel is not installed"
     if importlib.util.find_spec("liger_kernel"):  # found, not imported: this check never imports torch
         code = run([PY, "tests/liger.py", "--out", ctx.log("f_liger.json"), *([] if ctx.env["cuda"] else ["--tiny"])],
-                   ctx.log("f_liger.log"), deadline)[0]
-        liger = [liger_row(r) for r in json.load(open(ctx.log("f_liger.json")))["rows"]] if os.path.isfile(
-            ctx.log("f_liger.json")) else []
+                   ctx.log("f_liger.log"), min(deadline, time.time() + 200))[0]  # ~120 s on an H200
+        liger = [liger_row(r) for r in read_json(ctx.log("f_liger.json")).get("rows", [])]
         said = f"{outcome(code)}: " + ", ".join(f"{r['piece']} {r['ours_over_liger']}" for r in liger)
-    steps("f_regional_warm", "--objectives", *objectives, "--impls", "ours regional")
     out, ran = bench(ctx, deadline, "f_attention", "--size", s["bench"], "--cases", "packed", "--skip", "step",
                      "--attn_kernels", "varlen", "cudnn", "sdpa", "--min_time", str(min(s["bench_s"], 0.3)))
     attention, runs = out.get("attention", []), runs + [ran]
@@ -346,28 +360,25 @@ def ceiling(ctx, deadline):
 
 
 def liger_row(r):
-    """A row of tests/liger.py's JSON for the report: kernel time where it was measured (CUDA), else the call's."""
-    timed = "kernel_ms" if "ours_kernel_ms" in r and "liger_kernel_ms" in r else "ms"
+    """A row of tests/liger.py's JSON for the report (ours / Liger's), timed as it compared them (CUDA: the kernels'
+    own ms)."""
     cell = lambda key, fmt: format(r[key], fmt) if key in r else "-"  # noqa: E731
-    return dict(piece=r["piece"], timed=timed, ours=cell(f"ours_{timed}", ".3f"), liger=cell(f"liger_{timed}", ".3f"),
-                ours_over_liger=f"{r[f'ours_{timed}'] / r[f'liger_{timed}']:.2f}x" if f"liger_{timed}" in r and
-                f"ours_{timed}" in r else "-", rate=f"{cell('ours_rate', ',.0f')} / {cell('liger_rate', ',.0f')} "
-                f"{r['unit']}", error=f"{cell('ours_error', '.1e')} / {cell('liger_error', '.1e')}", failed="; ".join(
-                    f"{impl}: {r[f'{impl}_failed']}" for impl in ("ours", "liger") if f"{impl}_failed" in r)[:200])
+    both = lambda key, fmt: f"{cell(f'ours_{key}', fmt)} / {cell(f'liger_{key}', fmt)}"  # noqa: E731
+    failed = "; ".join(f"{impl}: {r[f'{impl}_failed']}" for impl in ("ours", "liger") if f"{impl}_failed" in r)
+    ratio = "-" if r["ours_over_liger"] is None else f"{r['ours_over_liger']:.2f}x"
+    return dict(piece=r["piece"], timed=r["timed"], ours_over_liger=ratio, time=both(r["timed"], ".3f"),
+                rate=f"{both('rate', ',.0f')} {r['unit']}", error=both("error", ".1e"), failed=failed[:200])
 
 
-def rivals(ctx, deadline):
+def rivals(ctx, deadline, part, shapes):
     """Ours compiled against transformers' ModernBERT compiled (which runs CLM bidirectionally: it has no causal mask),
-    a bench.py process each: packed at the paper's shape, packed at ModernBERT's pretraining length (8 x the sequences
-    of an eighth the length: 32 x 1,024 at Base), then variable-length batches; CLM and MLM each."""
-    s, rows, runs = ctx.size, [], []
-    shapes = dict(packed=(s["seq_len"], s["micro"]), short=(s["seq_len"] // 8, 8 * s["micro"]),
-                  variable=(s["seq_len"], s["micro"]))
+    a bench.py process for each shape and objective, CLM then MLM -> the part's result."""
+    rows, runs = [], []
     for shape, objective in runs_of(ctx, [(x, o) for x in shapes for o in ("clm", "mlm")]):
-        (seq, micro), name = shapes[shape], f"g_{shape}_{objective}"
-        out, ran = bench(ctx, deadline, name, "--size", s["bench"], "--seq_len", str(seq), "--batch_size", str(micro),
-                         "--cases", "variable" if shape == "variable" else "packed", "--objectives", objective,
-                         "--impls", "ours compiled", "transformers compiled", "--skip", "attention")
+        (seq, micro), name = shapes[shape], f"{part}_{shape}_{objective}"
+        out, ran = bench(ctx, deadline, name, "--size", ctx.size["bench"], "--seq_len", str(seq), "--batch_size",
+                         str(micro), "--cases", "variable" if shape == "variable" else "packed", "--objectives",
+                         objective, "--impls", "ours compiled", "transformers compiled", "--skip", "attention")
         rows += [dict(run=name, shape=f"{micro} x {seq}", **r) for r in out.get("step", [])]
         runs.append(ran)
     ours = [r for r in rows if r["impl"] == "ours compiled"]
@@ -378,17 +389,29 @@ def rivals(ctx, deadline):
         + ", ".join(f"{r['run'][2:]} {r['shape']} {r['vs_transformers']}" for r in ours)))
 
 
+def rivals_packed(ctx, deadline):  # the paper's shape
+    return rivals(ctx, deadline, "g", dict(packed=(ctx.size["seq_len"], ctx.size["micro"])))
+
+
+def rivals_short(ctx, deadline):  # ModernBERT's pretraining length (32 x 1,024 at Base), then variable-length batches
+    s = ctx.size
+    return rivals(ctx, deadline, "h", dict(short=(s["seq_len"] // 8, 8 * s["micro"]), variable=(s["seq_len"],
+                                                                                                 s["micro"])))
+
+
 TITLES = {"a": "Correctness: tests/test_gpu.py", "b": "Speed: bench.py", "c": "train.py, and its resume under torchrun",
           "d": "Memory: bench.py --largest", "e": "eval.py, cka.py and demo.py on the GPU",
-          "f": "The step at the ceiling: compiled whole and by regions, attention, Liger-Kernel",
-          "g": "Against transformers compiled: packed 8,192 and 1,024, variable"}
-PARTS = {"a": correctness, "b": speed, "c": training, "d": memory, "e": scripts, "f": ceiling, "g": rivals}
+          "f": "The step at the ceiling: compiled whole and by regions, Liger-Kernel, attention",
+          "g": "Against transformers compiled: packed, the paper's shape",
+          "h": "Against transformers compiled: packed at ModernBERT's pretraining length, variable-length"}
+PARTS = {"a": correctness, "b": speed, "c": training, "d": memory, "e": scripts, "f": ceiling, "g": rivals_packed,
+         "h": rivals_short}
 
 
 def md_table(rows):
     """A list of dicts, or a dict as (what, value) rows, as a markdown table (dicts and lists in it: report.json's)."""
     rows = [dict(what=k, value=v) for k, v in rows.items()] if isinstance(rows, dict) else rows
-    columns = [c for c, v in rows[0].items() if not isinstance(v, (dict, list))]
+    columns = list(dict.fromkeys(c for r in rows for c, v in r.items() if not isinstance(v, (dict, list))))
     cells = [["-" if r.get(c) is None else str(r[c]).replace("|", "/") for c in columns] for r in rows]
     return ["", f"| {' | '.join(columns)} |", "|" + "---|" * len(columns), *(f"| {' | '.join(c)} |" for c in cells)]
 

@@ -177,19 +177,21 @@ def run(sizes, device, low, compile_backend, min_time):
                 seconds = Timer("step()", globals={"step": step}).blocked_autorange(min_run_time=min_time).median
                 row[f"{impl}_ms"] = 1e3 * seconds
                 if device.type == "cuda":
-                    row[f"{impl}_kernel_ms"] = seconds = kernel_ms(step) / 1e3
+                    row[f"{impl}_kernel_ms"] = kernel_ms(step)
+                    seconds = row[f"{impl}_kernel_ms"] / 1e3
                 work = flops or 2 * sum(t.numel() * t.element_size() for t in inputs + list(outs))
                 row[f"{impl}_rate"] = work / seconds / (1e12 if flops else 1e9)
             except Exception as e:  # one piece's failure (a kernel the interpreter lacks, an API change) keeps the rest
                 row[f"{impl}_failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        row["timed"] = "kernel_ms" if "ours_kernel_ms" in row and "liger_kernel_ms" in row else "ms"  # CUDA: kernels'
+        both = f"ours_{row['timed']}" in row and f"liger_{row['timed']}" in row
+        row["ours_over_liger"] = row[f"ours_{row['timed']}"] / row[f"liger_{row['timed']}"] if both else None
         yield row
 
 
 def line(r):
     cell = lambda impl, key, fmt: format(r[f"{impl}_{key}"], fmt) if f"{impl}_{key}" in r else "-"  # noqa: E731
-    timed = "kernel_ms" if "ours_kernel_ms" in r and "liger_kernel_ms" in r else "ms"
-    both = f"ours_{timed}" in r and f"liger_{timed}" in r
-    ratio = f"{r[f'ours_{timed}'] / r[f'liger_{timed}']:.2f}x" if both else "-"
+    ratio = "-" if r["ours_over_liger"] is None else f"{r['ours_over_liger']:.2f}x"
     failed = "; ".join(f"{impl} failed: {r[f'{impl}_failed']}" for impl in ("ours", "liger") if f"{impl}_failed" in r)
     return (f"| {r['piece']} | {cell('ours', 'ms', '.3f')} ({cell('ours', 'kernel_ms', '.3f')}) | "
             f"{cell('liger', 'ms', '.3f')} ({cell('liger', 'kernel_ms', '.3f')}) | {ratio} | "
@@ -223,8 +225,9 @@ def main():
     for row in run(sizes, device, low, "inductor" if device.type == "cuda" else "aot_eager", args.min_time):
         print(line(row), flush=True)
         rows.append(row)
-        if args.out:  # after each row: a cut run keeps what it measured
-            Path(args.out).write_text(json.dumps({"versions": versions, "sizes": sizes, "rows": rows}, indent=1))
+        if args.out:  # after each row, whole or not at all: a cut run keeps what it measured
+            Path(f"{args.out}.tmp").write_text(json.dumps(dict(versions=versions, sizes=sizes, rows=rows), indent=1))
+            os.replace(f"{args.out}.tmp", args.out)
 
 
 if __name__ == "__main__":
