@@ -124,6 +124,7 @@ def test_the_check_runs_every_part_on_cpu(tmp_path):
         (layer, causal, kernel) for layer in ("global", "local") for causal in (False, True)
         for kernel in ("varlen", "cudnn", "sdpa")}
     assert all("needs CUDA" in x["note"] for x in f["attention"] if x["backend"] == "cudnn")
+    assert "| note | fwd_ms | fwd_TFLOP/s |" in md  # the first row has a note only: the table has every row's columns
     assert "global causal" in f["summary"] and "local bidirectional" in f["summary"]
     if importlib.util.find_spec("liger_kernel"):
         assert [x["piece"] for x in f["liger"]] == ["norm + residual", "GeGLU", "RoPE (q, k)", "loss, CLM rows",
