@@ -167,16 +167,22 @@ def runs_of(ctx, each):  # tiny: the first only
     return each if ctx.size["runs"] == "all" else each[:1]
 
 
+def verdict(runs):
+    """bench.py's runs -> (ok: False where one exited with an error, None where one was cut, "N of M" done)."""
+    done = sum(r["outcome"] == "done" for r in runs)
+    return False if "exit" in str(runs) else done == len(runs) or None, f"{done} of {len(runs)}"
+
+
 def speed(ctx, deadline):
     rows, runs, each = [], [], [("packed", "clm"), ("packed", "mlm"), ("variable", "mlm"), ("variable", "clm")]
     for case, objective in runs_of(ctx, each):  # a bench.py process each, train.py's packed batches first
         out, ran = bench(ctx, deadline, f"b_{case}_{objective}", "--size", ctx.size["bench"], "--cases", case,
                          "--objectives", objective, "--skip", "attention")
         rows, runs = rows + out.get("step", []), runs + [ran]
-    done = sum(r["outcome"] == "done" for r in runs)
-    return dict(ok=False if "exit" in str(runs) else done == len(runs) or None, rows=rows, runs=runs, summary=f"{done}"
-                f" of {len(runs)} measured" + "".join(f"; {r['impl']} {r['case']} {r['objective']}: MFU {r['MFU']}, "
-                                           f"{r['vs_transformers']} transformers" for r in rows if "comp" in r["impl"]))
+    ok, done = verdict(runs)
+    return dict(ok=ok, rows=rows, runs=runs, summary=f"{done} measured" + "".join(
+        f"; {r['impl']} {r['case']} {r['objective']}: MFU {r['MFU']}, {r['vs_transformers']} transformers"
+        for r in rows if "comp" in r["impl"]))
 
 
 def memory(ctx, deadline):
@@ -326,12 +332,12 @@ def ceiling(ctx, deadline):
     s, rows, runs, objectives = ctx.size, [], [], runs_of(ctx, ("clm", "mlm"))
 
     def steps(name, impl, cache, *args):
-        nonlocal rows, runs
         folder = os.path.join(ctx.work, f"f_cache_{cache}")
         out, ran = bench(ctx, deadline, name, "--size", s["bench"], "--cases", "packed", "--skip", "attention",
                          "--impls", impl, *args, env=dict(TORCHINDUCTOR_CACHE_DIR=folder,
                                                           TRITON_CACHE_DIR=os.path.join(folder, "triton")))
-        rows, runs = rows + [dict(run=name, **r) for r in out.get("step", [])], runs + [ran]
+        rows.extend(dict(run=name, **r) for r in out.get("step", []))
+        runs.append(ran)
 
     for objective in objectives:
         steps(f"f_packed_{objective}", "ours compiled", "whole", "--objectives", objective, "--profile",
@@ -342,8 +348,8 @@ def ceiling(ctx, deadline):
     if importlib.util.find_spec("liger_kernel"):  # found, not imported: this check never imports torch
         code = run([PY, "tests/liger.py", "--out", ctx.log("f_liger.json"), *([] if ctx.env["cuda"] else ["--tiny"])],
                    ctx.log("f_liger.log"), min(deadline, time.time() + 200))[0]  # ~120 s on an H200
-        liger = [liger_row(r) for r in read_json(ctx.log("f_liger.json")).get("rows", [])]
-        said = f"{outcome(code)}: " + ", ".join(f"{r['piece']} {r['ours_over_liger']}" for r in liger)
+        liger = [r["cells"] for r in read_json(ctx.log("f_liger.json")).get("rows", [])]
+        said = f"{outcome(code)}: " + ", ".join(f"{r['piece']} {r['ours / liger']}" for r in liger)
     out, ran = bench(ctx, deadline, "f_attention", "--size", s["bench"], "--cases", "packed", "--skip", "step",
                      "--attn_kernels", "varlen", "cudnn", "sdpa", "--min_time", str(min(s["bench_s"], 0.3)))
     attention, runs = out.get("attention", []), runs + [ran]
@@ -352,22 +358,11 @@ def ceiling(ctx, deadline):
     kernels = {}  # the fastest forward on each layer type and mask
     for r in sorted((r for r in attention if "fwd_ms" in r), key=lambda r: float(r["fwd_TFLOP/s"])):
         kernels[f"{r['layer']} {'causal' if r['causal'] else 'bidirectional'}"] = r
-    done = sum(r["outcome"] == "done" for r in runs)
-    return dict(ok=False if "exit" in str(runs) else done == len(runs) or None, rows=rows, liger=liger,
-                attention=attention, runs=runs, summary=f"{done} of {len(runs)} bench.py runs; {measured}; Liger-"
+    ok, done = verdict(runs)
+    return dict(ok=ok, rows=rows, liger=liger, attention=attention, runs=runs, summary=f"{done} bench.py runs; "
+                f"{measured}; Liger-"
                 f"Kernel (ours / Liger) {said}; attention (TFLOP/s, forward / backward 2.5x): " + ", ".join(
                     f"{k} {r['backend']} {r['fwd_TFLOP/s']} / {r['bwd_TFLOP/s_2.5x']}" for k, r in kernels.items()))
-
-
-def liger_row(r):
-    """A row of tests/liger.py's JSON for the report (ours / Liger's), timed as it compared them (CUDA: the kernels'
-    own ms)."""
-    cell = lambda key, fmt: format(r[key], fmt) if key in r else "-"  # noqa: E731
-    both = lambda key, fmt: f"{cell(f'ours_{key}', fmt)} / {cell(f'liger_{key}', fmt)}"  # noqa: E731
-    failed = "; ".join(f"{impl}: {r[f'{impl}_failed']}" for impl in ("ours", "liger") if f"{impl}_failed" in r)
-    ratio = "-" if r["ours_over_liger"] is None else f"{r['ours_over_liger']:.2f}x"
-    return dict(piece=r["piece"], timed=r["timed"], ours_over_liger=ratio, time=both(r["timed"], ".3f"),
-                rate=f"{both('rate', ',.0f')} {r['unit']}", error=both("error", ".1e"), failed=failed[:200])
 
 
 def rivals(ctx, deadline, part, shapes):
@@ -383,9 +378,9 @@ def rivals(ctx, deadline, part, shapes):
         runs.append(ran)
     ours = [r for r in rows if r["impl"] == "ours compiled"]
     ahead = sum(r["vs_transformers"] != "-" and float(r["vs_transformers"][:-1]) > 1 for r in ours)
-    done = sum(r["outcome"] == "done" for r in runs)
-    return dict(ok=False if "exit" in str(runs) else done == len(runs) or None, rows=rows, runs=runs, summary=(
-        f"{done} of {len(runs)} bench.py runs; ahead of transformers compiled in {ahead} of {len(ours)} rows: "
+    ok, done = verdict(runs)
+    return dict(ok=ok, rows=rows, runs=runs, summary=(
+        f"{done} bench.py runs; ahead of transformers compiled in {ahead} of {len(ours)} rows: "
         + ", ".join(f"{r['run'][2:]} {r['shape']} {r['vs_transformers']}" for r in ours)))
 
 
@@ -394,9 +389,8 @@ def rivals_packed(ctx, deadline):  # the paper's shape
 
 
 def rivals_short(ctx, deadline):  # ModernBERT's pretraining length (32 x 1,024 at Base), then variable-length batches
-    s = ctx.size
-    return rivals(ctx, deadline, "h", dict(short=(s["seq_len"] // 8, 8 * s["micro"]), variable=(s["seq_len"],
-                                                                                                 s["micro"])))
+    seq, micro = ctx.size["seq_len"], ctx.size["micro"]
+    return rivals(ctx, deadline, "h", dict(short=(seq // 8, 8 * micro), variable=(seq, micro)))
 
 
 TITLES = {"a": "Correctness: tests/test_gpu.py", "b": "Speed: bench.py", "c": "train.py, and its resume under torchrun",

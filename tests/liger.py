@@ -189,14 +189,14 @@ def run(sizes, device, low, compile_backend, min_time):
         yield row
 
 
-def line(r):
-    cell = lambda impl, key, fmt: format(r[f"{impl}_{key}"], fmt) if f"{impl}_{key}" in r else "-"  # noqa: E731
-    ratio = "-" if r["ours_over_liger"] is None else f"{r['ours_over_liger']:.2f}x"
-    failed = "; ".join(f"{impl} failed: {r[f'{impl}_failed']}" for impl in ("ours", "liger") if f"{impl}_failed" in r)
-    return (f"| {r['piece']} | {cell('ours', 'ms', '.3f')} ({cell('ours', 'kernel_ms', '.3f')}) | "
-            f"{cell('liger', 'ms', '.3f')} ({cell('liger', 'kernel_ms', '.3f')}) | {ratio} | "
-            f"{cell('ours', 'rate', ',.0f')} / {cell('liger', 'rate', ',.0f')} {r['unit']} | "
-            f"{cell('ours', 'error', '.1e')} / {cell('liger', 'error', '.1e')} | {failed} |")
+def cells(r):
+    """A row's cells as the table shows them (ours / Liger's), timed as compared (CUDA: the kernels' own ms)."""
+    cell = lambda key, fmt: format(r[key], fmt) if key in r else "-"  # noqa: E731
+    both = lambda key, fmt: f"{cell(f'ours_{key}', fmt)} / {cell(f'liger_{key}', fmt)}"  # noqa: E731
+    failed = "; ".join(f"{impl}: {r[f'{impl}_failed']}" for impl in ("ours", "liger") if f"{impl}_failed" in r)
+    return {"piece": r["piece"], "ms (kernels)": f"{both('ms', '.3f')} ({both('kernel_ms', '.3f')})",
+            "ours / liger": "-" if r["ours_over_liger"] is None else f"{r['ours_over_liger']:.2f}x",
+            "rate": f"{both('rate', ',.0f')} {r['unit']}", "error vs float64": both("error", ".1e"), "failed": failed}
 
 
 def main():
@@ -218,12 +218,12 @@ def main():
         sys.exit(f"{e.name} is not installed: pip install liger-kernel (the docstring says how on the device)")
     sizes = TINY if args.tiny else BASE
     print(versions, torch.cuda.get_device_name() if device.type == "cuda" else "CPU", low, sizes)
-    print("| piece | ours ms (kernels) | liger ms (kernels) | ours / liger | rate (ours / liger) "
-          "| error vs float64 (ours / liger) | |")
-    print("|---|---|---|---|---|---|---|")
     rows = []
     for row in run(sizes, device, low, "inductor" if device.type == "cuda" else "aot_eager", args.min_time):
-        print(line(row), flush=True)
+        row["cells"] = cells(row)
+        if not rows:
+            print(f"| {' | '.join(row['cells'])} |\n|" + "---|" * len(row["cells"]))
+        print(f"| {' | '.join(row['cells'].values())} |", flush=True)
         rows.append(row)
         if args.out:  # after each row, whole or not at all: a cut run keeps what it measured
             Path(f"{args.out}.tmp").write_text(json.dumps(dict(versions=versions, sizes=sizes, rows=rows), indent=1))
